@@ -1,0 +1,68 @@
+"""Numerics shared by the model files: RMSNorm, RoPE, SwiGLU, projections.
+
+Precision rules (they match the upstream PyTorch code): norms and RoPE are
+computed in float32 and cast back to the activation dtype; matmuls run in the
+parameter dtype; logits and exit signals are float32.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """[..., D] -> [..., D]; normalise in float32, cast back, then scale."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * y.astype(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float) -> jax.Array:
+    """[head_dim // 2] float32 inverse frequencies."""
+    exponent = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim
+    return 1.0 / (theta ** exponent)
+
+
+def rope_rotate_half(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Llama/Qwen-style RoPE. x: [N, H, Dh], positions: [N] -> [N, H, Dh]."""
+    inv_freq = rope_inv_freq(x.shape[-1], theta)
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [N, Dh/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, None, :]           # [N, 1, Dh]
+    x32 = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    return (x32 * jnp.cos(emb) + rotated * jnp.sin(emb)).astype(x.dtype)
+
+
+def rope_interleaved(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """RoPE on interleaved (even, odd) pairs (Huginn). x: [N, H, Dh] -> [N, H, Dh]."""
+    inv_freq = rope_inv_freq(x.shape[-1], theta)
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [N, Dh/2]
+    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    x32 = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, 2)
+    even, odd = x32[..., 0], x32[..., 1]
+    out = jnp.stack([even * cos - odd * sin, even * sin + odd * cos], axis=-1)
+    return out.reshape(x.shape).astype(x.dtype)
+
+
+def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """[N, D] -> [N, D] with w_gate/w_up [D, F], w_down [F, D]."""
+    return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+
+
+def causal_softmax_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Dense masked attention with float32 softmax.
+
+    q: [N, H, Dh], k/v: [N, T, Hkv, Dh] (keys gathered per query), mask: [N, T] bool.
+    Returns [N, H, Dh] in q's dtype. GQA: query head h reads kv head h // (H // Hkv).
+    """
+    num_heads, num_kv = q.shape[1], k.shape[2]
+    group = num_heads // num_kv
+    k = jnp.repeat(k, group, axis=2)                                     # [N, T, H, Dh]
+    v = jnp.repeat(v, group, axis=2)
+    scale = 1.0 / jnp.sqrt(jnp.float32(q.shape[-1]))
+    scores = jnp.einsum("nhd,nthd->nht", q.astype(jnp.float32), k.astype(jnp.float32)) * scale
+    scores = jnp.where(mask[:, None, :], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("nht,nthd->nhd", probs, v.astype(jnp.float32))
+    return out.astype(q.dtype)

@@ -1,0 +1,79 @@
+"""Token sampling on float32 logits, row by row, batch-invariant.
+
+Order: temperature, then top-k, then top-p (the smallest set of tokens whose
+cumulative probability reaches p; the most likely token is always kept), then
+one draw with a key derived only from the request's seed and the output index.
+Nothing depends on other rows, so a request samples the same tokens whatever
+else shares its batch. Temperature 0 is greedy argmax of the raw logits.
+Logprobs are those of the raw model distribution (log_softmax of the logits),
+as vLLM reports them by default.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def split_seed(seed: int) -> tuple[int, int]:
+    """A 63-bit seed as two uint32 words (device keys are built from 32-bit words)."""
+    return (seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF
+
+
+def sample_key(seed_hi: jax.Array, seed_lo: jax.Array, output_index: jax.Array) -> jax.Array:
+    """The PRNG key of one output token: depends on (seed, output index) only."""
+    key = jax.random.key(0)
+    key = jax.random.fold_in(key, seed_hi)
+    key = jax.random.fold_in(key, seed_lo)
+    return jax.random.fold_in(key, output_index)
+
+
+def _sample_row(logits, temperature, top_k, top_p, key):
+    """logits [V] f32 -> token id (int32)."""
+    vocab = logits.shape[0]
+    greedy = jnp.argmax(logits).astype(jnp.int32)
+    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)
+    order = jnp.argsort(-scaled, stable=True)                     # [V] most likely first
+    ranked = scaled[order]
+    rank = jnp.arange(vocab)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    keep = rank < k
+    probs = jax.nn.softmax(jnp.where(keep, ranked, -jnp.inf))
+    mass_before = jnp.cumsum(probs) - probs
+    keep = keep & ((mass_before < top_p) | (rank == 0) | (top_p >= 1.0))
+    choice = jax.random.categorical(key, jnp.where(keep, ranked, -jnp.inf))
+    sampled = order[choice].astype(jnp.int32)
+    return jnp.where(temperature > 0, sampled, greedy)
+
+
+@jax.jit
+def sample_tokens(logits, temperature, top_k, top_p, seed_hi, seed_lo, output_index):
+    """Sample one token per row.
+
+    logits [B, V] f32; temperature/top_p [B] f32; top_k [B] int32 (<= 0: off);
+    seed_hi/seed_lo [B] uint32; output_index [B] int32 -> tokens [B] int32.
+    """
+    keys = jax.vmap(sample_key)(seed_hi, seed_lo, output_index)
+    return jax.vmap(_sample_row)(logits, temperature, top_k, top_p, keys)
+
+
+@functools.partial(jax.jit, static_argnames=("num_top",))
+def token_logprobs(logits, tokens, num_top: int):
+    """logits [B, V] f32, tokens [B] -> (chosen [B], top_ids [B, n], top_logprobs [B, n])."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+    top_lp, top_ids = jax.lax.top_k(logp, num_top) if num_top else (
+        jnp.zeros((logp.shape[0], 0), jnp.float32), jnp.zeros((logp.shape[0], 0), jnp.int32))
+    return chosen, top_ids.astype(jnp.int32), top_lp
+
+
+def sample_one(logits: np.ndarray, *, temperature: float, top_k: int, top_p: float,
+               seed: int, output_index: int) -> int:
+    """Host convenience for one row (used by the reference oracle)."""
+    hi, lo = split_seed(seed)
+    out = sample_tokens(jnp.asarray(logits, jnp.float32)[None], jnp.float32([temperature]),
+                        jnp.int32([top_k]), jnp.float32([top_p]), jnp.uint32([hi]),
+                        jnp.uint32([lo]), jnp.int32([output_index]))
+    return int(out[0])

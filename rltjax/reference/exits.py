@@ -51,11 +51,11 @@ class TokenExit:
         if self.triggered:              # delayed modes: this is round r+1 of the trigger
             return True
         if self.mode == "ouro":
-            return r >= self.min_loops and F32(1) - self.remaining >= self.q
+            return bool(r >= self.min_loops and F32(1) - self.remaining >= self.q)
         if self.mode == "ouro_delayed":
-            self.triggered = r >= self.min_loops and F32(1) - self.remaining >= self.q
+            self.triggered = bool(r >= self.min_loops and F32(1) - self.remaining >= self.q)
             return False
         if self.mode == "random_lookahead":
-            self.triggered = r + 1 >= self.min_loops and F32(prob) >= self.q
+            self.triggered = bool(r + 1 >= self.min_loops and F32(prob) >= self.q)
             return False
         raise ValueError(f"unknown exit mode {self.mode!r}")

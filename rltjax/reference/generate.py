@@ -34,6 +34,7 @@ class ReferenceOutput:
     loop_probs: list[list[float]]      # per output token: the exit prob seen after each loop
     prompt_states: np.ndarray | None = None   # [R, S, D] normed state after each loop
     prompt_gate_logits: np.ndarray | None = None  # [R, S]
+    logits: list[np.ndarray] | None = None    # per output token: the [V] f32 logits it was sampled from
 
 
 def _capacity(n: int) -> int:
@@ -89,7 +90,7 @@ class ReferenceModel:
 
     def generate(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None, *,
                  request_id: str = "0", eos_token_ids: Sequence[int] | None = None,
-                 record_prompt: bool = False) -> ReferenceOutput:
+                 record_prompt: bool = False, record_logits: bool = False) -> ReferenceOutput:
         sp = params or SamplingParams()
         cfg = self.cfg
         prompt = [int(t) for t in prompt_token_ids]
@@ -132,8 +133,11 @@ class ReferenceModel:
         loop_probs: list[list[float]] = [[]]
         logprobs: list[dict[int, float]] | None = [] if sp.logprobs is not None else None
         finish = "length"
+        all_logits: list[np.ndarray] = []
         while True:
             logits = self._head(self.params, state)                      # [1, V] f32
+            if record_logits:
+                all_logits.append(np.asarray(logits[0]))
             token = sample_one(np.asarray(logits[0]), temperature=sp.temperature, top_k=sp.top_k,
                                top_p=sp.top_p, seed=seed, output_index=len(out_ids))
             out_ids.append(token)
@@ -163,6 +167,7 @@ class ReferenceModel:
             loop_probs.append(probs)
 
         out = ReferenceOutput(prompt, out_ids, depths, finish, logprobs, loop_probs)
+        out.logits = all_logits if record_logits else None
         if record_prompt:
             out.prompt_states = np.stack([[s for s, _ in rec] for rec in records], axis=1)
             out.prompt_gate_logits = np.array([[g for _, g in rec] for rec in records]).T

@@ -1,0 +1,41 @@
+"""Shared fixtures: the tiny upstream checkpoints and their reference outputs."""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def pytest_collection_modifyitems(config, items):
+    import jax
+    if jax.default_backend() != "gpu":
+        skip = pytest.mark.skip(reason="needs an NVIDIA GPU (run on the device machine)")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
+@functools.cache
+def load_fixture(name: str, dtype: str = "float32", overrides: tuple = ()):
+    from checkpoints.loader import load_checkpoint
+    return load_checkpoint(FIXTURES / name, dtype=dtype, hf_overrides=dict(overrides) or None)
+
+
+@functools.cache
+def reference_npz(name: str):
+    return dict(np.load(FIXTURES / "reference" / f"{name}.npz"))
+
+
+@functools.cache
+def reference_model(name: str = "ouro-tiny", kv_layout: str = "last_exited", dtype: str = "float32",
+                    overrides: tuple = (), exit_mode: str = "ouro", lookahead_seed: int = 0):
+    from rltjax.engine_config import ExitConfig
+    from rltjax.models.base import get_model
+    from rltjax.reference.generate import ReferenceModel
+    ckpt = load_fixture(name, dtype, overrides)
+    return ReferenceModel(get_model(ckpt.cfg), ckpt.params, kv_layout=kv_layout,
+                          exit_config=ExitConfig(mode=exit_mode, lookahead_seed=lookahead_seed))

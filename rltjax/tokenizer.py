@@ -1,0 +1,197 @@
+"""Text <-> ids for a Hugging Face model directory, without running its code.
+
+Only data files are read: ``tokenizer.json`` (through the Rust ``tokenizers``
+library), ``generation_config.json``, ``config.json`` and
+``tokenizer_config.json``. Chat templates are rendered in a jinja2 sandbox, so
+a downloaded model directory can never execute Python here (no
+``trust_remote_code``, no ``transformers`` dependency).
+
+Special ids are taken per field from ``generation_config.json`` first (that is
+what ``generate`` uses upstream), then ``config.json``, then the token strings
+in ``tokenizer_config.json``. The stop set (``eos_token_ids``) also holds the
+chat end token: upstream Ouro configs say bos = eos = pad = 0
+(``<|endoftext|>``), a known mistake, yet chat turns end with ``<|im_end|>``;
+without it a chat reply would never stop.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as _HFTokenizer
+
+# Used when tokenizer_config.json has no chat_template.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+# Tokens that end a chat turn. <|im_end|> always stops when the vocab has it;
+# the others stop when the chat template emits them.
+_IM_END = "<|im_end|>"
+_CHAT_END_TOKENS = ("<|end_turn|>", "<|eot_id|>", "<|end|>")
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _token_str(value: Any) -> str | None:
+    """tokenizer_config stores special tokens as a string or an AddedToken dict."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _as_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def _pick_template(tok_cfg: dict[str, Any], model_dir: Path) -> str | None:
+    tpl = tok_cfg.get("chat_template")
+    if isinstance(tpl, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in tpl if isinstance(t, dict)}
+        tpl = named.get("default")
+    if tpl is None and (model_dir / "chat_template.jinja").is_file():
+        tpl = (model_dir / "chat_template.jinja").read_text(encoding="utf-8")
+    return tpl if isinstance(tpl, str) else None
+
+
+def _raise_exception(message: str):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    # jinja's own tojson HTML-escapes; HF templates expect plain json.dumps.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def validate_messages(messages: Any) -> None:
+    """Raise ValueError naming the first bad message index and field."""
+    if not isinstance(messages, (list, tuple)):
+        raise ValueError(f"messages must be a list of dicts, got {type(messages).__name__}")
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', "
+                             f"got {type(msg).__name__}")
+        for field in ("role", "content"):
+            if field not in msg:
+                raise ValueError(f"messages[{i}] is missing field {field!r}")
+            if not isinstance(msg[field], str):
+                raise ValueError(f"messages[{i}][{field!r}] must be a str, "
+                                 f"got {type(msg[field]).__name__}")
+
+
+class Tokenizer:
+    """A model directory's tokenizer, special ids and chat template."""
+
+    def __init__(self, backend: _HFTokenizer, *, bos_token_id: int | None,
+                 eos_token_ids: Sequence[int], pad_token_id: int | None,
+                 chat_template: str | None, special_strings: dict[str, str] | None = None):
+        self.backend = backend
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(int(i) for i in eos_token_ids))
+        self.pad_token_id = pad_token_id
+        self.chat_template = chat_template
+        self.special_strings = dict(special_strings or {})  # bos_token etc. for templates
+        self._compiled: jinja2.Template | None = None
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "Tokenizer":
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"no tokenizer.json in {model_dir}: rltjax needs a fast-tokenizer file "
+                "(slow sentencepiece/vocab.txt tokenizers are not supported)")
+        backend = _HFTokenizer.from_file(str(path))
+        gen = _read_json(model_dir / "generation_config.json")
+        cfg = _read_json(model_dir / "config.json")
+        tok_cfg = _read_json(model_dir / "tokenizer_config.json")
+
+        def from_tok_cfg(name: str) -> int | None:
+            s = _token_str(tok_cfg.get(name))
+            return None if s is None else backend.token_to_id(s)
+
+        def pick(key: str, tok_key: str) -> Any:
+            for src in (gen, cfg):
+                if src.get(key) is not None:
+                    return src[key]
+            return from_tok_cfg(tok_key)
+
+        template = _pick_template(tok_cfg, model_dir)
+        eos = _as_ids(pick("eos_token_id", "eos_token"))
+        ends = [_IM_END] + [t for t in _CHAT_END_TOKENS if template and t in template]
+        eos += [i for i in map(backend.token_to_id, ends) if i is not None]
+
+        specials = {}
+        for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+            s = _token_str(tok_cfg.get(name))
+            if s is not None:
+                specials[name] = s
+        bos, pad = pick("bos_token_id", "bos_token"), pick("pad_token_id", "pad_token")
+        for name, tid in (("bos_token", bos), ("pad_token", pad)):
+            if name not in specials and tid is not None and backend.id_to_token(tid) is not None:
+                specials[name] = backend.id_to_token(tid)
+        return cls(backend, bos_token_id=bos, eos_token_ids=eos, pad_token_id=pad,
+                   chat_template=template, special_strings=specials)
+
+    @property
+    def vocab_size(self) -> int:
+        """Entries in the tokenizer (may be fewer than the model's embedding rows)."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Special-token strings inside ``text`` map to their ids (templates rely on it)."""
+        if not isinstance(text, str):
+            raise ValueError(f"text must be a str, got {type(text).__name__}")
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def _template(self) -> jinja2.Template:
+        if self._compiled is None:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=[jinja2.ext.loopcontrols])
+            env.filters["tojson"] = _tojson
+            env.globals["raise_exception"] = _raise_exception
+            try:
+                self._compiled = env.from_string(self.chat_template or CHATML_TEMPLATE)
+            except jinja2.exceptions.TemplateError as exc:
+                raise ValueError(f"chat_template does not compile: {exc}") from exc
+        return self._compiled
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tokenize: bool = False) -> str | list[int]:
+        """Render the model's chat template (ChatML if it has none); ids if ``tokenize``."""
+        validate_messages(messages)
+        try:
+            text = self._template().render(messages=list(messages),
+                                           add_generation_prompt=add_generation_prompt,
+                                           **self.special_strings)
+        except jinja2.exceptions.TemplateError as exc:
+            raise ValueError(f"chat_template failed to render: {exc}") from exc
+        return self.encode(text) if tokenize else text

@@ -74,6 +74,10 @@ def _ids(value: Any) -> tuple[int, ...]:
 def _require(cfg: Mapping[str, Any], name: str, model_type: str) -> Any:
     if name not in cfg or cfg[name] is None:
         raise ConfigError(f"config.json for model_type={model_type!r} is missing required field {name!r}")
+    # Every required field is numeric; check here so the error names the field.
+    if isinstance(cfg[name], bool) or not isinstance(cfg[name], (int, float)):
+        raise ConfigError(f"config.json for model_type={model_type!r} has a malformed field "
+                          f"{name}={cfg[name]!r}: expected a number")
     return cfg[name]
 
 

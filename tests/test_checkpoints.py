@@ -1,0 +1,341 @@
+"""Checkpoint loading, validation, conversion and random init (CPU, tiny fixtures)."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors import safe_open
+
+from checkpoints import convert as convert_cli
+from checkpoints.convert import convert_checkpoint
+from checkpoints.hf import load_hf_params, param_template, save_hf_params
+from checkpoints.loader import MARKER_FILE, load_checkpoint
+from checkpoints.orbax_io import restore_params, save_params
+from checkpoints.random_init import random_checkpoint, random_checkpoint_shapes
+from checkpoints.safetensors_reader import (CheckpointError, index_model_dir, read_tensor,
+                                            write_safetensors)
+from rltjax.config import load_hf_config
+from rltjax.models import ouro
+from rltjax.models.params import flatten_params
+
+FIXTURES = Path(__file__).parent / "fixtures"
+OURO = FIXTURES / "ouro-tiny"          # fp32, one file
+GQA = FIXTURES / "ouro-tiny-gqa"       # bf16, two shards + index
+Q0 = "model.layers.0.self_attn.q_proj.weight"
+
+
+def raw_tensors(model_dir: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a dir via the safetensors library (an independent reader)."""
+    out = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(f), framework="flax") as st:
+            out.update({k: np.asarray(st.get_tensor(k)) for k in st.keys()})
+    return out
+
+
+def copy_fixture(src: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / src.name
+    shutil.copytree(src, dst)
+    return dst
+
+
+def rewrite(model_dir: Path, edit) -> Path:
+    """Rewrite a single-file checkpoint's tensors through ``edit(dict) -> None``."""
+    path = model_dir / "model.safetensors"
+    tensors = {n: read_tensor(i) for n, i in index_model_dir(model_dir).items()}
+    edit(tensors)
+    write_safetensors(path, tensors)
+    return path
+
+
+def assert_same_tree(a, b):
+    fa, fb = flatten_params(a), flatten_params(b)
+    assert fa.keys() == fb.keys()
+    for name in fa:
+        x, y = np.asarray(fa[name]), np.asarray(fb[name])
+        assert x.dtype == y.dtype and x.shape == y.shape, name
+        assert x.tobytes() == y.tobytes(), f"{name} differs"   # bit-identical
+
+
+# --- loading HF directories -------------------------------------------------------------
+
+@pytest.mark.parametrize("fixture,dtype", [(OURO, np.float32), (GQA, ml_dtypes.bfloat16)])
+def test_load_matches_raw_tensors(fixture, dtype):
+    ckpt = load_checkpoint(fixture)
+    assert ckpt.dtype == np.dtype(dtype) and ckpt.cfg.arch == "ouro"
+    raw, flat = raw_tensors(fixture), flatten_params(ckpt.params)
+    used = set()
+    for spec in ouro.hf_tensor_specs(ckpt.cfg):
+        leaf = np.asarray(flat[spec.param])
+        assert leaf.dtype == np.dtype(dtype)
+        parts = list(leaf) if spec.num_stacked else [leaf]
+        for name, part in zip(spec.hf_names(), parts):
+            want = raw[name].T if spec.transpose else raw[name]
+            np.testing.assert_array_equal(part, want.reshape(part.shape), err_msg=name)
+            used.add(name)
+    assert used == set(raw)
+    # The layout conventions, spelled out: Linear [out, in] -> [in, out], layers stacked on axis 0.
+    p = ckpt.params
+    np.testing.assert_array_equal(np.asarray(p.layers.wq[0]), raw[Q0].T)
+    np.testing.assert_array_equal(np.asarray(p.lm_head), raw["lm_head.weight"].T)
+    np.testing.assert_array_equal(np.asarray(p.gate_b), raw["model.early_exit_gate.bias"][0])
+    assert p.layers.wq.shape == (ckpt.cfg.num_layers, ckpt.cfg.hidden_size, ckpt.cfg.q_width)
+
+
+def test_bf16_checkpoint_loads_as_exact_fp32():
+    ckpt = load_checkpoint(GQA, dtype="float32")
+    assert ckpt.dtype == np.float32
+    raw = raw_tensors(GQA)
+    np.testing.assert_array_equal(np.asarray(ckpt.params.embed),
+                                  raw["model.embed_tokens.weight"].astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(ckpt.params.layers.wk[2]),
+                                  raw["model.layers.2.self_attn.k_proj.weight"].astype(np.float32).T)
+
+
+def test_fp32_checkpoint_loads_as_bf16_rounded():
+    params = load_hf_params(OURO, load_hf_config(OURO), jnp.bfloat16)
+    raw = raw_tensors(OURO)
+    assert params.layers.wq.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(params.layers.wq[1]),
+                                  raw["model.layers.1.self_attn.q_proj.weight"].T.astype(ml_dtypes.bfloat16))
+
+
+def test_ignored_tensors_are_skipped(tmp_path, monkeypatch):
+    d = copy_fixture(OURO, tmp_path)
+    rewrite(d, lambda t: t.update(freqs_cis=np.zeros((1, 8, 1, 4, 2), np.float32)))
+    with pytest.raises(CheckpointError, match="freqs_cis"):
+        load_checkpoint(d)
+    monkeypatch.setattr(ouro, "HF_IGNORED_TENSORS", ("freqs_cis",), raising=False)
+    assert_same_tree(load_checkpoint(d).params, load_checkpoint(OURO).params)
+
+
+# --- error paths: each message must name the offending path / tensor / file ---------------
+
+def test_bad_paths(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist") as e:
+        load_checkpoint(tmp_path / "nowhere")
+    assert "nowhere" in str(e.value)
+    with pytest.raises(CheckpointError, match="is a file") as e:
+        load_checkpoint(OURO / "model.safetensors")
+    assert "model.safetensors" in str(e.value)
+    d = copy_fixture(OURO, tmp_path)
+    (d / "config.json").unlink()
+    with pytest.raises(CheckpointError, match="config.json"):
+        load_checkpoint(d)
+
+
+def test_missing_tensor(tmp_path):
+    d = copy_fixture(OURO, tmp_path)
+    rewrite(d, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(CheckpointError, match="missing 1 tensor") as e:
+        load_checkpoint(d)
+    assert "model.layers.1.mlp.up_proj.weight" in str(e.value) and "model.safetensors" in str(e.value)
+
+
+def test_many_missing_tensors_are_truncated(tmp_path):
+    d = copy_fixture(OURO, tmp_path)
+    rewrite(d, lambda t: [t.pop(k) for k in list(t) if k.startswith("model.layers.")])
+    with pytest.raises(CheckpointError, match=r"missing 22 tensor\(s\).*\(12 more\)"):
+        load_checkpoint(d)
+
+
+def test_unexpected_tensor(tmp_path):
+    d = copy_fixture(OURO, tmp_path)
+    rewrite(d, lambda t: t.update({"model.rotary_emb.inv_freq": np.ones(8, np.float32)}))
+    with pytest.raises(CheckpointError, match=r"unexpected 1 tensor\(s\): model.rotary_emb.inv_freq"):
+        load_checkpoint(d)
+
+
+def test_misshaped_tensor(tmp_path):
+    d = copy_fixture(OURO, tmp_path)
+    rewrite(d, lambda t: t.update({Q0: t[Q0][:, :63]}))
+    with pytest.raises(CheckpointError, match=r"shape \[64, 63\].*expects \[64, 64\]") as e:
+        load_checkpoint(d)
+    assert Q0 in str(e.value) and "model.safetensors" in str(e.value)
+
+
+def test_int_tensor(tmp_path):
+    d = copy_fixture(OURO, tmp_path)
+    rewrite(d, lambda t: t.update({"model.norm.weight": np.ones(64, np.int32)}))
+    with pytest.raises(CheckpointError, match="I32") as e:
+        load_checkpoint(d)
+    assert "model.norm.weight" in str(e.value) and "model.safetensors" in str(e.value)
+
+
+def test_truncated_file(tmp_path):
+    d = copy_fixture(OURO, tmp_path)
+    path = d / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match="truncated") as e:
+        load_checkpoint(d)
+    assert str(path) in str(e.value)
+    path.write_bytes(b"\x10\x00")       # not even a header length
+    with pytest.raises(CheckpointError, match="truncated"):
+        load_checkpoint(d)
+
+
+def test_corrupt_header(tmp_path):
+    d = copy_fixture(OURO, tmp_path)
+    path = d / "model.safetensors"
+    data = bytearray(OURO.joinpath("model.safetensors").read_bytes())
+    data[8] = ord("x")                  # the header's opening brace
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="not valid JSON") as e:
+        load_checkpoint(d)
+    assert str(path) in str(e.value)
+    data[:8] = (10 ** 9).to_bytes(8, "little")   # header length past the end of the file
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="header length") as e:
+        load_checkpoint(d)
+    assert str(path) in str(e.value)
+
+
+def test_index_pointing_to_missing_shard(tmp_path):
+    d = copy_fixture(GQA, tmp_path)
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    index["weight_map"][Q0] = "model-00003-of-00003.safetensors"
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="model-00003-of-00003.safetensors does not exist"):
+        load_checkpoint(d)
+
+
+def test_index_naming_the_wrong_shard(tmp_path):
+    d = copy_fixture(GQA, tmp_path)
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    name = "model.layers.2.mlp.down_proj.weight"
+    assert index["weight_map"][name] == "model-00002-of-00002.safetensors"
+    index["weight_map"][name] = "model-00001-of-00002.safetensors"
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=f"not in it: {name}") as e:
+        load_checkpoint(d)
+    assert "model-00001-of-00002.safetensors" in str(e.value)
+
+
+def test_index_without_weight_map(tmp_path):
+    d = copy_fixture(GQA, tmp_path)
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}}))
+    with pytest.raises(CheckpointError, match="weight_map"):
+        load_checkpoint(d)
+
+
+def test_pickle_only_dir_is_refused(tmp_path):
+    d = tmp_path / "pickled"
+    d.mkdir()
+    shutil.copy(OURO / "config.json", d)
+    (d / "pytorch_model.bin").write_bytes(b"\x80\x04not really a pickle")
+    with pytest.raises(CheckpointError, match="pickle formats are refused") as e:
+        load_checkpoint(d)
+    assert "pytorch_model.bin" in str(e.value) and "safetensors" in str(e.value)
+
+
+def test_unimplemented_arch_is_a_clear_error():
+    with pytest.raises(NotImplementedError, match="huginn"):
+        load_checkpoint(FIXTURES / "huginn-tiny")
+
+
+# --- writing HF, Orbax round trips, conversion -----------------------------------------------
+
+def test_save_hf_sharded_round_trip(tmp_path):
+    cfg = load_hf_config(OURO)
+    params = load_hf_params(OURO, cfg, jnp.float32)
+    out = save_hf_params(tmp_path / "sharded", cfg, params, "float32", max_shard_bytes=200_000)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and all((out / s).is_file() for s in shards)
+    assert not (out / "model.safetensors").exists()
+    raw, again = raw_tensors(OURO), raw_tensors(out)
+    assert raw.keys() == again.keys()
+    for name in raw:
+        assert raw[name].tobytes() == again[name].tobytes(), name
+    assert_same_tree(load_hf_params(out, cfg, jnp.float32), params)
+    # Rewriting as one file replaces the shards instead of leaving an ambiguous directory.
+    save_hf_params(out, cfg, params, "bfloat16")
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+    assert raw_tensors(out)[Q0].dtype == ml_dtypes.bfloat16
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_orbax_round_trip_is_bit_identical(tmp_path, dtype):
+    cfg = load_hf_config(GQA)
+    params = random_checkpoint(cfg, seed=3, dtype=dtype)
+    save_params(tmp_path, params)
+    assert_same_tree(restore_params(tmp_path, param_template(cfg, dtype)), params)
+    with pytest.raises(CheckpointError, match="already exists"):
+        save_params(tmp_path, params)
+    other = dataclasses.replace(cfg, num_kv_heads=4)
+    with pytest.raises(CheckpointError, match=r"'layers.wk' has shape \[3, 64, 32\]"):
+        restore_params(tmp_path, param_template(other, dtype))
+
+
+@pytest.mark.parametrize("fixture", [OURO, GQA])
+def test_convert_then_load_equals_hf(tmp_path, fixture):
+    hf = load_checkpoint(fixture)
+    dst = convert_checkpoint(fixture, tmp_path / "conv", dtype=hf.dtype)
+    marker = json.loads((dst / MARKER_FILE).read_text())
+    assert marker["format"] == "orbax" and marker["dtype"] == hf.dtype.name
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (dst / name).read_bytes() == (fixture / name).read_bytes()
+    conv = load_checkpoint(dst)
+    assert conv.cfg == hf.cfg and conv.dtype == hf.dtype and conv.model_dir == dst
+    assert_same_tree(conv.params, hf.params)
+    # A converted dir loads in another dtype, and converts again (orbax -> orbax).
+    assert_same_tree(load_checkpoint(dst, dtype="float32").params, load_checkpoint(fixture, "float32").params)
+    again = convert_checkpoint(dst, tmp_path / "again", dtype=hf.dtype)
+    assert_same_tree(load_checkpoint(again).params, hf.params)
+
+
+def test_convert_refuses_non_empty_dst(tmp_path):
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    (dst / "notes.txt").write_text("keep me")
+    with pytest.raises(CheckpointError, match="not empty"):
+        convert_checkpoint(OURO, dst)
+    assert convert_cli.main([str(OURO), str(dst)]) == 1
+    assert convert_cli.main([str(OURO), str(dst), "--dtype", "float32", "--overwrite"]) == 0
+    assert (dst / "notes.txt").read_text() == "keep me"
+    assert load_checkpoint(dst).dtype == np.float32
+    assert convert_cli.main([str(OURO), str(dst), "--overwrite"]) == 0   # bf16 over the fp32 one
+    assert load_checkpoint(dst).dtype == jnp.bfloat16
+    with pytest.raises(CheckpointError, match="source"):
+        convert_checkpoint(dst, dst, overwrite=True)
+
+
+def test_hf_overrides_apply_to_both_layouts(tmp_path):
+    dst = convert_checkpoint(OURO, tmp_path / "conv")
+    for path in (OURO, dst):
+        assert load_checkpoint(path, hf_overrides={"total_ut_steps": 2}).cfg.num_loops == 2
+
+
+# --- random init -------------------------------------------------------------------------
+
+def test_random_checkpoint_tiny():
+    cfg = load_hf_config(OURO)
+    params = random_checkpoint(cfg, seed=0, dtype="bfloat16")
+    shapes = {n: (l.shape, l.dtype) for n, l in flatten_params(param_template(cfg, jnp.bfloat16)).items()}
+    assert {n: (l.shape, l.dtype) for n, l in flatten_params(params).items()} == shapes
+    assert all(isinstance(l, jax.Array) for l in jax.tree.leaves(params))
+    assert_same_tree(random_checkpoint(cfg, seed=0, dtype="bfloat16"), params)
+    assert not np.array_equal(np.asarray(random_checkpoint(cfg, seed=1).embed), np.asarray(params.embed))
+    assert random_checkpoint(cfg, dtype=jnp.float32).layers.wq.dtype == jnp.float32
+
+
+def test_random_checkpoint_big_shapes_only():
+    cfg = dataclasses.replace(load_hf_config(OURO), vocab_size=49152, hidden_size=2048,
+                              intermediate_size=5632, num_layers=24, num_heads=16, num_kv_heads=16,
+                              head_dim=128)
+    for shapes in (random_checkpoint_shapes(cfg),
+                   jax.eval_shape(functools.partial(random_checkpoint, cfg, 0, "bfloat16"))):
+        assert shapes.embed.shape == (49152, 2048) and shapes.lm_head.shape == (2048, 49152)
+        assert shapes.layers.wq.shape == (24, 2048, 2048)
+        assert shapes.layers.w_down.shape == (24, 5632, 2048)
+        assert shapes.gate_b.shape == () and shapes.embed.dtype == jnp.bfloat16
+        total = sum(l.size for l in jax.tree.leaves(shapes))
+        assert 1.3e9 < total < 1.5e9    # Ouro-1.4B

@@ -1,0 +1,5 @@
+import sys
+
+from rltjax.entrypoints.cli import main
+
+sys.exit(main())

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Run a command inside the project's virtual environment, creating it first if needed.
+#   scripts/venv.sh rltjax generate          # the main job
+#   scripts/venv.sh python -m pytest -q      # the tests
+# The environment lives in .venv (Python 3.12: JAX 0.11 needs it) and is reinstalled
+# whenever pyproject.toml changes. Extra pip extras: RLTJAX_EXTRAS (default "test").
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="$root/.venv"
+extras="${RLTJAX_EXTRAS:-test}"
+
+find_python() {
+  local candidates=(python3.12)
+  if command -v pyenv >/dev/null 2>&1; then
+    candidates+=("$(pyenv root)"/versions/3.12*/bin/python3.12)
+  fi
+  candidates+=(/usr/bin/python3.12 /usr/local/bin/python3.12 /root/.pyenv/versions/3.12*/bin/python3.12)
+  for py in "${candidates[@]}"; do
+    if "$py" -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1; then
+      echo "$py"; return 0
+    fi
+  done
+  echo "error: Python 3.12 not found (JAX 0.11 needs it); install python3.12 and retry" >&2
+  return 1
+}
+
+stamp="$venv/.rltjax-installed"
+want="$(cat "$root/pyproject.toml" | sha256sum | cut -d' ' -f1)-$extras"
+if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  if [ ! -x "$venv/bin/python" ]; then
+    py="$(find_python)"
+    echo "[venv.sh] creating $venv with $py" >&2
+    "$py" -m venv "$venv"
+  fi
+  echo "[venv.sh] installing rltjax[$extras] into $venv" >&2
+  "$venv/bin/python" -m pip install --quiet --upgrade pip >&2
+  "$venv/bin/python" -m pip install --quiet -e "$root[$extras]" >&2
+  echo "$want" > "$stamp"
+fi
+export PATH="$venv/bin:$PATH"
+cd "$root"
+exec "$@"

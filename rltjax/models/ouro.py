@@ -135,7 +135,11 @@ class OuroModel:
             return (x, kv), None
 
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        (state, kv), _ = jax.lax.scan(layer_step, (state, kv), (layer_ids, params.layers))
+        # Unrolled: XLA then sees static layer slices of the stacked weights. With a
+        # rolled scan the per-layer dynamic slices made the projections ~2x slower on
+        # an H200 (docs/performance.md, "loop pass").
+        (state, kv), _ = jax.lax.scan(layer_step, (state, kv), (layer_ids, params.layers),
+                                      unroll=True)
         state = rms_norm(state, params.norm, cfg.norm_eps)
         gate_logit = state.astype(jnp.float32) @ params.gate_w.astype(jnp.float32) \
             + params.gate_b.astype(jnp.float32)

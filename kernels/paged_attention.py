@@ -1,0 +1,105 @@
+"""Paged attention decode: the one public entry point, validated, dispatching by impl.
+
+Layout and semantics: `kernels.paged_attention_ref` (the oracle). impl:
+  "xla"    the pure-XLA reference (any backend, any shapes);
+  "pallas" the Pallas Triton kernel (`kernels.pallas_triton`); interpret=True runs it on CPU;
+  "auto"   pallas on GPU when the shapes are kernel-supported, xla otherwise.
+Kernel-supported: page_size a power of two in 8..128, head_dim a multiple of 16 in
+64..256 (non-powers of two such as 96 run as power-of-two column chunks, 64 + 32),
+q/k/v in bfloat16, float16 or float32. A Mosaic GPU or jax-triton port replaces the
+"pallas" branch of `paged_attention` and nothing else.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kernels.paged_attention_ref import paged_attention_ref
+
+KERNEL_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+
+def _fail(arg: str, msg: str):
+    raise ValueError(f"paged_attention: {arg}: {msg}")
+
+
+def _check_index(arg: str, x, ndim: int):
+    if x.ndim != ndim:
+        _fail(arg, f"expected {ndim}-D, got shape {x.shape}")
+    if x.dtype != jnp.int32:
+        _fail(arg, f"expected int32, got {x.dtype}")
+
+
+def kernel_unsupported(q, k_pages) -> str | None:
+    """Why the kernel cannot take these shapes/dtypes (None when it can)."""
+    page_size, head_dim = k_pages.shape[-2], q.shape[2]
+    if not (8 <= page_size <= 128 and page_size & (page_size - 1) == 0):
+        return f"page_size (k_pages.shape[2]) must be a power of two in 8..128, got {page_size}"
+    if not (64 <= head_dim <= 256 and head_dim % 16 == 0):
+        return f"head_dim must be a multiple of 16 in 64..256 for the kernel, got {head_dim}"
+    if q.dtype not in KERNEL_DTYPES:
+        return f"kernel dtypes are bfloat16/float16/float32, got {q.dtype}"
+    return None
+
+
+def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                    block_tables: jax.Array, row_tables: jax.Array, lengths: jax.Array, *,
+                    layer: jax.Array | int | None = None, impl: str = "auto",
+                    interpret: bool = False, scale: float | None = None,
+                    pages_per_block: int | None = None, num_splits: int | None = None) -> jax.Array:
+    """Attention of each query row over its paged KV: returns [N, H, Dh] in q's dtype.
+
+    k_pages/v_pages: one layer's [Hkv, P, S, Dh] pool, or the stacked [L, Hkv, P, S, Dh]
+    pool together with ``layer`` (int32 scalar, may be traced), read in place.
+    """
+    if impl not in ("auto", "xla", "pallas"):
+        _fail("impl", f"expected 'auto', 'xla' or 'pallas', got {impl!r}")
+    if q.ndim != 3:
+        _fail("q", f"expected [N, H, Dh], got shape {q.shape}")
+    if not jnp.issubdtype(q.dtype, jnp.floating):
+        _fail("q", f"expected a floating dtype, got {q.dtype}")
+    n, num_heads, head_dim = q.shape
+    if k_pages.ndim not in (4, 5):
+        _fail("k_pages", f"expected [Hkv, num_pages, page_size, Dh] or [L, Hkv, num_pages, page_size, Dh], "
+              f"got shape {k_pages.shape}")
+    if (k_pages.ndim == 5) != (layer is not None):
+        _fail("layer", "give a layer index exactly when k_pages is the stacked 5-D pool")
+    if v_pages.shape != k_pages.shape:
+        _fail("v_pages", f"shape {v_pages.shape} differs from k_pages {k_pages.shape}")
+    if k_pages.dtype != q.dtype:
+        _fail("k_pages", f"dtype {k_pages.dtype} differs from q's {q.dtype}")
+    if v_pages.dtype != q.dtype:
+        _fail("v_pages", f"dtype {v_pages.dtype} differs from q's {q.dtype}")
+    num_kv, _, _, head_dim_kv = k_pages.shape[-4:]
+    if head_dim_kv != head_dim:
+        _fail("k_pages", f"head_dim {head_dim_kv} differs from q's {head_dim}")
+    if num_kv < 1 or num_heads % num_kv:
+        _fail("q", f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv} (GQA)")
+    _check_index("block_tables", block_tables, 2)
+    _check_index("row_tables", row_tables, 1)
+    _check_index("lengths", lengths, 1)
+    if row_tables.shape[0] != n:
+        _fail("row_tables", f"expected [{n}] (one per row of q), got {row_tables.shape}")
+    if lengths.shape[0] != n:
+        _fail("lengths", f"expected [{n}] (one per row of q), got {lengths.shape}")
+    if pages_per_block is not None and (pages_per_block < 1 or pages_per_block & (pages_per_block - 1)):
+        _fail("pages_per_block", f"expected a power of two, got {pages_per_block}")
+    if num_splits is not None and num_splits < 1:
+        _fail("num_splits", f"expected >= 1, got {num_splits}")
+
+    why_not = kernel_unsupported(q, k_pages)
+    if impl == "pallas" and why_not:
+        _fail("page_size" if "page_size" in why_not else "head_dim" if "head_dim" in why_not
+              else "q", why_not)
+    if impl == "auto":
+        impl = "pallas" if jax.default_backend() == "gpu" and not why_not else "xla"
+    if impl == "xla":
+        return paged_attention_ref(q, k_pages, v_pages, block_tables, row_tables, lengths,
+                                   layer=layer, scale=scale)
+    if pages_per_block is not None and pages_per_block * k_pages.shape[-2] < 16:
+        _fail("pages_per_block", f"pages_per_block * page_size must be >= 16, got "
+              f"{pages_per_block} * {k_pages.shape[-2]}")
+    from kernels.pallas_triton import paged_attention_pallas
+    return paged_attention_pallas(q, k_pages, v_pages, block_tables, row_tables, lengths,
+                                  layer=layer, scale=scale, pages_per_block=pages_per_block,
+                                  num_splits=num_splits, interpret=interpret)

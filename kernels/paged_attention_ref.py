@@ -1,0 +1,46 @@
+"""Pure-XLA depth-aware paged attention: the CPU path and the kernels' oracle.
+
+Layout (shared by every implementation in this package):
+  k_pages, v_pages: [Hkv, num_pages, page_size, Dh]   one layer's pool; head-major
+                    so one (head, page) block is contiguous; or the stacked
+                    [L, Hkv, num_pages, page_size, Dh] pool with a ``layer`` index,
+                    so a layer scan never slices (copies) one layer out of it
+  block_tables:     [num_tables, pages_per_table] int32   one table per (sequence, plane)
+  q:                [N, H, Dh]   one row per query token
+  row_tables:       [N] int32    which block table a row reads (its sequence at its plane)
+  lengths:          [N] int32    keys 0..length-1 are visible (position + 1: causal)
+Returns [N, H, Dh] in q's dtype; softmax and accumulation in float32. Query
+head h reads KV head h // (H // Hkv). Rows with length 0 return zeros.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def paged_attention_ref(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                        block_tables: jax.Array, row_tables: jax.Array, lengths: jax.Array,
+                        *, layer: jax.Array | None = None, scale: float | None = None) -> jax.Array:
+    if k_pages.ndim == 4:
+        k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
+    n, num_heads, head_dim = q.shape
+    _, num_kv, _, page_size, _ = k_pages.shape
+    group = num_heads // num_kv
+    pages = block_tables[row_tables]                                  # [N, P]
+    # One gather per pool: (layer, all heads, pages) -> [N, P, Hkv, S, Dh]
+    keys = jnp.moveaxis(k_pages[layer, :, pages], 2, 0)               # [Hkv, N, P, S, Dh]
+    values = jnp.moveaxis(v_pages[layer, :, pages], 2, 0)
+    t = pages.shape[1] * page_size
+    keys = keys.reshape(num_kv, n, t, head_dim)                       # [Hkv, N, T, Dh]
+    values = values.reshape(num_kv, n, t, head_dim)
+    scale = head_dim ** -0.5 if scale is None else scale
+    qg = q.reshape(n, num_kv, group, head_dim).astype(jnp.float32)
+    scores = jnp.einsum("nkgd,kntd->nkgt", qg, keys.astype(jnp.float32)) * scale
+    visible = jnp.arange(t)[None, :] < lengths[:, None]               # [N, T]
+    scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
+    probs = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
+    probs = jnp.where(visible[:, None, None, :], probs, 0.0)
+    denom = jnp.sum(probs, axis=-1, keepdims=True)
+    probs = probs / jnp.where(denom > 0, denom, 1.0)
+    out = jnp.einsum("nkgt,kntd->nkgd", probs, values.astype(jnp.float32))
+    return out.reshape(n, num_heads, head_dim).astype(q.dtype)

@@ -1,0 +1,270 @@
+"""Depth-aware paged attention decode: a Pallas kernel for the Triton GPU backend.
+
+Same layout and semantics as `kernels.paged_attention_ref` (read its docstring):
+  q [N, H, Dh], k_pages/v_pages [Hkv, num_pages, page_size, Dh],
+  block_tables [num_tables, pages_per_table] int32, row_tables [N] int32, lengths [N] int32.
+
+Grid (row, kv head, split). One program owns the G = H // Hkv query heads that
+share one KV head, for one row, over one contiguous range of that row's pages
+(flash-decoding split-K). It loops over blocks of `pages_per_block` pages: the
+page ids come from the row's block table (row_tables[row]) as one small vector
+load, K and V for the block are gathered as [pages_per_block * page_size, Dh],
+and an online softmax in float32 accumulates in float32. Splits divide the row's
+*own* page count (cdiv(lengths[row], page_size)), not the table's capacity, so
+ragged rows stay balanced and a split with nothing to do exits at once.
+
+Scores: G == 1 (MHA, e.g. Ouro) multiplies and sums elementwise in float32 (no
+tensor core shape constraints, no 16x padding); G >= 2 uses `plgpu.dot` with the
+head group padded (by masked loads and stores, no XLA copies) to at least 16
+rows, the tensor-core minimum.
+
+num_splits == 1 writes the final [N, H, Dh] output in q's dtype directly;
+num_splits > 1 writes per-split normalized outputs and log-sum-exps (float32)
+that `combine_splits` merges in XLA.
+
+Addressing: K/V are indexed through the block dimension (BlockSpec on the head
+axis, an index vector on the page axis); the Pallas Triton lowering multiplies
+indices by strides in int64 whenever the pool exceeds 2**32 bytes, so pools
+larger than 2**31 elements are addressed correctly. Nothing here computes
+page * page_size * head_dim in int32.
+
+Page ids past the row's needed pages are replaced by page 0 before the gather
+(masked loads), so garbage/-1 entries beyond a row's length are never
+dereferenced. Entries within the length must be valid page ids.
+
+head_dim need not be a power of two: it is processed as power-of-two column chunks
+(96 = 64 + 32; any multiple of 16), each loaded, dotted and stored separately.
+
+Triton constraints respected: every block shape is a power of two (page_size,
+pages_per_block, head-dim chunks, padded group); dot operands are >= 16 in each dim
+(page_size * pages_per_block >= 16 is enforced); no dynamic shapes (dynamic
+loop bounds only). float32 dots run at IEEE precision (Triton's default is TF32).
+
+Defaults (tuned on H200, bf16, 16 KV heads x 128, page 16; scripts/bench_attention.py):
+64-key blocks, 4 warps, 2 stages, about one split per 512 keys of table capacity,
+raised until the grid has >= 1024 programs.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+NEG_INF = float("-inf")
+TARGET_BLOCK_TOKENS = 64        # keys per inner iteration (default pages_per_block), Dh <= 128
+SPLIT_TOKENS = 512              # default num_splits: about one split per this many keys ...
+MIN_PROGRAMS = 1024             # ... raised until the grid has this many programs (132 SMs)
+MAX_SPLITS = 32
+
+
+def _is_pow2(x: int) -> bool:
+    return x > 0 and (x & (x - 1)) == 0
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def default_pages_per_block(page_size: int, pages_per_table: int, head_dim: int) -> int:
+    target = TARGET_BLOCK_TOKENS if head_dim <= 128 else TARGET_BLOCK_TOKENS // 2
+    ppb = max(1, target // page_size)
+    ppb = min(ppb, _next_pow2(pages_per_table))
+    return max(ppb, _next_pow2(max(1, 16 // page_size)))   # block_k >= 16 for tl.dot
+
+
+def default_num_splits(num_rows: int, num_kv_heads: int, pages_per_table: int,
+                       pages_per_block: int, page_size: int) -> int:
+    """One split per ~SPLIT_TOKENS keys of table capacity, more while the grid has fewer
+    than MIN_PROGRAMS programs, as long as each split keeps >= 2 blocks. (Tuned on H200
+    with scripts/bench_attention.py; splits divide each row's own length at run time.)"""
+    blocks = -(-pages_per_table // pages_per_block)
+    most = max(1, min(MAX_SPLITS, blocks // 2))
+    splits = _next_pow2(max(1, (pages_per_table * page_size) // SPLIT_TOKENS))
+    while splits < most and num_rows * num_kv_heads * splits < MIN_PROGRAMS:
+        splits *= 2
+    return int(max(1, min(splits, most)))
+
+
+def head_dim_chunks(head_dim: int) -> tuple[tuple[int, int], ...]:
+    """(offset, width) power-of-two pieces of head_dim, widest first: 96 -> (0, 64), (64, 32)."""
+    chunks, off = [], 0
+    for bit in reversed(range(head_dim.bit_length())):
+        width = 1 << bit
+        if head_dim & width:
+            chunks.append((off, width))
+            off += width
+    return tuple(chunks)
+
+
+def _cdiv(a, b: int):
+    return jax.lax.div(a + (b - 1), b)        # a >= 0: truncating division is floor division
+
+
+def _kernel(layer_ref, lengths_ref, row_tables_ref, block_tables_ref, q_ref, k_ref, v_ref, *out_refs,
+            group: int, group_pad: int, page_size: int, pages_per_block: int,
+            pages_per_table: int, num_splits: int, scale: float, use_dot: bool):
+    row = pl.program_id(0)
+    kvh = pl.program_id(1)
+    split = pl.program_id(2)
+    layer = layer_ref[0]
+    chunks = head_dim_chunks(q_ref.shape[-1])
+    block_k = pages_per_block * page_size
+
+    length = jnp.clip(lengths_ref[row], 0, pages_per_table * page_size)
+    table = row_tables_ref[row]
+    n_pages = _cdiv(length, page_size)
+    n_blocks = _cdiv(n_pages, pages_per_block)
+    per_split = _cdiv(n_blocks, num_splits)
+    start = split * per_split
+    stop = jnp.minimum(start + per_split, n_blocks)
+
+    # float32 inputs: IEEE products (Triton's default for f32 tl.dot is TF32, ~1e-3 error).
+    dot = functools.partial(plgpu.dot, precision=jax.lax.Precision.HIGHEST
+                            if q_ref.dtype == jnp.float32 else None)
+    head_ok = jax.lax.broadcasted_iota(jnp.int32, (group_pad,), 0) < group
+    heads = pl.ds(kvh * group, group_pad)
+    qs = []
+    for off, width in chunks:
+        qc = plgpu.load(q_ref.at[row, heads, pl.ds(off, width)],
+                        mask=head_ok[:, None], other=0)                  # [Gp, w]
+        qs.append(qc if use_dot else qc.astype(jnp.float32) * scale)
+
+    def body(b, carry):
+        os, m, l = carry
+        slot = b * pages_per_block + jax.lax.broadcasted_iota(jnp.int32, (pages_per_block,), 0)
+        ids = plgpu.load(block_tables_ref.at[table, pl.ds(b * pages_per_block, pages_per_block)],
+                         mask=slot < n_pages, other=0)                   # [ppb]; page 0 past the length
+        tok = b * block_k + jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+        visible = tok < length
+        ks = [k_ref[layer, kvh, ids, :, pl.ds(off, w)].reshape(block_k, w) for off, w in chunks]
+        vs = [v_ref[layer, kvh, ids, :, pl.ds(off, w)].reshape(block_k, w) for off, w in chunks]
+        if use_dot:
+            s = sum(dot(qc, kc, trans_b=True) for qc, kc in zip(qs, ks)) * scale  # [Gp, bk]
+            s = jnp.where(visible[None, :], s, NEG_INF)
+            m_new = jnp.maximum(m, jnp.max(s, axis=1))
+            alpha = jnp.exp(m - m_new)
+            p = jnp.exp(s - m_new[:, None])
+            l = l * alpha + jnp.sum(p, axis=1)
+            pv = p.astype(vs[0].dtype)
+            os = [o * alpha[:, None] + dot(pv, vc) for o, vc in zip(os, vs)]
+        else:                                                            # G == 1: [bk] scores
+            s = sum(jnp.sum(qc * kc.astype(jnp.float32), axis=1) for qc, kc in zip(qs, ks))
+            s = jnp.where(visible, s, NEG_INF)
+            m_new = jnp.maximum(m, jnp.max(s))
+            alpha = jnp.exp(m - m_new)
+            p = jnp.exp(s - m_new)
+            l = l * alpha + jnp.sum(p)
+            os = [o * alpha + jnp.sum(p[:, None] * vc.astype(jnp.float32), axis=0)
+                  for o, vc in zip(os, vs)]
+        return os, m_new, l
+
+    # Every block in [start, stop) holds >= 1 visible key, so m is finite after
+    # the first iteration and exp(-inf - m) = 0: masking makes no NaNs.
+    shape = (group_pad,) if use_dot else ()
+    init = ([jnp.zeros(shape + (w,), jnp.float32) for _, w in chunks],
+            jnp.full(shape, NEG_INF, jnp.float32), jnp.zeros(shape, jnp.float32))
+    os, m, l = jax.lax.fori_loop(start, stop, body, init)
+
+    has = l > 0
+    inv = 1.0 / jnp.where(has, l, 1.0)
+    lse = jnp.where(has, m + jnp.log(jnp.where(has, l, 1.0)), NEG_INF)
+    if use_dot:
+        os = [o * inv[:, None] for o in os]
+    else:
+        os = [(o * inv)[None, :] for o in os]
+        lse = jnp.broadcast_to(lse, (1,))
+    mask = head_ok[:, None]
+    if num_splits == 1:
+        (o_ref,) = out_refs
+        for (off, w), o in zip(chunks, os):
+            plgpu.store(o_ref.at[row, heads, pl.ds(off, w)], o.astype(o_ref.dtype), mask=mask)
+    else:
+        o_ref, lse_ref = out_refs
+        for (off, w), o in zip(chunks, os):
+            plgpu.store(o_ref.at[split, row, heads, pl.ds(off, w)], o, mask=mask)
+        plgpu.store(lse_ref.at[split, row, heads], lse, mask=head_ok)
+
+
+def combine_splits(o: jax.Array, lse: jax.Array, dtype) -> jax.Array:
+    """Merges [S, N, H, Dh] normalized partials with their [S, N, H] log-sum-exps."""
+    m = jnp.max(lse, axis=0)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    w = jnp.exp(lse - m[None])                                           # 0 for empty splits
+    den = jnp.sum(w, axis=0)
+    out = jnp.sum(w[..., None] * o, axis=0) / jnp.where(den > 0, den, 1.0)[..., None]
+    return out.astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "scale", "pages_per_block", "num_splits", "num_warps", "num_stages", "use_dot",
+    "interpret", "return_partials"))
+def paged_attention_pallas(q, k_pages, v_pages, block_tables, row_tables, lengths, *,
+                           layer=None, scale: float | None = None, pages_per_block: int | None = None,
+                           num_splits: int | None = None, num_warps: int | None = None,
+                           num_stages: int | None = None, use_dot: bool | None = None,
+                           interpret: bool = False, return_partials: bool = False):
+    """The kernel; callers should go through `kernels.paged_attention.paged_attention`.
+
+    With return_partials (and num_splits > 1) returns the raw (o [S, N, H, Dh] f32,
+    lse [S, N, H] f32) instead of the combined output. k_pages/v_pages may be one
+    layer's [Hkv, P, S, Dh] pool or the stacked [L, Hkv, P, S, Dh] pool with ``layer``
+    (a traced int32 scalar): the kernel then reads that layer in place, so a layer
+    scan passes the whole pool without an XLA slice copy.
+    """
+    if k_pages.ndim == 4:
+        k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    n, num_heads, head_dim = q.shape
+    _, num_kv, _, page_size, _ = k_pages.shape
+    pages_per_table = block_tables.shape[1]
+    group = num_heads // num_kv
+    if use_dot is None:
+        use_dot = group > 1
+    if not use_dot and group != 1:
+        raise ValueError("the elementwise path needs H == Hkv (use_dot=True for GQA)")
+    group_pad = max(16, _next_pow2(group)) if use_dot else 1
+    if pages_per_block is None:
+        pages_per_block = default_pages_per_block(page_size, pages_per_table, head_dim)
+    if not _is_pow2(pages_per_block) or pages_per_block * page_size < 16:   # tl.dot: N, K >= 16
+        raise ValueError(f"pages_per_block must be a power of two with pages_per_block * "
+                         f"page_size >= 16, got {pages_per_block}")
+    if num_splits is None:
+        num_splits = default_num_splits(n, num_kv, pages_per_table, pages_per_block, page_size)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if num_warps is None:
+        num_warps = 4 if head_dim <= 128 else 8
+    if num_stages is None:
+        num_stages = 2
+    scale = head_dim ** -0.5 if scale is None else float(scale)
+
+    kernel = functools.partial(
+        _kernel, group=group, group_pad=group_pad, page_size=page_size,
+        pages_per_block=pages_per_block, pages_per_table=pages_per_table,
+        num_splits=num_splits, scale=scale, use_dot=use_dot)
+    whole = lambda shape: pl.BlockSpec(shape, lambda r, h, s: (0,) * len(shape))
+    pool = whole(k_pages.shape)     # indexed in the kernel by (layer, kv head, page ids)
+    if num_splits == 1:
+        out_shape = [jax.ShapeDtypeStruct((n, num_heads, head_dim), q.dtype)]
+    else:
+        out_shape = [jax.ShapeDtypeStruct((num_splits, n, num_heads, head_dim), jnp.float32),
+                     jax.ShapeDtypeStruct((num_splits, n, num_heads), jnp.float32)]
+    outs = pl.pallas_call(
+        kernel,
+        grid=(n, num_kv, num_splits),
+        in_specs=[whole((1,)), whole(lengths.shape), whole(row_tables.shape),
+                  whole(block_tables.shape), whole(q.shape), pool, pool],
+        out_specs=[whole(s.shape) for s in out_shape],
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"rlt_paged_attention_g{group}_ppb{pages_per_block}_s{num_splits}",
+    )(layer, lengths, row_tables, block_tables, q, k_pages, v_pages)
+    if num_splits == 1:
+        return outs[0]
+    if return_partials:
+        return tuple(outs)
+    return combine_splits(*outs, q.dtype)

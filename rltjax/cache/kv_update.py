@@ -1,0 +1,91 @@
+"""Writes into the paged pool: per-layer row writes and copy-on-exit.
+
+Every update indexes the pool by its own dims, (layer, head, page, offset),
+never by a flat element offset: a pool of L * Hkv * num_pages * page_size * Dh
+elements exceeds 2**31 on large devices, and per-dim int32 indices cannot
+overflow where a flattened one would.
+
+Copy-on-exit (``last_exited``). When a decode token at position j exits at
+depth e < R, its plane-e entry is copied into planes e+1..R at position j, so
+a later query at depth d reads plane min(d, e) without any per-key depth logic
+in attention. Ordering requirement: the copy must run after the pass that
+wrote the token's plane-e K/V (its loop e) and before any later query at a
+plane > e can read position j, i.e. before the next loop pass that holds a
+later position of the same sequence. Decode never runs position j+1 before
+token j has exited (it is sampled from j's head), so issuing the copies
+between passes suffices. Prompt tokens run all R loops and need no copy.
+All copies of one ``copy_slots`` call read the pool before any is written, so
+a batch must not contain a slot as both a source and a destination (exit
+copies never do: distinct tokens own distinct slots).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def write_kv(kv, layer, k: jax.Array, v: jax.Array, write_page: jax.Array, write_offset: jax.Array):
+    """Scatter rows' K/V [N, Hkv, Dh] into layer ``layer`` at (write_page, write_offset).
+
+    The advanced indices (layer, page, offset) are split by the head slice, so
+    the indexed block has shape [N, Hkv, Dh], matching k/v. Padded rows all
+    target page 0; their duplicate writes race only on the scratch page.
+    """
+    idx = (layer, slice(None), write_page, write_offset)
+    return type(kv)(k=kv.k.at[idx].set(k.astype(kv.k.dtype)),
+                    v=kv.v.at[idx].set(v.astype(kv.v.dtype)))
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def copy_slots(kv, src_page: jax.Array, src_offset: jax.Array, dst_page: jax.Array,
+               dst_offset: jax.Array):
+    """Copy M slots src -> dst over all layers and heads at once; [M] int32 each.
+
+    Padding entries are (0, 0) -> (0, 0). The pool is donated: the update is
+    in place, the caller must use the returned kv.
+    """
+    src = (slice(None), slice(None), src_page, src_offset)   # gathered block [L, Hkv, M, Dh]
+    dst = (slice(None), slice(None), dst_page, dst_offset)
+    return type(kv)(k=kv.k.at[dst].set(kv.k[src]), v=kv.v.at[dst].set(kv.v[src]))
+
+
+def _table(table_of_plane, seq: int, plane: int) -> int:
+    if callable(table_of_plane):
+        return int(table_of_plane(seq, plane))
+    return int(np.asarray(table_of_plane)[seq, plane])
+
+
+def exit_copy_slots(block_tables_np: np.ndarray, table_of_plane: Callable[[int, int], int] | np.ndarray,
+                    seq: int, position: int, exit_depth: int, num_loops: int, page_size: int):
+    """Slots to copy for one token of ``seq`` at ``position`` exiting at ``exit_depth`` (1-based).
+
+    table_of_plane: (seq, plane) -> table index, or an array [num_seqs, R];
+    plane p (0-based) serves queries at depth p + 1. Returns
+    (src_page, src_offset, dst_page, dst_offset), int32 arrays of length
+    R - exit_depth (empty when the token ran all loops).
+    """
+    if not 1 <= exit_depth <= num_loops:
+        raise ValueError(f"exit_depth={exit_depth} must be in [1, {num_loops}]")
+    block, offset = divmod(position, page_size)
+    src_page = int(block_tables_np[_table(table_of_plane, seq, exit_depth - 1), block])
+    dst_pages = [int(block_tables_np[_table(table_of_plane, seq, p), block])
+                 for p in range(exit_depth, num_loops)]
+    n = len(dst_pages)
+    return (np.full(n, src_page, np.int32), np.full(n, offset, np.int32),
+            np.asarray(dst_pages, np.int32).reshape(n), np.full(n, offset, np.int32))
+
+
+def pack_copies(copies: Sequence[tuple[np.ndarray, ...]], batch: int):
+    """Concatenate exit_copy_slots results and pad to ``batch`` with page-0 -> page-0 entries.
+
+    A fixed batch keeps ``copy_slots`` at one compiled shape.
+    """
+    parts = [np.concatenate([c[i] for c in copies] or [np.zeros(0, np.int32)]) for i in range(4)]
+    m = len(parts[0])
+    if m > batch:
+        raise ValueError(f"{m} copies exceed the copy batch of {batch}; split them over several calls")
+    return tuple(jnp.asarray(np.pad(p.astype(np.int32), (0, batch - m))) for p in parts)

@@ -1,0 +1,83 @@
+"""Paged K/V for the engine: one page pool for every layer, plane and sequence.
+
+Layout
+  kv.k, kv.v:    [L, Hkv, num_pages, page_size, Dh]. All layers are stacked so
+                 the whole pool is one (donated) jit argument; per layer the
+                 slice kv.k[layer] is exactly the layout of
+                 ``kernels.paged_attention_ref`` (head-major pages).
+  page 0:        scratch. Padded rows write there and padded copy entries copy
+                 0 -> 0, so static batch shapes never touch live pages. The
+                 allocator must never hand out page 0.
+  block tables:  [num_tables, pages_per_table] int32, one table per
+                 (sequence, plane). The pool itself is shared by all planes:
+                 a plane is only a set of tables. ``last_exited`` keeps R planes
+                 per request (R tables: plane d-1 serves queries at depth d);
+                 ``shared`` keeps one plane (1 table) that every loop overwrites.
+  a slot:        (page, offset) = (table[pos // page_size], pos % page_size).
+
+Read rule (DESIGN section 2). ``last_exited``: a query at depth d reads an
+earlier token of exit depth e at plane min(d, e); we get that by copy-on-exit
+(``kv_update.copy_slots``: the plane-e entry is copied into planes e+1..R)
+so attention itself never branches on depth. ``shared``: one plane, read as is.
+
+Within a layer every row writes its K/V before any row attends (one scatter,
+then one attention), so a row sees itself and a prefill chunk of consecutive
+positions is causal within itself. For ``shared`` a chunk is only correct if
+its positions are at their final loop, hence shared prefill is position-
+sequential per request (different requests may share a batch).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from rltjax.cache.kv_update import write_kv
+from kernels.paged_attention import paged_attention
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PagedKV:
+    k: jax.Array  # [L, Hkv, num_pages, page_size, Dh]
+    v: jax.Array  # [L, Hkv, num_pages, page_size, Dh]
+
+    @property
+    def num_pages(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[3]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PagedMeta:
+    """Per-pass row metadata (all int32). Padded rows: write_page 0, lengths 0."""
+    positions: jax.Array      # [N] RoPE position of each row
+    write_page: jax.Array     # [N] physical page each row writes (padded rows -> 0)
+    write_offset: jax.Array   # [N] offset in that page
+    row_tables: jax.Array     # [N] block table each row reads: its (sequence, plane)
+    lengths: jax.Array        # [N] keys 0..length-1 visible (position + 1; 0 for padding)
+    block_tables: jax.Array   # [num_tables, pages_per_table]
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedKVBackend:
+    """KVBackend (rltjax.models.base) over PagedKV / PagedMeta.
+
+    attn_impl: "xla" | "pallas" | "auto", passed to kernels.paged_attention;
+    interpret runs the Pallas kernel in interpret mode (CPU tests).
+    """
+    attn_impl: str = "xla"
+    interpret: bool = False
+
+    def write(self, kv: PagedKV, layer, k, v, meta: PagedMeta) -> PagedKV:
+        return write_kv(kv, layer, k, v, meta.write_page, meta.write_offset)
+
+    def attend(self, kv: PagedKV, layer, q, meta: PagedMeta):
+        # The stacked pool goes in whole with the layer index: slicing kv.k[layer] here
+        # would make XLA copy one layer's pool per layer per pass for the kernel call.
+        return paged_attention(q, kv.k, kv.v, meta.block_tables, meta.row_tables, meta.lengths,
+                               layer=layer, impl=self.attn_impl, interpret=self.interpret)

@@ -1,0 +1,32 @@
+"""The GPU benchmark scripts run end to end on CPU in their --quick mode."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).parent.parent
+
+
+def run_script(name, *args):
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / name), *args],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return res.stdout
+
+
+def test_bench_attention_quick(tmp_path):
+    out = tmp_path / "attn.json"
+    text = run_script("bench_attention.py", "--quick", "--out", str(out))
+    results = json.loads(out.read_text())["results"]
+    assert {r["impl"] for r in results} >= {"xla", "pallas"}
+    assert all(r["max_abs_diff"] < 1e-2 for r in results)
+    assert "best per shape" in text
+
+
+def test_bench_loop_pass_quick(tmp_path):
+    out = tmp_path / "loop.json"
+    run_script("bench_loop_pass.py", "--quick", "--out", str(out))
+    rows = json.loads(out.read_text())["results"]
+    assert rows and all(r["ms"] > 0 and r["bound_ms"] > 0 for r in rows)

@@ -1,19 +1,35 @@
-"""Engine-level options shared by the reference oracle and the engine.
+"""Engine options (vLLM-style config objects) and the one table of feature rules.
 
-Exit modes and KV layouts are defined by DESIGN section 2; the names here are
-the ones users pass (``exit_mode=``, ``kv_layout=``).
+Exit modes and KV layouts are defined by DESIGN section 2. Every rule about
+which options combine lives in ``COMBINATION_RULES`` below, checked once by
+``check_combination`` when an engine is built, instead of ``if/raise`` chains
+spread through the engine.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping, Sequence
+import os
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
 
 EXIT_MODES = ("ouro", "ouro_delayed", "random_lookahead", "trace", "fixed")
 KV_LAYOUTS = ("last_exited", "shared")
+SCHEDULER_MODES = ("refill", "no_refill")
+ATTN_IMPLS = ("auto", "xla", "pallas")
 
 
 class EngineConfigError(ValueError):
     """An invalid engine option; the message names the option."""
+
+
+def _bad(owner: str, field: str, value, why: str):
+    raise EngineConfigError(f"{owner}.{field}={value!r}: {why}")
+
+
+def _positive(owner: str, **fields) -> None:
+    for name, value in fields.items():
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            _bad(owner, name, value, "must be an integer >= 1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,11 +48,103 @@ class ExitConfig:
 
     def __post_init__(self) -> None:
         if self.mode not in EXIT_MODES:
-            raise EngineConfigError(f"ExitConfig.mode={self.mode!r}: choose one of {EXIT_MODES}")
+            _bad("ExitConfig", "mode", self.mode, f"choose one of {EXIT_MODES}")
         if self.mode == "trace" and self.depths_by_request is None:
             raise EngineConfigError("ExitConfig.depths_by_request is required when mode='trace'")
         if not isinstance(self.lookahead_seed, int) or self.lookahead_seed < 0:
-            raise EngineConfigError(f"ExitConfig.lookahead_seed={self.lookahead_seed!r}: must be an int >= 0")
+            _bad("ExitConfig", "lookahead_seed", self.lookahead_seed, "must be an int >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV. num_pages: explicit pool size (page 0 is scratch); else
+    gpu_memory_utilization of the free device memory measured after weights load
+    (devices without memory statistics, e.g. CPU, size the pool for max_num_seqs
+    full-length sequences instead)."""
+    kv_layout: str = "last_exited"
+    page_size: int = 16
+    num_pages: int | None = None
+    gpu_memory_utilization: float = 0.9
+
+    def __post_init__(self) -> None:
+        if self.kv_layout not in KV_LAYOUTS:
+            _bad("CacheConfig", "kv_layout", self.kv_layout, f"choose one of {KV_LAYOUTS}")
+        if self.page_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            _bad("CacheConfig", "page_size", self.page_size, "must be a power of two in 1..128")
+        _positive("CacheConfig", num_pages=self.num_pages)
+        if self.num_pages is not None and self.num_pages < 2:
+            _bad("CacheConfig", "num_pages", self.num_pages, "needs >= 2 (page 0 is scratch)")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            _bad("CacheConfig", "gpu_memory_utilization", self.gpu_memory_utilization, "must be in (0, 1]")
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """Loop-level continuous batching (DESIGN section 2, Scheduling)."""
+    mode: str = "refill"
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 256       # prefill token budget per step
+    prefill_chunk_size: int = 128           # per-request chunk ceiling
+    max_prefill_batches_before_decode: int = 1
+    admission_scan_limit: int = 32
+    max_admission_bypasses: int = 8
+    min_coda_batch_size: int = 1
+    max_model_len: int | None = None        # None: the model's position limit
+
+    def __post_init__(self) -> None:
+        if self.mode not in SCHEDULER_MODES:
+            _bad("SchedulerConfig", "mode", self.mode, f"choose one of {SCHEDULER_MODES}")
+        _positive("SchedulerConfig", max_num_seqs=self.max_num_seqs,
+                  max_num_batched_tokens=self.max_num_batched_tokens,
+                  prefill_chunk_size=self.prefill_chunk_size,
+                  max_prefill_batches_before_decode=self.max_prefill_batches_before_decode,
+                  admission_scan_limit=self.admission_scan_limit,
+                  min_coda_batch_size=self.min_coda_batch_size, max_model_len=self.max_model_len)
+        if not isinstance(self.max_admission_bypasses, int) or self.max_admission_bypasses < 0:
+            _bad("SchedulerConfig", "max_admission_bypasses", self.max_admission_bypasses, "must be an int >= 0")
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rltjax" / "xla"
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutionConfig:
+    """How device work is compiled and dispatched.
+
+    attn_impl: paged attention implementation (``auto`` = Pallas on GPU, XLA elsewhere).
+    compile_ahead: compile every bucket at start-up (else on first use).
+    compilation_cache_dir: XLA's persistent compilation cache (None disables it).
+    """
+    attn_impl: str = "auto"
+    compile_ahead: bool = True
+    compilation_cache_dir: str | None = dataclasses.field(default_factory=lambda: str(default_cache_dir()))
+    show_progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.attn_impl not in ATTN_IMPLS:
+            _bad("ExecutionConfig", "attn_impl", self.attn_impl, f"choose one of {ATTN_IMPLS}")
+
+
+# (description, predicate over the configs that must NOT hold, fix). One row per rule.
+COMBINATION_RULES: list[tuple[str, Callable[..., bool], str]] = [
+    ("prefill_chunk_size cannot exceed max_num_batched_tokens",
+     lambda c, s, e, x: s.prefill_chunk_size > s.max_num_batched_tokens,
+     "lower SchedulerConfig.prefill_chunk_size or raise max_num_batched_tokens"),
+    ("min_coda_batch_size cannot exceed max_num_seqs (heads would wait forever)",
+     lambda c, s, e, x: s.min_coda_batch_size > s.max_num_seqs,
+     "lower SchedulerConfig.min_coda_batch_size"),
+    ("the Pallas kernel needs page_size >= 8",
+     lambda c, s, e, x: x.attn_impl == "pallas" and c.page_size < 8,
+     "use CacheConfig.page_size >= 8 or ExecutionConfig.attn_impl='xla'"),
+]
+
+
+def check_combination(cache: CacheConfig, scheduler: SchedulerConfig, exit_config: ExitConfig,
+                      execution: ExecutionConfig) -> None:
+    for description, violated, fix in COMBINATION_RULES:
+        if violated(cache, scheduler, exit_config, execution):
+            raise EngineConfigError(f"unsupported option combination: {description}; {fix}")
 
 
 def check_kv_layout(kv_layout: str) -> str:

@@ -1,0 +1,78 @@
+"""Exit decisions for a loop pass, vectorised over its rows (host, float32).
+
+The device returns, per row, the gate hazard sigmoid(gate logit) and the
+lookahead score; everything else is float32 numpy arithmetic here, so a
+decision does not depend on which rows shared the pass. Each mode is one
+vectorised rule (DESIGN section 2); a new mode (e.g. Huginn's latent
+difference) adds a row to ``_RULES``.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+
+from rltjax.engine.sequence import Request
+
+F32 = np.float32
+
+
+def _ouro(r, lo, hi, q, cdf, score, triggered):
+    exit_now = (r >= hi) | ((q < 1) & (r >= lo) & (cdf >= q))
+    return exit_now, np.zeros_like(exit_now)
+
+
+def _ouro_delayed(r, lo, hi, q, cdf, score, triggered):
+    exit_now = (r >= hi) | triggered
+    return exit_now, ~exit_now & (q < 1) & (r >= lo) & (cdf >= q)
+
+
+def _random_lookahead(r, lo, hi, q, cdf, score, triggered):
+    exit_now = (r >= hi) | triggered
+    return exit_now, ~exit_now & (q < 1) & (r + 1 >= lo) & (score >= q)
+
+
+def _fixed(r, lo, hi, q, cdf, score, triggered):
+    exit_now = r >= hi
+    return exit_now, np.zeros_like(exit_now)
+
+
+# mode -> (uses the cumulative hazard, rule(r, min, max, q, cdf, score, triggered) -> (exit, trigger))
+_RULES: dict[str, tuple[bool, Callable]] = {
+    "ouro": (True, _ouro),
+    "ouro_delayed": (True, _ouro_delayed),
+    "random_lookahead": (False, _random_lookahead),
+    "fixed": (False, _fixed),
+}
+
+
+class ExitPolicy:
+    """Applies one exit mode to the rows of each loop pass."""
+
+    def __init__(self, mode: str, has_gate: bool):
+        if mode in ("ouro", "ouro_delayed") and not has_gate:
+            mode = "fixed"          # no learned signal: fixed depth (DESIGN section 2)
+        if mode not in _RULES and mode != "trace":
+            raise ValueError(f"unknown exit mode {mode!r}")
+        self.mode = mode
+
+    def after_pass(self, rows: Sequence[Request], hazard: np.ndarray, score: np.ndarray) -> np.ndarray:
+        """Rows have just run loop ``row.loops_done``; returns the rows that exit now."""
+        r = np.array([row.loops_done for row in rows])
+        if self.mode == "trace":
+            trace = np.array([row.trace_depths[len(row.output_token_ids)] for row in rows])
+            return r >= trace
+        cumulative, rule = _RULES[self.mode]
+        lo = np.array([row.min_loops for row in rows])
+        hi = np.array([row.max_loops for row in rows])
+        q = np.array([row.params.exit_threshold for row in rows], F32)
+        remaining = np.array([row.exit_remaining for row in rows], F32)
+        if cumulative:
+            remaining = (remaining * (F32(1) - hazard.astype(F32))).astype(F32)
+        triggered = np.array([row.exit_triggered for row in rows], bool)
+        exit_now, trigger = rule(r, lo, hi, q, (F32(1) - remaining).astype(F32),
+                                 score.astype(F32), triggered)
+        for row, rem, trig in zip(rows, remaining, trigger):
+            row.exit_remaining = F32(rem)
+            row.exit_triggered = bool(trig)
+        return exit_now

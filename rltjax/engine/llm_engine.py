@@ -1,0 +1,259 @@
+"""LLMEngine: the streaming interface (add_request / step / abort_request).
+
+Each ``step`` asks the scheduler for one batch, runs it on the device through
+the runner, and applies the results on the host: exit decisions and
+copy-on-exit after a loop pass, sampled tokens and stop checks after a head.
+This is the synchronous engine: it reads each pass's exit signals before
+launching the next (the async pipeline and device-side windows build on it).
+"""
+from __future__ import annotations
+
+import itertools
+import secrets
+import time
+from typing import Any, Mapping, Sequence
+
+import jax
+import numpy as np
+
+from rltjax.cache.paged_kv import PagedKV
+from rltjax.engine.exit_policy import ExitPolicy
+from rltjax.engine.outputs import IncrementalDetokenizer, RequestOutput, StopChecker
+from rltjax.engine.runner import ModelRunner
+from rltjax.engine.scheduler import Scheduler
+from rltjax.engine.sequence import Request, Status
+from rltjax.engine_config import (CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig,
+                                  check_combination, validate_trace_depths)
+from rltjax.reference.exits import lookahead_weights
+from rltjax.sampling import split_seed
+from rltjax.sampling_params import SamplingParams, SamplingParamsError
+
+
+class RequestRejectedError(ValueError):
+    """A request that can never run (too long, too large for the KV cache, bad input)."""
+
+
+class LLMEngine:
+    def __init__(self, model, params, kv: PagedKV, *, tokenizer=None, cache_config: CacheConfig,
+                 scheduler_config: SchedulerConfig, exit_config: ExitConfig,
+                 execution_config: ExecutionConfig, max_model_len: int):
+        check_combination(cache_config, scheduler_config, exit_config, execution_config)
+        self.cfg = model.cfg
+        self.tokenizer = tokenizer
+        self.cache_config = cache_config
+        self.exit_config = exit_config
+        self.layered = cache_config.kv_layout == "last_exited"
+        num_planes = self.cfg.num_loops if self.layered else 1
+        self.scheduler = Scheduler(scheduler_config, num_pages=kv.num_pages, page_size=cache_config.page_size,
+                                   num_planes=num_planes, max_model_len=max_model_len,
+                                   position_sequential_prefill=not self.layered)
+        self.runner = ModelRunner(model, params, kv, max_num_seqs=scheduler_config.max_num_seqs,
+                                  max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
+                                  attn_impl=execution_config.attn_impl,
+                                  lookahead_w=lookahead_weights(exit_config.lookahead_seed, self.cfg.hidden_size,
+                                                                self.cfg.initializer_range),
+                                  max_copies=scheduler_config.max_num_seqs * max(1, self.cfg.num_loops - 1))
+        self.exit_policy = ExitPolicy(exit_config.mode, self.cfg.has_exit_gate)
+        self.eos_token_ids = tuple(tokenizer.eos_token_ids if tokenizer is not None else self.cfg.eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self._detok: dict[str, Any] = {}
+        self._stops: dict[str, StopChecker] = {}
+        self._texts: dict[str, str] = {}
+        self._arrivals = itertools.count()
+        self.steps_by_kind: dict[str, int] = {}
+        self.compile_seconds = 0.0
+        if execution_config.compile_ahead:
+            self.compile_seconds = self.runner.warm_up(self.scheduler.block_tables.array,
+                                                       execution_config.show_progress)
+
+    # -- requests -------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | Sequence[int] | Mapping[str, Any],
+                    params: SamplingParams | None = None) -> None:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise RequestRejectedError(f"request {request_id!r}: params must be a SamplingParams")
+        request_id = str(request_id)
+        if request_id in self.requests:
+            raise RequestRejectedError(f"request_id {request_id!r} is already in use")
+        text, ids = self._prompt_ids(request_id, prompt)
+        try:
+            min_loops, max_loops = params.resolved_loops(self.cfg.num_loops)
+            params.token_vocab_check(self.cfg.vocab_size)
+            trace = None
+            if self.exit_config.mode == "trace":
+                trace = validate_trace_depths(
+                    (self.exit_config.depths_by_request or {}).get(request_id, ()), num_loops=self.cfg.num_loops,
+                    min_loops=min_loops, max_loops=max_loops, max_tokens=params.max_tokens,
+                    request_id=request_id)
+        except (SamplingParamsError, ValueError) as exc:
+            raise RequestRejectedError(f"request {request_id!r}: {exc}") from exc
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        req = Request(request_id, ids, params, seed, next(self._arrivals), min_loops, max_loops,
+                      prompt=text, trace_depths=trace)
+        why = self.scheduler.never_fits(req)
+        if why:
+            raise RequestRejectedError(f"request {request_id!r} can never run: {why}")
+        self.requests[request_id] = req
+        self._texts[request_id] = ""
+        self._stops[request_id] = StopChecker(params, self.eos_token_ids)
+        if self.tokenizer is not None:
+            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, ids)
+        self.scheduler.add(req)
+
+    def _prompt_ids(self, request_id: str, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, Mapping):
+            if "prompt_token_ids" not in prompt:
+                raise RequestRejectedError(f"request {request_id!r}: a dict prompt needs 'prompt_token_ids'")
+            prompt = prompt["prompt_token_ids"]
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestRejectedError(f"request {request_id!r}: a text prompt needs a tokenizer")
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, list(prompt)
+        if not ids:
+            raise RequestRejectedError(f"request {request_id!r}: the prompt is empty")
+        if any(not isinstance(t, (int, np.integer)) or not 0 <= t < self.cfg.vocab_size for t in ids):
+            raise RequestRejectedError(f"request {request_id!r}: prompt token ids must be integers in "
+                                       f"[0, {self.cfg.vocab_size})")
+        return text, [int(t) for t in ids]
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.get(str(request_id))
+        if req is None or req.finished:
+            return None
+        self._finish(req, "abort")
+        return self._output(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return any(not r.finished for r in self.requests.values())
+
+    def get_output(self, request_id: str) -> RequestOutput:
+        return self._output(self.requests[request_id])
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request's bookkeeping (callers that stream outputs)."""
+        for table in (self.requests, self._detok, self._stops, self._texts):
+            table.pop(request_id, None)
+
+    # -- one step -------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        self.steps_by_kind[plan.kind] = self.steps_by_kind.get(plan.kind, 0) + 1
+        affected = plan.rows or [c[0] for c in plan.chunks]
+        try:
+            if plan.kind == "prefill":
+                self._prefill(plan.chunks)
+            elif plan.kind == "loop":
+                self._loop(plan.rows)
+            elif plan.kind == "head":
+                return [self._output(r) for r in self._head(plan.rows)]
+        except Exception as exc:  # a failed batch must not leak pages or wedge other requests
+            if self.runner.kv.k.is_deleted():
+                affected = [r for r in self.requests.values() if not r.finished]
+            for req in affected:
+                req.error = f"{type(exc).__name__}: {exc}"
+                self._finish(req, "error")
+            if self.runner.kv.k.is_deleted():
+                raise
+            return [self._output(r) for r in affected]
+        return []
+
+    def _slot(self, req: Request, plane: int, position: int) -> tuple[int, int]:
+        return self.scheduler.block_tables.slot_for(req.tables[plane], position, self.cache_config.page_size)
+
+    def _prefill(self, chunks) -> None:
+        R = self.cfg.num_loops
+        rows = [(req, p) for req, start, n in chunks for p in range(start, start + n)]
+        tokens = np.array([req.prompt_token_ids[p] for req, p in rows], np.int32)
+        positions = np.array([p for _, p in rows], np.int32)
+        planes = [[d if self.layered else 0 for _ in rows] for d in range(R)]
+        slots = [[self._slot(req, pl, p) for (req, p), pl in zip(rows, row_planes)] for row_planes in planes]
+        write_page = np.array([[s[0] for s in per_d] for per_d in slots], np.int32)
+        write_offset = np.array([s[1] for s in slots[0]], np.int32)
+        row_tables = np.array([[req.tables[pl] for (req, _), pl in zip(rows, row_planes)] for row_planes in planes],
+                              np.int32)
+        out_slots = np.array([req.slot if p == req.prompt_len - 1 else self.runner.dummy_slot
+                              for req, p in rows], np.int32)
+        self.runner.prefill(tokens, positions, write_page, write_offset, row_tables, out_slots,
+                            self.scheduler.block_tables.array)
+        for req, start, n in chunks:
+            req.num_prefilled = start + n
+            if req.num_prefilled == req.prompt_len:
+                req.status = Status.AWAITING_HEAD
+                req.exit_depths = [R]
+
+    def _loop(self, rows: list[Request]) -> None:
+        planes = [r.loops_done if self.layered else 0 for r in rows]
+        positions = np.array([r.decode_position for r in rows], np.int32)
+        slots = [self._slot(r, pl, int(p)) for r, pl, p in zip(rows, planes, positions)]
+        hazard, score = self.runner.loop(
+            np.array([r.slot for r in rows], np.int32), np.array([r.output_token_ids[-1] for r in rows], np.int32),
+            np.array([r.loops_done == 0 for r in rows]), positions,
+            np.array([s[0] for s in slots], np.int32), np.array([s[1] for s in slots], np.int32),
+            np.array([r.tables[pl] for r, pl in zip(rows, planes)], np.int32), self.scheduler.block_tables.array)
+        for r in rows:
+            r.loops_done += 1
+        exits = self.exit_policy.after_pass(rows, hazard, score)
+        copies = []
+        for r, exit_now in zip(rows, exits):
+            if not exit_now:
+                continue
+            r.status = Status.AWAITING_HEAD
+            r.exit_depths.append(r.loops_done)
+            if self.layered:   # deeper planes must read this token's exit-depth KV: min(d, e)
+                src = self._slot(r, r.loops_done - 1, r.decode_position)
+                copies += [src + self._slot(r, pl, r.decode_position) for pl in range(r.loops_done, self.cfg.num_loops)]
+        if copies:
+            c = np.array(copies, np.int32)
+            self.runner.copy(c[:, 0], c[:, 1], c[:, 2], c[:, 3])
+
+    def _head(self, rows: list[Request]) -> list[Request]:
+        seeds = np.array([split_seed(r.seed) for r in rows], np.uint32).reshape(len(rows), 2)
+        tokens, chosen, top_ids, top_lp = self.runner.head(
+            np.array([r.slot for r in rows], np.int32),
+            np.array([r.params.temperature for r in rows], np.float32),
+            np.array([r.params.top_k for r in rows], np.int32),
+            np.array([r.params.top_p for r in rows], np.float32), seeds[:, 0], seeds[:, 1],
+            np.array([len(r.output_token_ids) for r in rows], np.int32))
+        now = time.monotonic()
+        for i, r in enumerate(rows):
+            token = int(tokens[i])
+            r.output_token_ids.append(token)
+            r.first_token_time = r.first_token_time or now
+            if r.params.logprobs is not None:
+                entry = {int(t): float(lp) for t, lp in zip(top_ids[i, :r.params.logprobs], top_lp[i, :r.params.logprobs])}
+                entry[token] = float(chosen[i])
+                r.logprobs = (r.logprobs or []) + [entry]
+            delta = self._detok[r.request_id].add_token(token) if r.request_id in self._detok else ""
+            text = self._texts[r.request_id] + delta
+            finished, reason, stop_reason, text = self._stops[r.request_id].check(token, text, delta)
+            self._texts[r.request_id] = text
+            if finished:
+                r.stop_reason = stop_reason
+                self._finish(r, reason)
+            elif len(r.output_token_ids) >= r.params.max_tokens:
+                self._finish(r, "length")
+            else:
+                r.start_token()
+        return rows
+
+    def _finish(self, req: Request, reason: str) -> None:
+        if req.finish_reason is None:
+            req.finish_reason = reason
+        req.status = Status.FINISHED
+        req.finished_time = time.monotonic()
+        self.scheduler.release(req)
+        detok = self._detok.get(req.request_id)
+        if detok is not None and reason in ("length", "abort", "error"):
+            self._texts[req.request_id] += detok.flush()
+
+    def _output(self, req: Request) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=list(req.prompt_token_ids),
+            token_ids=list(req.output_token_ids), text=self._texts.get(req.request_id, ""),
+            exit_depths=list(req.exit_depths[:len(req.output_token_ids)]),
+            finish_reason=req.finish_reason, logprobs=req.logprobs, finished=req.finished,
+            stop_reason=req.stop_reason, error=req.error,
+            metrics=dict(arrival_time=req.arrival_time, first_token_time=req.first_token_time,
+                         finished_time=req.finished_time))

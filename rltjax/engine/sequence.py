@@ -1,0 +1,76 @@
+"""A request's host-side state as it moves through prefill, loops and heads."""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+
+import numpy as np
+
+from rltjax.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"              # queued, no KV yet
+    PREFILLING = "prefilling"        # admitted; prompt positions still to run
+    LOOPING = "looping"              # the newest token runs its loops (loops_done of them so far)
+    AWAITING_HEAD = "awaiting_head"  # its state is final; the head will sample the next token
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    arrival_index: int
+    min_loops: int
+    max_loops: int
+    prompt: str | None = None
+    trace_depths: list[int] | None = None
+    arrival_time: float = dataclasses.field(default_factory=time.monotonic)
+
+    status: Status = Status.WAITING
+    slot: int | None = None              # row of the device's per-slot state
+    tables: list[int] = dataclasses.field(default_factory=list)  # block table per plane
+    num_prefilled: int = 0               # prompt positions whose R loops have run
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    exit_depths: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    loops_done: int = 0                  # loops run by the token now looping
+    exit_remaining: np.float32 = np.float32(1.0)   # ouro modes: prod of (1 - hazard)
+    exit_triggered: bool = False         # delayed modes: exit after the next loop
+    cohort: int | None = None            # no_refill: the cohort this token loops with
+    bypassed: int = 0                    # admissions that went past this waiting request
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def decode_position(self) -> int:
+        """Position of the token now looping: the newest sampled token."""
+        return self.prompt_len + len(self.output_token_ids) - 1
+
+    @property
+    def max_positions(self) -> int:
+        """Positions this request can ever write (the last sampled token is never written)."""
+        return self.prompt_len + self.params.max_tokens - 1
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def start_token(self) -> None:
+        """The newest sampled token begins its loops."""
+        self.status = Status.LOOPING
+        self.loops_done = 0
+        self.exit_remaining = np.float32(1.0)
+        self.exit_triggered = False
+        self.cohort = None

@@ -1,0 +1,116 @@
+"""``LLM``: the offline Python API, in vLLM's shape.
+
+    llm = LLM("path/to/ouro", dtype="bfloat16",
+              cache_config=CacheConfig(kv_layout="last_exited"),
+              scheduler_config=SchedulerConfig(max_num_seqs=32),
+              exit_config=ExitConfig(mode="ouro"))
+    outputs = llm.generate(["Hello"], SamplingParams(max_tokens=64, exit_threshold=0.6))
+"""
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, Mapping, Sequence
+
+import jax
+
+from checkpoints.loader import load_checkpoint
+from rltjax.cache.block_tables import pages_needed
+from rltjax.cache.sizing import KVSizingError, allocate_paged_kv, num_pages_for_memory
+from rltjax.engine.llm_engine import LLMEngine, RequestRejectedError
+from rltjax.engine.outputs import RequestOutput
+from rltjax.engine_config import CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig
+from rltjax.models.base import get_model
+from rltjax.sampling_params import SamplingParams
+from rltjax.tokenizer import Tokenizer
+
+Prompt = str | Sequence[int] | Mapping[str, Any]
+
+
+def _setup_compilation_cache(path: str | None) -> None:
+    if path:
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def build_engine(model_dir, *, dtype=None, hf_overrides=None, cache_config: CacheConfig | None = None,
+                 scheduler_config: SchedulerConfig | None = None, exit_config: ExitConfig | None = None,
+                 execution_config: ExecutionConfig | None = None, params=None, cfg=None,
+                 tokenizer=None) -> LLMEngine:
+    """An LLMEngine from a checkpoint directory (or from given params + cfg, e.g. random weights)."""
+    cache_config = cache_config or CacheConfig()
+    scheduler_config = scheduler_config or SchedulerConfig()
+    exit_config = exit_config or ExitConfig()
+    execution_config = execution_config or ExecutionConfig()
+    _setup_compilation_cache(execution_config.compilation_cache_dir)
+    if params is None:
+        ckpt = load_checkpoint(model_dir, dtype=dtype, hf_overrides=hf_overrides)
+        cfg, params = ckpt.cfg, ckpt.params
+        tokenizer = tokenizer or Tokenizer.from_dir(ckpt.model_dir)
+    max_model_len = min(cfg.max_position, scheduler_config.max_model_len or cfg.max_position)
+    dtype = params.embed.dtype
+    num_planes = cfg.num_loops if cache_config.kv_layout == "last_exited" else 1
+    num_pages = cache_config.num_pages
+    if num_pages is None:
+        try:
+            num_pages = num_pages_for_memory(cfg, cache_config.page_size, dtype,
+                                             cache_config.gpu_memory_utilization)
+        except KVSizingError:   # no memory statistics (CPU): room for max_num_seqs full sequences
+            num_pages = 1 + scheduler_config.max_num_seqs * num_planes * pages_needed(
+                max_model_len, cache_config.page_size)
+    kv = allocate_paged_kv(cfg, num_pages, cache_config.page_size, dtype)
+    return LLMEngine(get_model(cfg), params, kv, tokenizer=tokenizer, cache_config=cache_config,
+                     scheduler_config=scheduler_config, exit_config=exit_config,
+                     execution_config=execution_config, max_model_len=max_model_len)
+
+
+class LLM:
+    def __init__(self, model: str, *, dtype: str | None = None, hf_overrides: Mapping[str, Any] | None = None,
+                 cache_config: CacheConfig | None = None, scheduler_config: SchedulerConfig | None = None,
+                 exit_config: ExitConfig | None = None, execution_config: ExecutionConfig | None = None):
+        self.engine = build_engine(model, dtype=dtype, hf_overrides=hf_overrides, cache_config=cache_config,
+                                   scheduler_config=scheduler_config, exit_config=exit_config,
+                                   execution_config=execution_config)
+        self._next_id = 0
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt; results come back in input order."""
+        if isinstance(prompts, (str, Mapping)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"sampling_params: got {len(sampling_params)} for {len(prompts)} prompts")
+        ids = []
+        try:
+            for prompt, sp in zip(prompts, sampling_params):
+                rid = str(self._next_id)
+                self._next_id += 1
+                self.engine.add_request(rid, prompt, sp)
+                ids.append(rid)
+        except RequestRejectedError:
+            for rid in ids:
+                self.engine.abort_request(rid)
+                self.engine.forget(rid)
+            raise
+        done, t0 = 0, time.perf_counter()
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished and out.request_id in ids:
+                    done += 1
+                    if use_tqdm and len(ids) > 1:
+                        rate = done / max(time.perf_counter() - t0, 1e-9)
+                        print(f"\r[rltjax] {done}/{len(ids)} requests ({rate:.1f} req/s)", end="",
+                              file=sys.stderr, flush=True)
+        if use_tqdm and len(ids) > 1:
+            print(file=sys.stderr)
+        results = [self.engine.get_output(rid) for rid in ids]
+        for rid in ids:
+            self.engine.forget(rid)
+        return results

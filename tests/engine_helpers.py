@@ -1,0 +1,62 @@
+"""Shared helpers for engine tests: build engines on the tiny fixture, drive workloads."""
+from __future__ import annotations
+
+from conftest import load_fixture, reference_model
+from rltjax.engine_config import CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig
+from rltjax.entrypoints.llm import build_engine
+from rltjax.tokenizer import Tokenizer
+
+from conftest import FIXTURES
+
+
+def make_engine(*, kv_layout="last_exited", page_size=4, mode="refill", max_num_seqs=4,
+                max_num_batched_tokens=16, prefill_chunk_size=8, exit_mode="ouro", num_pages=None,
+                depths_by_request=None, compile_ahead=False, min_coda_batch_size=1,
+                max_admission_bypasses=8, admission_scan_limit=32, name="ouro-tiny", tokenizer=False,
+                max_prefill_batches_before_decode=1, lookahead_seed=0):
+    ckpt = load_fixture(name)
+    return build_engine(
+        None, params=ckpt.params, cfg=ckpt.cfg,
+        tokenizer=Tokenizer.from_dir(FIXTURES / name) if tokenizer else None,
+        cache_config=CacheConfig(kv_layout=kv_layout, page_size=page_size, num_pages=num_pages),
+        scheduler_config=SchedulerConfig(
+            mode=mode, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            prefill_chunk_size=prefill_chunk_size, min_coda_batch_size=min_coda_batch_size,
+            max_admission_bypasses=max_admission_bypasses, admission_scan_limit=admission_scan_limit,
+            max_prefill_batches_before_decode=max_prefill_batches_before_decode),
+        exit_config=ExitConfig(mode=exit_mode, depths_by_request=depths_by_request,
+                               lookahead_seed=lookahead_seed),
+        execution_config=ExecutionConfig(compile_ahead=compile_ahead, compilation_cache_dir=None,
+                                         show_progress=False))
+
+
+def run_workload(engine, arrivals, max_steps=10_000):
+    """arrivals: list of (step_index, request_id, prompt, params). Returns outputs by id."""
+    pending = sorted(arrivals, key=lambda a: a[0])
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0][0] <= step:
+            _, rid, prompt, params = pending.pop(0)
+            engine.add_request(rid, prompt, params)
+        engine.step()
+        step += 1
+        assert step < max_steps, "workload did not finish"
+    return {rid: engine.get_output(rid) for _, rid, _, _ in arrivals}
+
+
+def assert_all_pages_free(engine):
+    alloc = engine.scheduler.allocator
+    alloc.check_invariants()
+    assert alloc.num_free == alloc.num_pages - 1 and alloc.num_used == 0 and alloc.num_reserved == 0
+    assert len(engine.scheduler.free_slots) == engine.scheduler.config.max_num_seqs
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+
+
+def reference_for(kv_layout, exit_mode="ouro", depths_by_request=None, lookahead_seed=0):
+    if depths_by_request is None:
+        return reference_model("ouro-tiny", kv_layout=kv_layout, exit_mode=exit_mode, lookahead_seed=lookahead_seed)
+    from rltjax.models.base import get_model
+    from rltjax.reference.generate import ReferenceModel
+    ckpt = load_fixture("ouro-tiny")
+    return ReferenceModel(get_model(ckpt.cfg), ckpt.params, kv_layout=kv_layout,
+                          exit_config=ExitConfig(mode="trace", depths_by_request=depths_by_request))

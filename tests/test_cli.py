@@ -10,41 +10,48 @@ from rltjax.entrypoints.cli import main
 from rltjax.sampling_params import SamplingParams
 from rltjax.tokenizer import Tokenizer
 
+FAST = ["--no-compile-ahead", "--compilation-cache-dir", "", "--max-num-seqs", "4",
+        "--max-num-batched-tokens", "32", "--prefill-chunk-size", "32"]
+
 
 def test_generate_greedy_matches_the_reference_oracle(capsys):
     tok = Tokenizer.from_dir(FIXTURES / "ouro-tiny")
     text = "Cooking rice takes patience and water."
-    rc = main(["generate", "--model", str(FIXTURES / "ouro-tiny"), "--prompt", text,
-               "--max-tokens", "12", "--ignore-eos"])
-    out = capsys.readouterr().out
-    assert rc == 0
     ref = reference_model("ouro-tiny").generate(
         tok.encode(text), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
-    assert f"output: {tok.decode(ref.token_ids)!r}" in out
-    assert "exit_depths: [4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4]" in out
+    for engine in ("batched", "reference"):
+        rc = main(["generate", "--model", str(FIXTURES / "ouro-tiny"), "--prompt", text, "--engine", engine,
+                   "--max-tokens", "12", "--ignore-eos", *FAST])
+        out = capsys.readouterr().out
+        assert rc == 0
+        assert f"output: {tok.decode(ref.token_ids)!r}" in out
+        assert "exit_depths: [4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4]" in out
 
 
 def test_generate_adaptive_depths_are_reported(capsys):
     rc = main(["generate", "--model", str(FIXTURES / "ouro-tiny"), "--max-tokens", "8", "--ignore-eos",
-               "--exit-threshold", "0.3", "--temperature", "1.0", "--seed", "5"])
-    depths = re.search(r"exit_depths: \[(.*)\]", capsys.readouterr().out).group(1)
-    depths = [int(d) for d in depths.split(",")]
-    assert rc == 0 and depths[0] == 4 and all(1 <= d <= 4 for d in depths)
+               "--exit-threshold", "0.3", "--temperature", "1.0", "--seed", "5", "--prompt", "a", "--prompt", "bb",
+               *FAST])
+    found = re.findall(r"exit_depths: \[(.*)\]", capsys.readouterr().out)
+    assert rc == 0 and len(found) == 2
+    for depths in found:
+        depths = [int(d) for d in depths.split(",")]
+        assert depths[0] == 4 and all(1 <= d <= 4 for d in depths)
 
 
 def test_generate_errors_are_reported_not_raised(capsys, tmp_path):
     assert main(["generate", "--model", str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
-    assert main(["generate", "--model", str(FIXTURES / "ouro-tiny"), "--max-loops", "7"]) == 2
+    assert main(["generate", "--model", str(FIXTURES / "ouro-tiny"), "--max-loops", "7", *FAST]) == 2
     assert "max_loops" in capsys.readouterr().err
-    assert main(["generate", "--model", str(FIXTURES / "ouro-tiny"), "--top-p", "0"]) == 2
+    assert main(["generate", "--model", str(FIXTURES / "ouro-tiny"), "--top-p", "0", *FAST]) == 2
     assert "top_p" in capsys.readouterr().err
 
 
 def test_convert_then_generate(tmp_path, capsys):
     dst = tmp_path / "converted"
     assert main(["convert", str(FIXTURES / "ouro-tiny"), str(dst), "--dtype", "float32"]) == 0
-    assert main(["generate", "--model", str(dst), "--max-tokens", "4", "--ignore-eos"]) == 0
+    assert main(["generate", "--model", str(dst), "--max-tokens", "4", "--ignore-eos", *FAST]) == 0
     assert "finish_reason: length; 4 tokens" in capsys.readouterr().out
 
 

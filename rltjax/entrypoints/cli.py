@@ -1,10 +1,10 @@
 """The ``rltjax`` command: ``generate`` and ``convert``.
 
-``generate`` runs the dense reference oracle for now (one request at a time,
-exact but slow); the batched engine replaces it behind the same flags.
-Without ``--model`` it uses a tiny random-weight Ouro checkpoint that rltjax
-writes itself (``checkpoints.tiny``), so the command works on a fresh machine:
-its text is gibberish by construction.
+``generate`` runs the batched engine (``LLM``) over the given prompts; with
+``--engine reference`` it runs the dense reference oracle instead (exact,
+one request at a time, slow). Without ``--model`` it uses a tiny random-weight
+Ouro checkpoint that rltjax writes itself (``checkpoints.tiny``), so the
+command works on a fresh machine: its text is gibberish by construction.
 """
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import argparse
 import sys
 import time
 from typing import Sequence
+
+from rltjax.entrypoints.engine_args import add_engine_arguments, configs_from_args
 
 DEFAULT_PROMPT = "The looped model thinks in loops:"
 
@@ -23,65 +25,72 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", action="append", default=None,
                    help=f"prompt text; repeat for several prompts (default: {DEFAULT_PROMPT!r})")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the checkpoint's chat template")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
-                   help="parameter dtype (default: the checkpoint's)")
-    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0, help="per-request sampling seed")
-    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
-    p.add_argument("--exit-mode", default="ouro",
-                   choices=["ouro", "ouro_delayed", "random_lookahead", "fixed"],
-                   help="how a decode token picks its loop count")
-    p.add_argument("--exit-threshold", type=float, default=1.0,
+    p.add_argument("--engine", default="batched", choices=["batched", "reference"],
+                   help="batched: the continuous-batching engine; reference: the dense oracle")
+    g = p.add_argument_group("sampling (per request)")
+    g.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0, help="per-request sampling seed")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    g.add_argument("--exit-threshold", type=float, default=1.0,
                    help="exit threshold q in [0, 1]; 1 = always run max-loops")
-    p.add_argument("--min-loops", type=int, default=1)
-    p.add_argument("--max-loops", type=int, default=None, help="default: the model's loop count")
-    p.add_argument("--kv-layout", default="last_exited", choices=["last_exited", "shared"])
-    p.add_argument("--hf-overrides", default=None,
-                   help='JSON object of config.json fields to override, e.g. \'{"total_ut_steps": 2}\'')
+    g.add_argument("--min-loops", type=int, default=1)
+    g.add_argument("--max-loops", type=int, default=None, help="default: the model's loop count")
+    add_engine_arguments(p)
+
+
+def _reference_outputs(model_dir, args, prompts, sp, configs):
+    from checkpoints.loader import load_checkpoint
+    from rltjax.models.base import get_model
+    from rltjax.reference.generate import ReferenceModel
+    from rltjax.tokenizer import Tokenizer
+    ckpt = load_checkpoint(model_dir, dtype=configs["dtype"], hf_overrides=configs["hf_overrides"])
+    tokenizer = Tokenizer.from_dir(ckpt.model_dir)
+    runner = ReferenceModel(get_model(ckpt.cfg), ckpt.params, kv_layout=args.kv_layout,
+                            exit_config=configs["exit_config"])
+    for text in prompts:
+        out = runner.generate(tokenizer.encode(text), sp, eos_token_ids=tokenizer.eos_token_ids)
+        yield text, tokenizer.decode(out.token_ids), out.exit_depths, out.finish_reason, len(out.token_ids)
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    import json
-
-    from checkpoints.loader import load_checkpoint
     from checkpoints.tiny import default_demo_checkpoint
-    from rltjax.engine_config import ExitConfig
-    from rltjax.models.base import get_model
-    from rltjax.reference.generate import ReferenceModel
+    from rltjax.entrypoints.llm import LLM
     from rltjax.sampling_params import SamplingParams
-    from rltjax.tokenizer import Tokenizer
 
     model_dir = args.model
     if model_dir is None:
         model_dir = default_demo_checkpoint()
         print(f"[rltjax] no --model given: using the built-in tiny Ouro checkpoint with RANDOM weights "
               f"({model_dir}); expect gibberish text", file=sys.stderr)
-    overrides = json.loads(args.hf_overrides) if args.hf_overrides else None
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                         top_p=args.top_p, seed=args.seed, min_loops=args.min_loops,
                         max_loops=args.max_loops, exit_threshold=args.exit_threshold,
                         ignore_eos=args.ignore_eos)
+    configs = configs_from_args(args)
+    prompts = args.prompt or [DEFAULT_PROMPT]
     t0 = time.perf_counter()
-    ckpt = load_checkpoint(model_dir, dtype=args.dtype, hf_overrides=overrides)
-    tokenizer = Tokenizer.from_dir(ckpt.model_dir)
-    runner = ReferenceModel(get_model(ckpt.cfg), ckpt.params, kv_layout=args.kv_layout,
-                            exit_config=ExitConfig(mode=args.exit_mode))
-    print(f"[rltjax] loaded {ckpt.cfg.arch} ({ckpt.cfg.num_layers} layers x {ckpt.cfg.num_loops} loops, "
-          f"{ckpt.dtype}) in {time.perf_counter() - t0:.1f}s; engine: dense reference", file=sys.stderr)
-    for text in args.prompt or [DEFAULT_PROMPT]:
+    if args.engine == "reference":
         if args.chat:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": text}])
-        ids = tokenizer.encode(text)
-        t0 = time.perf_counter()
-        out = runner.generate(ids, sp, eos_token_ids=tokenizer.eos_token_ids)
-        dt = time.perf_counter() - t0
-        print(f"prompt: {text!r}")
-        print(f"output: {tokenizer.decode(out.token_ids)!r}")
-        print(f"exit_depths: {out.exit_depths}")
-        print(f"finish_reason: {out.finish_reason}; {len(out.token_ids)} tokens in {dt:.2f}s")
+            raise ValueError("--chat is not supported with --engine reference")
+        results = list(_reference_outputs(model_dir, args, prompts, sp, configs))
+    else:
+        llm = LLM(str(model_dir), **configs)
+        if args.chat:
+            prompts = [llm.get_tokenizer().apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+        results = [(p, o.text, o.exit_depths, o.finish_reason, len(o.token_ids))
+                   for p, o in zip(prompts, llm.generate(prompts, sp))]
+    elapsed = time.perf_counter() - t0
+    for prompt, text, depths, reason, n in results:
+        print(f"prompt: {prompt!r}")
+        print(f"output: {text!r}")
+        print(f"exit_depths: {depths}")
+        print(f"finish_reason: {reason}; {n} tokens")
+    total = sum(r[4] for r in results)
+    print(f"[rltjax] {len(results)} prompt(s), {total} tokens in {elapsed:.2f}s including start-up "
+          f"(engine: {args.engine})", file=sys.stderr)
     return 0
 
 
@@ -105,12 +114,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     from checkpoints.safetensors_reader import CheckpointError
     from rltjax.config import ConfigError
     from rltjax.engine_config import EngineConfigError
+    from rltjax.engine.llm_engine import RequestRejectedError
     from rltjax.sampling_params import SamplingParamsError
 
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (CheckpointError, ConfigError, EngineConfigError, SamplingParamsError, ValueError) as exc:
+    except (CheckpointError, ConfigError, EngineConfigError, SamplingParamsError, RequestRejectedError,
+            ValueError) as exc:
         print(f"rltjax {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -1,0 +1,63 @@
+"""Engine flags shared by every command that builds an engine (vLLM-style names)."""
+from __future__ import annotations
+
+import argparse
+import json
+
+from rltjax.engine_config import (ATTN_IMPLS, EXIT_MODES, KV_LAYOUTS, SCHEDULER_MODES, CacheConfig,
+                                  ExecutionConfig, ExitConfig, SchedulerConfig, default_cache_dir)
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="parameter dtype (default: the checkpoint's)")
+    g.add_argument("--hf-overrides", default=None,
+                   help='JSON object of config.json fields to override, e.g. \'{"total_ut_steps": 2}\'')
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output in tokens (default: the model's position limit)")
+    g = p.add_argument_group("KV cache")
+    g.add_argument("--kv-layout", default="last_exited", choices=KV_LAYOUTS,
+                   help="last_exited: one KV plane per loop depth (exact); shared: one plane (less memory)")
+    g.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    g.add_argument("--num-pages", type=int, default=None, help="KV pool size in pages (overrides "
+                   "--gpu-memory-utilization)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of free device memory (after weights) given to the KV pool")
+    g = p.add_argument_group("scheduler")
+    g.add_argument("--scheduler-mode", default="refill", choices=SCHEDULER_MODES,
+                   help="refill: Continuous Depth Batching; no_refill: a cohort loops until all rows exit")
+    g.add_argument("--max-num-seqs", type=int, default=16, help="requests running at once")
+    g.add_argument("--max-num-batched-tokens", type=int, default=256, help="prefill tokens per step")
+    g.add_argument("--prefill-chunk-size", type=int, default=128, help="prompt tokens per request per step")
+    g.add_argument("--max-prefill-batches-before-decode", type=int, default=1)
+    g.add_argument("--min-coda-batch-size", type=int, default=1,
+                   help="heads wait for this many rows unless no loop work remains")
+    g = p.add_argument_group("exits")
+    g.add_argument("--exit-mode", default="ouro", choices=[m for m in EXIT_MODES if m != "trace"],
+                   help="how a decode token picks its loop count")
+    g.add_argument("--lookahead-seed", type=int, default=0, help="seed of random_lookahead's frozen head")
+    g = p.add_argument_group("execution")
+    g.add_argument("--attn-impl", default="auto", choices=ATTN_IMPLS,
+                   help="paged attention: auto = Pallas kernel on GPU, XLA elsewhere")
+    g.add_argument("--no-compile-ahead", action="store_true",
+                   help="compile batch shapes on first use instead of at start-up")
+    g.add_argument("--compilation-cache-dir", default=str(default_cache_dir()),
+                   help="XLA persistent compilation cache ('' disables it)")
+
+
+def configs_from_args(args: argparse.Namespace) -> dict:
+    """Keyword arguments for ``build_engine`` / ``LLM`` from parsed flags."""
+    return dict(
+        dtype=args.dtype,
+        hf_overrides=json.loads(args.hf_overrides) if args.hf_overrides else None,
+        cache_config=CacheConfig(kv_layout=args.kv_layout, page_size=args.page_size, num_pages=args.num_pages,
+                                 gpu_memory_utilization=args.gpu_memory_utilization),
+        scheduler_config=SchedulerConfig(
+            mode=args.scheduler_mode, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens, prefill_chunk_size=args.prefill_chunk_size,
+            max_prefill_batches_before_decode=args.max_prefill_batches_before_decode,
+            min_coda_batch_size=args.min_coda_batch_size, max_model_len=args.max_model_len),
+        exit_config=ExitConfig(mode=args.exit_mode, lookahead_seed=args.lookahead_seed),
+        execution_config=ExecutionConfig(attn_impl=args.attn_impl, compile_ahead=not args.no_compile_ahead,
+                                         compilation_cache_dir=args.compilation_cache_dir or None))

@@ -30,3 +30,15 @@ def test_bench_loop_pass_quick(tmp_path):
     run_script("bench_loop_pass.py", "--quick", "--out", str(out))
     rows = json.loads(out.read_text())["results"]
     assert rows and all(r["ms"] > 0 and r["bound_ms"] > 0 for r in rows)
+
+
+def test_bench_throughput_quick(tmp_path):
+    out = tmp_path / "thr.json"
+    run_script("bench_throughput.py", "--quick", "--out", str(out))
+    info = json.loads(out.read_text())
+    rows = info["results"]
+    assert [r["concurrency"] for r in rows] == [1, 4]
+    for r in rows:
+        assert r["output_tokens"] == r["requests"] * info["output_len"]
+        # fixed depth: every output token but each request's first costs R loop passes at most
+        assert r["steps"]["loop"] >= (info["output_len"] - 1) * 4

@@ -140,6 +140,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
         self.steps_by_kind[plan.kind] = self.steps_by_kind.get(plan.kind, 0) + 1
+        if plan.kind == "idle" and self.scheduler.waiting and not self.scheduler.running:
+            raise RuntimeError(f"scheduler stalled: {len(self.scheduler.waiting)} waiting request(s) cannot "
+                               f"be admitted into an empty engine (this is a bug)")
         affected = plan.rows or [c[0] for c in plan.chunks]
         try:
             if plan.kind == "prefill":
@@ -152,6 +155,8 @@ class LLMEngine:
             if self.runner.kv.k.is_deleted():
                 affected = [r for r in self.requests.values() if not r.finished]
             for req in affected:
+                if req.finished:   # finished normally before the failure (a head batch's earlier rows)
+                    continue
                 req.error = f"{type(exc).__name__}: {exc}"
                 self._finish(req, "error")
             if self.runner.kv.k.is_deleted():

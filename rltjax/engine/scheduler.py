@@ -83,6 +83,8 @@ class Scheduler:
             self.running.append(req)
             for earlier in blocked:
                 earlier.bypassed += 1
+            if any(earlier.bypassed >= self.config.max_admission_bypasses for earlier in blocked):
+                return                        # the limit holds within one scan too
 
     def release(self, req: Request) -> None:
         """Free everything a request holds (finish, abort, error). Idempotent."""

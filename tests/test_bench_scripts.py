@@ -34,7 +34,8 @@ def test_bench_loop_pass_quick(tmp_path):
 
 def test_bench_throughput_quick(tmp_path):
     out = tmp_path / "thr.json"
-    run_script("bench_throughput.py", "--quick", "--out", str(out))
+    run_script("bench_throughput.py", "--quick", "--concurrency", "1", "4", "--prompt-len", "16",
+               "--output-len", "8", "--no-compile-ahead", "--compilation-cache-dir", "", "--out", str(out))
     info = json.loads(out.read_text())
     rows = info["results"]
     assert [r["concurrency"] for r in rows] == [1, 4]

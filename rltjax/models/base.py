@@ -8,6 +8,18 @@ carrying its own position and depth in ``meta``:
     head(params, state[N, D], kv, meta)       -> logits[N, V] f32
 
 ``meta`` always has ``positions`` ([N] int32); the rest is the backend's.
+
+Boundary KV (Huginn): a model whose prelude/coda attend over earlier
+positions declares ``boundary_kv_layers`` = P + K > 0. Its boundary stages
+then take a second, separate KV pytree (one plane, P + K stacked layers:
+prelude block j is layer j, coda block j is layer P + j) through the same
+KVBackend, and return it updated:
+
+    embed(params, tokens, bkv, bmeta, backend, ...) -> (state, inject, bkv)
+    head(params, state, bkv, bmeta, backend)        -> (logits, bkv)
+
+The core KV (``loop``) keeps its own layer indices 0..L-1 and planes. The
+caller owns both pytrees and passes single-plane meta for the boundary one.
 Attention never touches a KV layout directly: it goes through a ``KVBackend``
 (dense per-request planes for the reference oracle, paged planes for the
 engine). Within one layer a row's K/V is written before it attends, so a row
@@ -36,14 +48,21 @@ class KVBackend(Protocol):
         ...
 
 
-IMPLEMENTED = ("ouro",)
+IMPLEMENTED = ("ouro", "nanbeige", "huginn")
 
 
 def arch_module(arch: str):
-    """The module of an architecture: ``hf_tensor_specs``, ``init_params``, the model class."""
+    """The module of an architecture: ``hf_tensor_specs``, ``init_params``, the model class
+    (and optionally ``HF_IGNORED_TENSORS``: checkpoint tensors that are derived buffers)."""
     if arch == "ouro":
         from rltjax.models import ouro
         return ouro
+    if arch == "nanbeige":
+        from rltjax.models import nanbeige
+        return nanbeige
+    if arch == "huginn":
+        from rltjax.models import huginn
+        return huginn
     raise NotImplementedError(
         f"architecture {arch!r} parses but is not implemented yet; rltjax currently runs: {IMPLEMENTED}")
 
@@ -52,3 +71,22 @@ def get_model(cfg):
     """The model object (embed / loop / head) for a config."""
     module = arch_module(cfg.arch)
     return module.MODEL_CLASS(cfg)
+
+
+def boundary_kv_layers(model) -> int:
+    """P + K layers of boundary (prelude/coda) KV; 0 for models whose embed/head read no KV."""
+    return int(getattr(model, "boundary_kv_layers", 0))
+
+
+def loop_limit(model) -> int:
+    """The most loops a request may ask for (``SamplingParams.max_loops``).
+
+    R (``cfg.num_loops``) unless the model allows deeper recurrence (Huginn:
+    ``max_recurrence``, any r up to it). Prompt tokens always run R loops.
+    """
+    return max(model.cfg.num_loops, int(getattr(model, "max_recurrence", 0)))
+
+
+def signal_kind(model) -> str:
+    """What ``loop``'s signal is: "gate" (a gate logit), "latent_diff" or "none" (zeros)."""
+    return getattr(model, "signal", "gate" if model.cfg.has_exit_gate else "none")

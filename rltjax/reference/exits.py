@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from rltjax.engine_config import EXIT_MODES
+
 F32 = np.float32
+# The engine's modes plus the zero-shot ones only the reference runs so far.
+REFERENCE_EXIT_MODES = EXIT_MODES + ("latent_diff",)
 
 
 def lookahead_weights(seed: int, hidden_size: int, initializer_range: float) -> np.ndarray:
@@ -38,7 +42,8 @@ class TokenExit:
         return self.q < F32(1)
 
     def after_loop(self, r: int, prob) -> bool:
-        """prob: hazard sigmoid(gate) (ouro modes) or lookahead score (random_lookahead)."""
+        """prob: hazard sigmoid(gate) (ouro modes), lookahead score (random_lookahead) or
+        relative latent change (latent_diff)."""
         if self.mode == "trace":
             return r >= self.trace_depth
         if self.mode in ("ouro", "ouro_delayed"):
@@ -55,6 +60,8 @@ class TokenExit:
         if self.mode == "ouro_delayed":
             self.triggered = bool(r >= self.min_loops and F32(1) - self.remaining >= self.q)
             return False
+        if self.mode == "latent_diff":  # prob: relative latent change ||s_r - s_{r-1}|| / ||s_r||
+            return bool(r >= self.min_loops and F32(prob) < self.q)
         if self.mode == "random_lookahead":
             self.triggered = bool(r + 1 >= self.min_loops and F32(prob) >= self.q)
             return False

@@ -1,10 +1,11 @@
-"""The ``rltjax`` command: ``generate`` and ``convert``.
+"""The ``rltjax`` command: ``generate``, ``serve`` and ``convert``.
 
 ``generate`` runs the batched engine (``LLM``) over the given prompts; with
 ``--engine reference`` it runs the dense reference oracle instead (exact,
 one request at a time, slow). Without ``--model`` it uses a tiny random-weight
 Ouro checkpoint that rltjax writes itself (``checkpoints.tiny``), so the
 command works on a fresh machine: its text is gibberish by construction.
+``serve`` runs the OpenAI-compatible HTTP server (``rltjax.entrypoints.server``).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import time
 from typing import Sequence
 
 from rltjax.entrypoints.engine_args import add_engine_arguments, configs_from_args
+from rltjax.entrypoints.server.launcher import add_serve_arguments, run_serve
 
 DEFAULT_PROMPT = "The looped model thinks in loops:"
 
@@ -103,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_generate_arguments(gen)
     gen.set_defaults(func=run_generate)
+    srv = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_serve_arguments(srv)
+    srv.set_defaults(func=run_serve)
     conv = sub.add_parser("convert", help="convert a Hugging Face checkpoint to rltjax's Orbax layout",
                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     convert.add_arguments(conv)

@@ -1,0 +1,128 @@
+"""OpenAI response bodies and stream chunks for completions and chat completions.
+
+Kept apart from the request flow (``serving.py``) so the wire format can be read
+in one place. Field names follow the OpenAI API; vLLM's ``stop_reason`` is
+added to choices, as vLLM does.
+"""
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any
+
+from rltjax.engine.outputs import RequestOutput
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class TokenStrings:
+    """The text of single tokens, for logprobs (a partial UTF-8 byte shows as U+FFFD, as in vLLM)."""
+
+    def __init__(self, tokenizer):
+        decode = (lambda t: f"token_id:{t}") if tokenizer is None else (
+            lambda t: tokenizer.decode([t], skip_special_tokens=False))
+        self._decode = functools.lru_cache(maxsize=65536)(decode)
+
+    def __call__(self, token_id: int) -> str:
+        return self._decode(int(token_id))
+
+
+def usage(out: RequestOutput) -> dict[str, int]:
+    p, c = len(out.prompt_token_ids), len(out.token_ids)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+class _Format:
+    object_name = ""
+    chunk_object = ""
+
+    def __init__(self, request_id: str, model: str, created: int, tokens: TokenStrings,
+                 logprobs: int | None, include_usage: bool):
+        self.request_id, self.model, self.created = request_id, model, created
+        self.tokens, self.logprobs, self.include_usage = tokens, logprobs, include_usage
+
+    def _envelope(self, obj: str, choices: list, **extra) -> dict[str, Any]:
+        return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices, **extra}
+
+    def usage_chunk(self, out: RequestOutput) -> dict[str, Any]:
+        return self._envelope(self.chunk_object, [], usage=usage(out))
+
+    def _chunk_extra(self) -> dict[str, Any]:
+        return {"usage": None} if self.include_usage else {}
+
+
+class CompletionFormat(_Format):
+    object_name = chunk_object = "text_completion"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._offset = 0   # text_offset of the next streamed token
+
+    def _logprobs(self, out: RequestOutput, start: int) -> dict[str, list] | None:
+        if self.logprobs is None or out.logprobs is None:
+            return None
+        res: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for tok, entry in zip(out.token_ids[start:], out.logprobs[start:]):
+            s = self.tokens(tok)
+            res["tokens"].append(s)
+            res["token_logprobs"].append(entry.get(tok))
+            res["top_logprobs"].append({self.tokens(t): lp for t, lp in entry.items()})
+            res["text_offset"].append(self._offset)
+            self._offset += len(s)
+        return res
+
+    def response(self, out: RequestOutput) -> dict[str, Any]:
+        choice = {"index": 0, "text": out.text, "logprobs": self._logprobs(out, 0),
+                  "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
+        return self._envelope(self.object_name, [choice], usage=usage(out))
+
+    def chunk(self, delta: str, out: RequestOutput, start: int, finish: str | None) -> dict[str, Any]:
+        choice = {"index": 0, "text": delta, "logprobs": self._logprobs(out, start), "finish_reason": finish,
+                  "stop_reason": out.stop_reason if finish else None}
+        return self._envelope(self.chunk_object, [choice], **self._chunk_extra())
+
+    def first_chunks(self) -> list[dict[str, Any]]:
+        return []
+
+
+class ChatFormat(_Format):
+    object_name, chunk_object = "chat.completion", "chat.completion.chunk"
+
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        s = self.tokens(token_id)
+        return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
+
+    def _logprobs(self, out: RequestOutput, start: int) -> dict[str, list] | None:
+        if self.logprobs is None or out.logprobs is None:
+            return None
+        content = []
+        for tok, entry in zip(out.token_ids[start:], out.logprobs[start:]):
+            top = sorted(entry.items(), key=lambda kv: -kv[1])[:self.logprobs]
+            content.append({**self._entry(tok, entry.get(tok)),
+                            "top_logprobs": [self._entry(t, lp) for t, lp in top]})
+        return {"content": content}
+
+    def response(self, out: RequestOutput) -> dict[str, Any]:
+        choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
+                  "logprobs": self._logprobs(out, 0), "finish_reason": out.finish_reason,
+                  "stop_reason": out.stop_reason}
+        return self._envelope(self.object_name, [choice], usage=usage(out))
+
+    def chunk(self, delta: str, out: RequestOutput, start: int, finish: str | None) -> dict[str, Any]:
+        choice = {"index": 0, "delta": {"content": delta} if delta or not finish else {},
+                  "logprobs": self._logprobs(out, start), "finish_reason": finish}
+        if finish:
+            choice["stop_reason"] = out.stop_reason
+        return self._envelope(self.chunk_object, [choice], **self._chunk_extra())
+
+    def first_chunks(self) -> list[dict[str, Any]]:
+        """OpenAI's first chat chunk carries the role and no text."""
+        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                  "finish_reason": None}
+        return [self._envelope(self.chunk_object, [choice], **self._chunk_extra())]

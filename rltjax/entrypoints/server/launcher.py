@@ -1,0 +1,73 @@
+"""``rltjax serve``: flags, and running the app under uvicorn with a draining shutdown.
+
+The HTTP server starts at once and the engine loads (and compiles) in its own
+thread meanwhile, so /health can answer 503 until the model is ready, as load
+balancers expect; a model that fails to load stops the server with the error.
+On SIGINT/SIGTERM the server drains: new requests get 503, in-flight ones run
+to completion (a second Ctrl+C forces the exit), then the engine stops.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from rltjax.entrypoints.engine_args import add_engine_arguments, configs_from_args
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="model directory (Hugging Face safetensors or `rltjax convert` output)")
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes the server)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model name(s) the API accepts; the first is reported (default: MODEL as given)")
+    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    g.add_argument("--max-waiting-requests", type=int, default=1024,
+                   help="queued (not yet running) requests before new ones get 429")
+    g.add_argument("--max-request-bytes", type=int, default=10 * 1024 * 1024,
+                   help="largest request body accepted (413 beyond)")
+    g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_engine_arguments(p)
+
+
+def make_server(app, *, host: str, port: int, log_level: str = "info"):
+    """A uvicorn server that marks the engine as draining before it stops accepting work."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            app.state.engine.begin_drain()
+            await super().shutdown(sockets)
+
+    return DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                         timeout_keep_alive=5, access_log=log_level == "debug"))
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from rltjax.entrypoints.llm import build_engine
+    from rltjax.entrypoints.server.app import build_app
+    from rltjax.entrypoints.server.async_engine import AsyncEngine
+
+    configs = configs_from_args(args)   # bad flags fail here, before anything starts
+    for flag in ("max_waiting_requests", "max_request_bytes"):
+        if getattr(args, flag) < 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 0")
+    server = None
+
+    def fatal(message: str) -> None:
+        print(f"[rltjax] {message}", file=sys.stderr)
+        if server is not None:
+            server.should_exit = True
+
+    engine = AsyncEngine(lambda: build_engine(args.model, **configs), on_fatal=fatal)
+    app = build_app(engine, served_names=args.served_model_name or [args.model], api_key=args.api_key,
+                    max_request_bytes=args.max_request_bytes, max_waiting_requests=args.max_waiting_requests,
+                    model_root=args.model)
+    server = make_server(app, host=args.host, port=args.port, log_level=args.log_level)
+    try:
+        server.run()
+    except KeyboardInterrupt:   # uvicorn re-raises the SIGINT it drained for; the drain is done
+        pass
+    if engine.error:
+        raise ValueError(engine.error)
+    return 0

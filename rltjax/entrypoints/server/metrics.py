@@ -1,0 +1,78 @@
+"""Prometheus metrics for the server (vLLM-style names under the ``rltjax:`` prefix).
+
+Latencies are measured from the moment the server queued a request (not from
+when the engine admitted it), so TTFT includes queueing, as a client sees it.
+Everything is recorded on the engine thread as outputs are handed out;
+``prometheus_client`` metrics are thread-safe. Each server gets its own
+registry so several servers (tests) can live in one process.
+"""
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+            20.0, 40.0, 80.0)
+_E2E = (0.01, 0.05, 0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 300.0)
+
+_DEPTHS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64)   # loop counts (Ouro: 4; Huginn: up to 64)
+
+
+class ServerMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self):
+        self.registry = r = CollectorRegistry()
+        p = "rltjax:"
+        self.ttft = Histogram(p + "time_to_first_token_seconds", "Time to first token (from queueing).",
+                              buckets=_LATENCY, registry=r)
+        self.tpot = Histogram(p + "time_per_output_token_seconds",
+                              "Mean time per output token after the first, per request.", buckets=_LATENCY,
+                              registry=r)
+        self.itl = Histogram(p + "inter_token_latency_seconds", "Time between consecutive output tokens.",
+                             buckets=_LATENCY, registry=r)
+        self.e2e = Histogram(p + "e2e_request_latency_seconds", "End-to-end request latency.", buckets=_E2E,
+                             registry=r)
+        self.exit_depth = Histogram(p + "exit_depth", "Loop passes each generated token ran before its exit.",
+                                    buckets=_DEPTHS, registry=r)
+        self.waiting = Gauge(p + "num_requests_waiting", "Requests queued for admission.", registry=r)
+        self.running = Gauge(p + "num_requests_running", "Requests holding a KV slot.", registry=r)
+        self.pages_used = Gauge(p + "kv_cache_pages_used", "KV pages allocated or reserved.", registry=r)
+        self.pages_total = Gauge(p + "kv_cache_pages_total", "Usable KV pages.", registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prefilled prompt tokens.", registry=r)
+        self.generation_tokens = Counter(p + "generation_tokens", "Generated (decode) tokens.", registry=r)
+        self.finished = Counter(p + "request_success", "Finished requests by finish reason.",
+                                ["finished_reason"], registry=r)
+        self.rejected = Counter(p + "request_rejected", "Requests refused before queueing, by HTTP status.",
+                                ["status"], registry=r)
+
+    def observe(self, track, out, now: float) -> None:
+        """One output of a tracked request (``track`` keeps its timing state)."""
+        new = len(out.token_ids) - track.num_tokens
+        if new > 0:
+            if track.num_tokens == 0:
+                self.ttft.observe(now - track.submitted)
+                self.prompt_tokens.inc(len(out.prompt_token_ids))
+            elif track.last_token is not None:
+                self.itl.observe((now - track.last_token) / new)
+            self.generation_tokens.inc(new)
+            self.exit_depth_of(out.exit_depths[max(1, track.num_tokens):])
+            track.num_tokens, track.last_token = len(out.token_ids), now
+        if out.finished:
+            self.e2e.observe(now - track.submitted)
+            self.finished.labels(out.finish_reason or "unknown").inc()
+            first = out.metrics.get("first_token_time")
+            if len(out.token_ids) > 1 and first is not None:
+                self.tpot.observe((now - first) / (len(out.token_ids) - 1))
+
+    def exit_depth_of(self, depths) -> None:
+        for d in depths:   # exit_depths[0] is the prompt's (always R): only decode tokens count
+            self.exit_depth.observe(d)
+
+    def set_state(self, waiting: int, running: int, pages_used: int, pages_total: int) -> None:
+        self.waiting.set(waiting)
+        self.running.set(running)
+        self.pages_used.set(pages_used)
+        self.pages_total.set(pages_total)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

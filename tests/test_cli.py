@@ -58,3 +58,23 @@ def test_convert_then_generate(tmp_path, capsys):
 def test_python_dash_m_entry_point():
     res = subprocess.run([sys.executable, "-m", "rltjax", "generate", "--help"], capture_output=True, text=True)
     assert res.returncode == 0 and "--exit-threshold" in res.stdout
+
+
+def test_bench_subcommand(tmp_path, capsys):
+    import json
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--quick", "--concurrency", "1", "2", "--prompt-len", "8", "--output-len", "4",
+                 "--out", str(out), *FAST]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [r["concurrency"] for r in rows] == [1, 2] and all(r["output_tokens_per_s"] > 0 for r in rows)
+    assert "output tok/s" in capsys.readouterr().out
+
+
+def test_every_subcommand_documents_the_engine_flags():
+    for cmd in ("generate", "serve", "bench"):
+        res = subprocess.run([sys.executable, "-m", "rltjax", cmd, "--help"], capture_output=True, text=True)
+        assert res.returncode == 0
+        for flag in ("--max-num-seqs", "--max-num-batched-tokens", "--kv-layout", "--exit-mode",
+                     "--prefill-chunk-size", "--scheduler-mode", "--dtype", "--num-pages",
+                     "--gpu-memory-utilization"):
+            assert flag in res.stdout, (cmd, flag)

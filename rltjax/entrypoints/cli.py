@@ -98,6 +98,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from checkpoints import convert
+    from rltjax.entrypoints.bench import add_bench_arguments, run_bench
 
     parser = argparse.ArgumentParser(prog="rltjax", description="Serve looped language models with JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -109,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_serve_arguments(srv)
     srv.set_defaults(func=run_serve)
+    bench = sub.add_parser("bench", help="offline throughput at fixed concurrency (random weights by default)",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_bench_arguments(bench)
+    bench.set_defaults(func=run_bench)
     conv = sub.add_parser("convert", help="convert a Hugging Face checkpoint to rltjax's Orbax layout",
                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     convert.add_arguments(conv)

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from rltjax.config import ModelConfig
 from rltjax.models.base import KVBackend
 from rltjax.models.layers import rms_norm, rope_rotate_half, swiglu
-from rltjax.models.params import TensorSpec
+from rltjax.models.params import TensorSpec, llama_stack_specs
 
 
 @jax.tree_util.register_dataclass
@@ -47,27 +47,8 @@ class NanbeigeParams:
 
 
 def hf_tensor_specs(cfg: ModelConfig) -> list[TensorSpec]:
-    D, F, V, L = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_layers
-    q, kv = cfg.q_width, cfg.kv_width
-    lay = "model.layers.{i}."
-
-    def stacked(param, name, shape, transpose=False):
-        return TensorSpec("layers." + param, lay + name, shape, num_stacked=L, transpose=transpose)
-
-    return [
-        TensorSpec("embed", "model.embed_tokens.weight", (V, D)),
-        stacked("attn_norm", "input_layernorm.weight", (D,)),
-        stacked("mlp_norm", "post_attention_layernorm.weight", (D,)),
-        stacked("wq", "self_attn.q_proj.weight", (q, D), transpose=True),
-        stacked("wk", "self_attn.k_proj.weight", (kv, D), transpose=True),
-        stacked("wv", "self_attn.v_proj.weight", (kv, D), transpose=True),
-        stacked("wo", "self_attn.o_proj.weight", (D, q), transpose=True),
-        stacked("w_gate", "mlp.gate_proj.weight", (F, D), transpose=True),
-        stacked("w_up", "mlp.up_proj.weight", (F, D), transpose=True),
-        stacked("w_down", "mlp.down_proj.weight", (D, F), transpose=True),
-        TensorSpec("norm", "model.norm.weight", (D,)),
-        TensorSpec("lm_head", "lm_head.weight", (V, D), transpose=True),
-    ]
+    return llama_stack_specs(cfg, {"attn_norm": "input_layernorm.weight",
+                                   "mlp_norm": "post_attention_layernorm.weight"})
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype: Any = jnp.bfloat16) -> NanbeigeParams:

@@ -77,3 +77,29 @@ def unflatten_params(template: Any, flat: dict[str, Any]) -> Any:
 def map_params(fn: Callable[[str, Any], Any], params: Any) -> Any:
     flat = flatten_params(params)
     return unflatten_params(params, {name: fn(name, leaf) for name, leaf in flat.items()})
+
+
+def llama_stack_specs(cfg, layer_norms: dict[str, str]) -> list[TensorSpec]:
+    """The Llama-family layout shared by Ouro and Nanbeige: embeddings, the stacked
+    q/k/v/o and SwiGLU projections, ``layer_norms`` ({param: HF name under the layer}),
+    the final norm and an untied lm_head."""
+    D, F, V, L = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_layers
+    q, kv = cfg.q_width, cfg.kv_width
+
+    def stacked(param, name, shape, transpose=False):
+        return TensorSpec("layers." + param, "model.layers.{i}." + name, shape, num_stacked=L,
+                          transpose=transpose)
+
+    return [
+        TensorSpec("embed", "model.embed_tokens.weight", (V, D)),
+        *(stacked(param, name, (D,)) for param, name in layer_norms.items()),
+        stacked("wq", "self_attn.q_proj.weight", (q, D), transpose=True),
+        stacked("wk", "self_attn.k_proj.weight", (kv, D), transpose=True),
+        stacked("wv", "self_attn.v_proj.weight", (kv, D), transpose=True),
+        stacked("wo", "self_attn.o_proj.weight", (D, q), transpose=True),
+        stacked("w_gate", "mlp.gate_proj.weight", (F, D), transpose=True),
+        stacked("w_up", "mlp.up_proj.weight", (F, D), transpose=True),
+        stacked("w_down", "mlp.down_proj.weight", (D, F), transpose=True),
+        TensorSpec("norm", "model.norm.weight", (D,)),
+        TensorSpec("lm_head", "lm_head.weight", (V, D), transpose=True),
+    ]

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-EXIT_MODES = ("ouro", "ouro_delayed", "random_lookahead", "trace", "fixed")
+EXIT_MODES = ("ouro", "ouro_delayed", "random_lookahead", "trace", "fixed", "latent_diff")
 KV_LAYOUTS = ("last_exited", "shared")
 SCHEDULER_MODES = ("refill", "no_refill")
 ATTN_IMPLS = ("auto", "xla", "pallas")
@@ -39,8 +39,10 @@ class ExitConfig:
     mode: ``ouro`` (cumulative gate hazard, same step), ``ouro_delayed`` (trigger
     at r exits after r+1), ``random_lookahead`` (seeded random Linear(h->1)
     scoring "exit after one more loop"), ``trace`` (replay recorded depths),
-    ``fixed`` (always max_loops). A request with exit_threshold 1, or a model
-    without an exit signal, runs fixed depth whatever the mode.
+    ``fixed`` (always max_loops), ``latent_diff`` (zero-shot, models whose loop
+    signal is the relative latent change ||s_r - s_{r-1}|| / ||s_r||, e.g. Huginn:
+    exit at r >= min_loops once it is below q). A request with exit_threshold 1,
+    or a model without a learned gate in the ``ouro`` modes, runs fixed depth.
     """
     mode: str = "ouro"
     lookahead_seed: int = 0
@@ -60,22 +62,44 @@ class CacheConfig:
     """Paged KV. num_pages: explicit pool size (page 0 is scratch); else
     gpu_memory_utilization of the free device memory measured after weights load
     (devices without memory statistics, e.g. CPU, size the pool for max_num_seqs
-    full-length sequences instead)."""
+    full-length sequences instead).
+
+    max_loops: the deepest recurrence any request may ask for
+    (``SamplingParams.max_loops``); None means the model's loop count R. Only models
+    that allow recurrence beyond R (Huginn: up to ``loop_limit``) accept more. It
+    sizes the ``last_exited`` layout: every request owns max_loops planes (prompt
+    tokens run R loops and fill planes R..max_loops by their depth-R KV), so KV
+    memory per request grows linearly with it; ``shared`` keeps one plane whatever
+    it is. Requests asking for more are rejected at ``add_request``.
+
+    Models with boundary stages (Huginn's prelude/coda) get a second pool with one
+    plane of P + K layers and the same page size; it is sized in proportion to this
+    one (1 + (num_pages - 1) // planes pages), so it never limits admission.
+    """
     kv_layout: str = "last_exited"
     page_size: int = 16
     num_pages: int | None = None
     gpu_memory_utilization: float = 0.9
+    max_loops: int | None = None
 
     def __post_init__(self) -> None:
         if self.kv_layout not in KV_LAYOUTS:
             _bad("CacheConfig", "kv_layout", self.kv_layout, f"choose one of {KV_LAYOUTS}")
         if self.page_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             _bad("CacheConfig", "page_size", self.page_size, "must be a power of two in 1..128")
-        _positive("CacheConfig", num_pages=self.num_pages)
+        _positive("CacheConfig", num_pages=self.num_pages, max_loops=self.max_loops)
         if self.num_pages is not None and self.num_pages < 2:
             _bad("CacheConfig", "num_pages", self.num_pages, "needs >= 2 (page 0 is scratch)")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             _bad("CacheConfig", "gpu_memory_utilization", self.gpu_memory_utilization, "must be in (0, 1]")
+
+    def loop_cap(self, num_loops: int) -> int:
+        """The most loops a request may run on this engine (R when max_loops is unset)."""
+        return num_loops if self.max_loops is None else self.max_loops
+
+    def num_planes(self, num_loops: int) -> int:
+        """Core KV planes per request: one per depth up to the cap (last_exited) or one (shared)."""
+        return max(num_loops, self.loop_cap(num_loops)) if self.kv_layout == "last_exited" else 1
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,14 +6,16 @@ elements exceeds 2**31 on large devices, and per-dim int32 indices cannot
 overflow where a flattened one would.
 
 Copy-on-exit (``last_exited``). When a decode token at position j exits at
-depth e < R, its plane-e entry is copied into planes e+1..R at position j, so
+depth e < cap (R, or the engine's loop cap CacheConfig.max_loops above R), its
+plane-e entry is copied into planes e+1..cap at position j, so
 a later query at depth d reads plane min(d, e) without any per-key depth logic
 in attention. Ordering requirement: the copy must run after the pass that
 wrote the token's plane-e K/V (its loop e) and before any later query at a
 plane > e can read position j, i.e. before the next loop pass that holds a
 later position of the same sequence. Decode never runs position j+1 before
 token j has exited (it is sampled from j's head), so issuing the copies
-between passes suffices. Prompt tokens run all R loops and need no copy.
+between passes suffices. Prompt tokens run all R loops and need no copy (planes
+above R, when the cap exceeds R, are written by their last prefill loop).
 All copies of one ``copy_slots`` call read the pool before any is written, so
 a batch must not contain a slot as both a source and a destination (exit
 copies never do: distinct tokens own distinct slots).
@@ -32,7 +34,9 @@ def write_kv(kv, layer, k: jax.Array, v: jax.Array, write_page: jax.Array, write
     """Scatter rows' K/V [N, Hkv, Dh] into layer ``layer`` at (write_page, write_offset).
 
     The advanced indices (layer, page, offset) are split by the head slice, so
-    the indexed block has shape [N, Hkv, Dh], matching k/v. Padded rows all
+    the indexed block has shape [N, Hkv, Dh], matching k/v. write_page may also
+    be [M, N]: each row is then written to M pages at its offset (a prompt's
+    last loop filling the planes beyond R); k/v broadcast over M. Padded rows all
     target page 0; their duplicate writes race only on the scratch page.
     """
     idx = (layer, slice(None), write_page, write_offset)
@@ -63,6 +67,7 @@ def exit_copy_slots(block_tables_np: np.ndarray, table_of_plane: Callable[[int, 
                     seq: int, position: int, exit_depth: int, num_loops: int, page_size: int):
     """Slots to copy for one token of ``seq`` at ``position`` exiting at ``exit_depth`` (1-based).
 
+    num_loops: the number of planes (R, or the engine's loop cap above R).
     table_of_plane: (seq, plane) -> table index, or an array [num_seqs, R];
     plane p (0-based) serves queries at depth p + 1. Returns
     (src_page, src_offset, dst_page, dst_offset), int32 arrays of length

@@ -10,14 +10,18 @@ Layout
                  allocator must never hand out page 0.
   block tables:  [num_tables, pages_per_table] int32, one table per
                  (sequence, plane). The pool itself is shared by all planes:
-                 a plane is only a set of tables. ``last_exited`` keeps R planes
-                 per request (R tables: plane d-1 serves queries at depth d);
+                 a plane is only a set of tables. ``last_exited`` keeps one plane
+                 per depth up to the loop cap (R, or CacheConfig.max_loops above
+                 it) per request (plane d-1 serves queries at depth d);
                  ``shared`` keeps one plane (1 table) that every loop overwrites.
+                 Boundary KV (Huginn's prelude/coda) is a second PagedKV of P + K
+                 layers with one plane and its own block tables.
   a slot:        (page, offset) = (table[pos // page_size], pos % page_size).
 
 Read rule (DESIGN section 2). ``last_exited``: a query at depth d reads an
 earlier token of exit depth e at plane min(d, e); we get that by copy-on-exit
-(``kv_update.copy_slots``: the plane-e entry is copied into planes e+1..R)
+(``kv_update.copy_slots``: the plane-e entry is copied into planes e+1..cap;
+prompt tokens, depth R, are written to planes R..cap by their last loop)
 so attention itself never branches on depth. ``shared``: one plane, read as is.
 
 Within a layer every row writes its K/V before any row attends (one scatter,
@@ -56,7 +60,7 @@ class PagedKV:
 class PagedMeta:
     """Per-pass row metadata (all int32). Padded rows: write_page 0, lengths 0."""
     positions: jax.Array      # [N] RoPE position of each row
-    write_page: jax.Array     # [N] physical page each row writes (padded rows -> 0)
+    write_page: jax.Array     # [N] physical page each row writes (padded rows -> 0); [M, N]: M pages per row
     write_offset: jax.Array   # [N] offset in that page
     row_tables: jax.Array     # [N] block table each row reads: its (sequence, plane)
     lengths: jax.Array        # [N] keys 0..length-1 visible (position + 1; 0 for padding)

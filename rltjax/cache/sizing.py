@@ -4,6 +4,11 @@ A page holds ``page_size`` tokens of one plane for all layers and heads:
 bytes_per_page = L * Hkv * page_size * Dh * 2 (K and V) * itemsize.
 Page 0 is the scratch page (see paged_kv), so a pool of P pages serves
 P - 1 pages of live tokens.
+
+Models with boundary stages (Huginn) have a second pool of P + K layers and one
+plane; ``boundary_num_pages`` sizes it in proportion to the core pool so that it
+never limits admission, and ``num_pages_for_memory`` then charges each core page
+its share of the boundary pool.
 """
 from __future__ import annotations
 
@@ -17,16 +22,24 @@ class KVSizingError(ValueError):
     pass
 
 
-def kv_bytes_per_token_per_plane(cfg, dtype) -> int:
-    """K and V of one token at one plane, over all layers and KV heads."""
-    return cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * jnp.dtype(dtype).itemsize
+def kv_bytes_per_token_per_plane(cfg, dtype, num_layers: int | None = None) -> int:
+    """K and V of one token at one plane, over all layers (default: the core's) and KV heads."""
+    layers = cfg.num_layers if num_layers is None else num_layers
+    return layers * cfg.num_kv_heads * cfg.head_dim * 2 * jnp.dtype(dtype).itemsize
 
 
-def bytes_per_page(cfg, page_size: int, dtype) -> int:
-    return page_size * kv_bytes_per_token_per_plane(cfg, dtype)
+def bytes_per_page(cfg, page_size: int, dtype, num_layers: int | None = None) -> int:
+    return page_size * kv_bytes_per_token_per_plane(cfg, dtype, num_layers)
 
 
-def num_pages_for_memory(cfg, page_size: int, dtype, fraction: float, device=None) -> int:
+def boundary_num_pages(num_pages: int, num_planes: int) -> int:
+    """Boundary pool size for a core pool of ``num_pages``: a request holds n pages per core
+    plane and n boundary pages, so (num_pages - 1) // num_planes usable pages always suffice."""
+    return 1 + max(1, (num_pages - 1) // num_planes)
+
+
+def num_pages_for_memory(cfg, page_size: int, dtype, fraction: float, device=None, *,
+                         boundary_layers: int = 0, num_planes: int = 1) -> int:
     """Pages that fit in ``fraction`` of the device's free memory (scratch page included).
 
     Call after the weights are loaded and a warm-up step has run, so
@@ -42,23 +55,29 @@ def num_pages_for_memory(cfg, page_size: int, dtype, fraction: float, device=Non
             f"device {device} ({device.platform}) reports no memory statistics, so the KV pool cannot "
             "be sized from free memory; pass an explicit num_pages instead")
     free = int(stats["bytes_limit"]) - int(stats["bytes_in_use"])
-    pages = int(free * fraction) // bytes_per_page(cfg, page_size, dtype)
+    page_bytes = bytes_per_page(cfg, page_size, dtype)
+    if boundary_layers:   # each core page carries 1 / num_planes of a boundary page
+        page_bytes += -(-bytes_per_page(cfg, page_size, dtype, boundary_layers) // num_planes)
+    pages = int(free * fraction) // page_bytes
     if pages < 2:
         raise KVSizingError(
             f"only {max(free, 0)} free bytes on {device} (fraction {fraction}): room for {pages} KV pages of "
-            f"{bytes_per_page(cfg, page_size, dtype)} bytes; need at least 2 (page 0 is scratch)")
+            f"{page_bytes} bytes; need at least 2 (page 0 is scratch)")
     return pages
 
 
-def allocate_paged_kv(cfg, num_pages: int, page_size: int, dtype, device=None) -> PagedKV:
-    """A zeroed pool [L, Hkv, num_pages, page_size, Dh] for K and V, created on the device.
+def allocate_paged_kv(cfg, num_pages: int, page_size: int, dtype, device=None,
+                      num_layers: int | None = None) -> PagedKV:
+    """A zeroed pool [L, Hkv, num_pages, page_size, Dh] for K and V, created on the device
+    (L = num_layers, default the core's; the boundary pool passes P + K).
 
     Zeros are produced by a jitted computation, so no host buffer of the pool's
     size is ever built or transferred.
     """
     if num_pages < 2:
         raise KVSizingError(f"num_pages={num_pages}: need at least 2 (page 0 is scratch)")
-    shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
+    shape = (cfg.num_layers if num_layers is None else num_layers, cfg.num_kv_heads, num_pages, page_size,
+             cfg.head_dim)
     device = device if device is not None else jax.devices()[0]
     zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=jax.sharding.SingleDeviceSharding(device))
     return PagedKV(k=zeros(), v=zeros())

@@ -1,10 +1,11 @@
 """Exit decisions for a loop pass, vectorised over its rows (host, float32).
 
 The device returns, per row, the gate hazard sigmoid(gate logit) and the
-lookahead score; everything else is float32 numpy arithmetic here, so a
-decision does not depend on which rows shared the pass. Each mode is one
-vectorised rule (DESIGN section 2); a new mode (e.g. Huginn's latent
-difference) adds a row to ``_RULES``.
+lookahead score, or, for modes that read the loop's own signal (``latent_diff``:
+Huginn's relative latent change), that raw signal; everything else is float32
+numpy arithmetic here, so a decision does not depend on which rows shared the
+pass. Each mode is one vectorised rule (DESIGN section 2); a new mode adds a row
+to ``_RULES``.
 """
 from __future__ import annotations
 
@@ -13,51 +14,73 @@ from typing import Callable, Sequence
 import numpy as np
 
 from rltjax.engine.sequence import Request
+from rltjax.engine_config import EngineConfigError
 
 F32 = np.float32
 
 
-def _ouro(r, lo, hi, q, cdf, score, triggered):
+def _ouro(r, lo, hi, q, cdf, score, signal, triggered):
     exit_now = (r >= hi) | ((q < 1) & (r >= lo) & (cdf >= q))
     return exit_now, np.zeros_like(exit_now)
 
 
-def _ouro_delayed(r, lo, hi, q, cdf, score, triggered):
+def _ouro_delayed(r, lo, hi, q, cdf, score, signal, triggered):
     exit_now = (r >= hi) | triggered
     return exit_now, ~exit_now & (q < 1) & (r >= lo) & (cdf >= q)
 
 
-def _random_lookahead(r, lo, hi, q, cdf, score, triggered):
+def _random_lookahead(r, lo, hi, q, cdf, score, signal, triggered):
     exit_now = (r >= hi) | triggered
     return exit_now, ~exit_now & (q < 1) & (r + 1 >= lo) & (score >= q)
 
 
-def _fixed(r, lo, hi, q, cdf, score, triggered):
+def _fixed(r, lo, hi, q, cdf, score, signal, triggered):
     exit_now = r >= hi
     return exit_now, np.zeros_like(exit_now)
 
 
-# mode -> (uses the cumulative hazard, rule(r, min, max, q, cdf, score, triggered) -> (exit, trigger))
+def _latent_diff(r, lo, hi, q, cdf, score, signal, triggered):
+    exit_now = (r >= hi) | ((q < 1) & (r >= lo) & (signal < q))
+    return exit_now, np.zeros_like(exit_now)
+
+
+# mode -> (uses the cumulative hazard, rule(r, min, max, q, cdf, score, signal, triggered) -> (exit, trigger))
 _RULES: dict[str, tuple[bool, Callable]] = {
     "ouro": (True, _ouro),
     "ouro_delayed": (True, _ouro_delayed),
     "random_lookahead": (False, _random_lookahead),
     "fixed": (False, _fixed),
+    "latent_diff": (False, _latent_diff),
 }
+# modes that read the loop's raw signal instead of hazard / lookahead score
+RAW_SIGNAL_MODES = ("latent_diff",)
 
 
 class ExitPolicy:
     """Applies one exit mode to the rows of each loop pass."""
 
-    def __init__(self, mode: str, has_gate: bool):
+    def __init__(self, mode: str, has_gate: bool, signal_kind: str = "gate"):
+        """signal_kind: what the model's loop signal is (``rltjax.models.base.signal_kind``)."""
         if mode in ("ouro", "ouro_delayed") and not has_gate:
             mode = "fixed"          # no learned signal: fixed depth (DESIGN section 2)
         if mode not in _RULES and mode != "trace":
             raise ValueError(f"unknown exit mode {mode!r}")
+        if mode == "latent_diff" and signal_kind != "latent_diff":
+            raise EngineConfigError(f"ExitConfig.mode='latent_diff' needs a model whose loop signal is the "
+                                    f"relative latent change (Huginn); this model's is {signal_kind!r}")
         self.mode = mode
 
-    def after_pass(self, rows: Sequence[Request], hazard: np.ndarray, score: np.ndarray) -> np.ndarray:
-        """Rows have just run loop ``row.loops_done``; returns the rows that exit now."""
+    @property
+    def raw_signal(self) -> bool:
+        """Whether the device should return the loop's raw signal (instead of hazard and score)."""
+        return self.mode in RAW_SIGNAL_MODES
+
+    def after_pass(self, rows: Sequence[Request], hazard: np.ndarray | None, score: np.ndarray | None,
+                   signal: np.ndarray | None = None) -> np.ndarray:
+        """Rows have just run loop ``row.loops_done``; returns the rows that exit now.
+
+        hazard / score: sigmoid(gate) and the lookahead score (None when ``raw_signal``);
+        signal: the loop's raw signal (only when ``raw_signal``)."""
         r = np.array([row.loops_done for row in rows])
         if self.mode == "trace":
             trace = np.array([row.trace_depths[len(row.output_token_ids)] for row in rows])
@@ -71,7 +94,8 @@ class ExitPolicy:
             remaining = (remaining * (F32(1) - hazard.astype(F32))).astype(F32)
         triggered = np.array([row.exit_triggered for row in rows], bool)
         exit_now, trigger = rule(r, lo, hi, q, (F32(1) - remaining).astype(F32),
-                                 score.astype(F32), triggered)
+                                 None if score is None else score.astype(F32),
+                                 None if signal is None else signal.astype(F32), triggered)
         for row, rem, trig in zip(rows, remaining, trigger):
             row.exit_remaining = F32(rem)
             row.exit_triggered = bool(trig)

@@ -13,17 +13,17 @@ import secrets
 import time
 from typing import Any, Mapping, Sequence
 
-import jax
 import numpy as np
 
 from rltjax.cache.paged_kv import PagedKV
 from rltjax.engine.exit_policy import ExitPolicy
 from rltjax.engine.outputs import IncrementalDetokenizer, RequestOutput, StopChecker
-from rltjax.engine.runner import ModelRunner
+from rltjax.engine.runner import BoundaryRows, ModelRunner
 from rltjax.engine.scheduler import Scheduler
 from rltjax.engine.sequence import Request, Status
-from rltjax.engine_config import (CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig,
+from rltjax.engine_config import (CacheConfig, EngineConfigError, ExecutionConfig, ExitConfig, SchedulerConfig,
                                   check_combination, validate_trace_depths)
+from rltjax.models.base import loop_limit, signal_kind
 from rltjax.reference.exits import lookahead_weights
 from rltjax.sampling import split_seed
 from rltjax.sampling_params import SamplingParams, SamplingParamsError
@@ -33,27 +33,45 @@ class RequestRejectedError(ValueError):
     """A request that can never run (too long, too large for the KV cache, bad input)."""
 
 
+def check_loop_cap(cache_config: CacheConfig, model) -> int:
+    """CacheConfig.max_loops (default R) checked against the model: R <= cap <= loop_limit."""
+    R, limit = model.cfg.num_loops, loop_limit(model)
+    cap = cache_config.loop_cap(R)
+    if not R <= cap <= limit:
+        raise EngineConfigError(
+            f"CacheConfig.max_loops={cache_config.max_loops}: must be in [R={R}, {limit}] for "
+            f"{model.cfg.arch} (prompt tokens run R loops; the model allows at most {limit})")
+    return cap
+
+
 class LLMEngine:
     def __init__(self, model, params, kv: PagedKV, *, tokenizer=None, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, exit_config: ExitConfig,
-                 execution_config: ExecutionConfig, max_model_len: int):
+                 execution_config: ExecutionConfig, max_model_len: int, boundary_kv: PagedKV | None = None):
+        """boundary_kv: the boundary (prelude/coda) pool, for models with boundary stages."""
         check_combination(cache_config, scheduler_config, exit_config, execution_config)
         self.cfg = model.cfg
         self.tokenizer = tokenizer
         self.cache_config = cache_config
         self.exit_config = exit_config
         self.layered = cache_config.kv_layout == "last_exited"
-        num_planes = self.cfg.num_loops if self.layered else 1
+        R = self.cfg.num_loops
+        self.loop_cap = check_loop_cap(cache_config, model)   # the most loops a request may ask for
+        self.loop_limit = loop_limit(model)
+        self.num_planes = cache_config.num_planes(R)
+        self.exit_policy = ExitPolicy(exit_config.mode, self.cfg.has_exit_gate, signal_kind(model))
         self.scheduler = Scheduler(scheduler_config, num_pages=kv.num_pages, page_size=cache_config.page_size,
-                                   num_planes=num_planes, max_model_len=max_model_len,
-                                   position_sequential_prefill=not self.layered)
+                                   num_planes=self.num_planes, max_model_len=max_model_len,
+                                   position_sequential_prefill=not self.layered,
+                                   boundary_num_pages=0 if boundary_kv is None else boundary_kv.num_pages)
         self.runner = ModelRunner(model, params, kv, max_num_seqs=scheduler_config.max_num_seqs,
                                   max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
                                   attn_impl=execution_config.attn_impl,
                                   lookahead_w=lookahead_weights(exit_config.lookahead_seed, self.cfg.hidden_size,
                                                                 self.cfg.initializer_range),
-                                  max_copies=scheduler_config.max_num_seqs * max(1, self.cfg.num_loops - 1))
-        self.exit_policy = ExitPolicy(exit_config.mode, self.cfg.has_exit_gate)
+                                  max_copies=scheduler_config.max_num_seqs * max(1, self.num_planes - 1),
+                                  boundary_kv=boundary_kv, prefill_write_planes=max(R, self.num_planes),
+                                  raw_signal=self.exit_policy.raw_signal)
         self.eos_token_ids = tuple(tokenizer.eos_token_ids if tokenizer is not None else self.cfg.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, Any] = {}
@@ -63,8 +81,9 @@ class LLMEngine:
         self.steps_by_kind: dict[str, int] = {}
         self.compile_seconds = 0.0
         if execution_config.compile_ahead:
-            self.compile_seconds = self.runner.warm_up(self.scheduler.block_tables.array,
-                                                       execution_config.show_progress)
+            self.compile_seconds = self.runner.warm_up(
+                self.scheduler.block_tables.array, execution_config.show_progress,
+                None if self.scheduler.boundary_tables is None else self.scheduler.boundary_tables.array)
 
     # -- requests -------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | Sequence[int] | Mapping[str, Any],
@@ -77,7 +96,15 @@ class LLMEngine:
             raise RequestRejectedError(f"request_id {request_id!r} is already in use")
         text, ids = self._prompt_ids(request_id, prompt)
         try:
-            min_loops, max_loops = params.resolved_loops(self.cfg.num_loops)
+            # unset max_loops means R; a request may ask for more up to the model's limit and
+            # this engine's cap (CacheConfig.max_loops, which sized the KV planes)
+            min_loops, max_loops = params.resolved_loops(
+                self.cfg.num_loops if params.max_loops is None else self.loop_limit)
+            if max_loops > self.loop_cap:
+                raise SamplingParamsError(
+                    f"SamplingParams.max_loops={max_loops}: exceeds this engine's loop cap "
+                    f"CacheConfig.max_loops={self.loop_cap} (the model allows up to {self.loop_limit}; "
+                    f"raise CacheConfig.max_loops to serve deeper requests)")
             params.token_vocab_check(self.cfg.vocab_size)
             trace = None
             if self.exit_config.mode == "trace":
@@ -152,14 +179,14 @@ class LLMEngine:
             elif plan.kind == "head":
                 return [self._output(r) for r in self._head(plan.rows)]
         except Exception as exc:  # a failed batch must not leak pages or wedge other requests
-            if self.runner.kv.k.is_deleted():
+            if self.runner.device_state_lost():
                 affected = [r for r in self.requests.values() if not r.finished]
             for req in affected:
                 if req.finished:   # finished normally before the failure (a head batch's earlier rows)
                     continue
                 req.error = f"{type(exc).__name__}: {exc}"
                 self._finish(req, "error")
-            if self.runner.kv.k.is_deleted():
+            if self.runner.device_state_lost():
                 raise
             return [self._output(r) for r in affected]
         return []
@@ -167,21 +194,35 @@ class LLMEngine:
     def _slot(self, req: Request, plane: int, position: int) -> tuple[int, int]:
         return self.scheduler.block_tables.slot_for(req.tables[plane], position, self.cache_config.page_size)
 
+    def _boundary_rows(self, reqs: Sequence[Request], positions: np.ndarray) -> BoundaryRows | None:
+        """Boundary-pool pages, tables and seeds of rows (None when the model has no boundary stages)."""
+        tables = self.scheduler.boundary_tables
+        if tables is None:
+            return None
+        page_size = self.cache_config.page_size
+        return BoundaryRows(
+            write_page=np.array([tables.slot_for(r.boundary_table, int(p), page_size)[0]
+                                 for r, p in zip(reqs, positions)], np.int32),
+            row_tables=np.array([r.boundary_table for r in reqs], np.int32),
+            seeds=np.array([split_seed(r.seed) for r in reqs], np.uint32).reshape(len(reqs), 2),
+            block_tables=tables.array)
+
     def _prefill(self, chunks) -> None:
         R = self.cfg.num_loops
         rows = [(req, p) for req, start, n in chunks for p in range(start, start + n)]
         tokens = np.array([req.prompt_token_ids[p] for req, p in rows], np.int32)
         positions = np.array([p for _, p in rows], np.int32)
-        planes = [[d if self.layered else 0 for _ in rows] for d in range(R)]
+        # loop d writes plane d; the last loop also fills planes R..cap-1 (min(d, e) with e = R)
+        planes = [[d if self.layered else 0 for _ in rows] for d in range(max(R, self.num_planes))]
         slots = [[self._slot(req, pl, p) for (req, p), pl in zip(rows, row_planes)] for row_planes in planes]
         write_page = np.array([[s[0] for s in per_d] for per_d in slots], np.int32)
         write_offset = np.array([s[1] for s in slots[0]], np.int32)
-        row_tables = np.array([[req.tables[pl] for (req, _), pl in zip(rows, row_planes)] for row_planes in planes],
-                              np.int32)
+        row_tables = np.array([[req.tables[pl] for (req, _), pl in zip(rows, row_planes)]
+                               for row_planes in planes[:R]], np.int32)
         out_slots = np.array([req.slot if p == req.prompt_len - 1 else self.runner.dummy_slot
                               for req, p in rows], np.int32)
         self.runner.prefill(tokens, positions, write_page, write_offset, row_tables, out_slots,
-                            self.scheduler.block_tables.array)
+                            self.scheduler.block_tables.array, self._boundary_rows([r for r, _ in rows], positions))
         for req, start, n in chunks:
             req.num_prefilled = start + n
             if req.num_prefilled == req.prompt_len:
@@ -192,14 +233,16 @@ class LLMEngine:
         planes = [r.loops_done if self.layered else 0 for r in rows]
         positions = np.array([r.decode_position for r in rows], np.int32)
         slots = [self._slot(r, pl, int(p)) for r, pl, p in zip(rows, planes, positions)]
-        hazard, score = self.runner.loop(
+        starting = np.array([r.loops_done == 0 for r in rows])
+        signals = self.runner.loop(
             np.array([r.slot for r in rows], np.int32), np.array([r.output_token_ids[-1] for r in rows], np.int32),
-            np.array([r.loops_done == 0 for r in rows]), positions,
+            starting, positions,
             np.array([s[0] for s in slots], np.int32), np.array([s[1] for s in slots], np.int32),
-            np.array([r.tables[pl] for r, pl in zip(rows, planes)], np.int32), self.scheduler.block_tables.array)
+            np.array([r.tables[pl] for r, pl in zip(rows, planes)], np.int32), self.scheduler.block_tables.array,
+            self._boundary_rows(rows, positions) if starting.any() else None)
         for r in rows:
             r.loops_done += 1
-        exits = self.exit_policy.after_pass(rows, hazard, score)
+        exits = self.exit_policy.after_pass(rows, signals.hazard, signals.score, signals.signal)
         copies = []
         for r, exit_now in zip(rows, exits):
             if not exit_now:
@@ -208,19 +251,21 @@ class LLMEngine:
             r.exit_depths.append(r.loops_done)
             if self.layered:   # deeper planes must read this token's exit-depth KV: min(d, e)
                 src = self._slot(r, r.loops_done - 1, r.decode_position)
-                copies += [src + self._slot(r, pl, r.decode_position) for pl in range(r.loops_done, self.cfg.num_loops)]
+                copies += [src + self._slot(r, pl, r.decode_position) for pl in range(r.loops_done, self.num_planes)]
         if copies:
             c = np.array(copies, np.int32)
             self.runner.copy(c[:, 0], c[:, 1], c[:, 2], c[:, 3])
 
     def _head(self, rows: list[Request]) -> list[Request]:
         seeds = np.array([split_seed(r.seed) for r in rows], np.uint32).reshape(len(rows), 2)
+        positions = np.array([r.decode_position for r in rows], np.int32)   # where each row's state is
         tokens, chosen, top_ids, top_lp = self.runner.head(
             np.array([r.slot for r in rows], np.int32),
             np.array([r.params.temperature for r in rows], np.float32),
             np.array([r.params.top_k for r in rows], np.int32),
             np.array([r.params.top_p for r in rows], np.float32), seeds[:, 0], seeds[:, 1],
-            np.array([len(r.output_token_ids) for r in rows], np.int32))
+            np.array([len(r.output_token_ids) for r in rows], np.int32), positions,
+            self._boundary_rows(rows, positions))
         now = time.monotonic()
         for i, r in enumerate(rows):
             token = int(tokens[i])

@@ -2,17 +2,24 @@
 
 Device state is the paged KV pool and a per-slot state buffer ``[max_num_seqs + 1,
 D]`` (the last row is the target of padded rows); both are donated to every
-call that updates them, so XLA updates them in place. Row counts and token
+call that updates them, so XLA updates them in place. Models with boundary
+stages (Huginn) add a second pool for the prelude/coda KV (one plane, P + K
+layers) and a per-slot ``inject`` buffer (the prelude output e that every loop
+reads); their prelude runs in its own call (``embed_step``) for the rows that
+start a token, and their coda writes the boundary KV in ``head_step`` (and for
+every prompt row in ``prefill_step``). Plain models pass ``None`` for all of
+it, so their compiled functions are unchanged. Row counts and token
 counts are padded to powers of two, so a handful of executables serve every
 batch; ``warm_up`` compiles all of them at start-up (XLA's persistent cache makes
 later start-ups fast) and the engine never compiles in steady state.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 import time
-from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +27,7 @@ import numpy as np
 
 from rltjax.cache.kv_update import copy_slots
 from rltjax.cache.paged_kv import PagedKV, PagedKVBackend, PagedMeta
+from rltjax.models.base import boundary_kv_layers
 from rltjax.sampling import sample_tokens, token_logprobs
 
 NUM_TOP_LOGPROBS = 20
@@ -38,92 +46,203 @@ def buckets_up_to(limit: int) -> list[int]:
     return out + [bucket(limit)]
 
 
+def _embed(model, backend, params, tokens, bkv, bmeta, seeds):
+    """The prelude -> (state, inject, bkv). This and ``_head`` are the one place that tells
+    plain models (embed/head read no KV: bkv is None and stays None) from models with
+    boundary stages (Huginn: the prelude/coda read and write the boundary pool ``bkv``)."""
+    if bkv is None:
+        state, inject = model.embed(params, tokens)
+        return state, inject, None
+    return model.embed(params, tokens, bkv, bmeta, backend, seeds=seeds)
+
+
+def _head(model, backend, params, state, bkv, bmeta):
+    """The coda -> (logits [N, V] f32, bkv)."""
+    if bkv is None:
+        return model.head(params, state), None
+    return model.head(params, state, bkv, bmeta, backend)
+
+
 @functools.partial(jax.jit, static_argnames=("model", "backend", "num_loops"),
-                   donate_argnames=("kv", "slot_state"))
+                   donate_argnames=("kv", "slot_state", "bkv"))
 def prefill_step(params, kv: PagedKV, slot_state, tokens, positions, write_page, write_offset,
-                 row_tables, lengths, block_tables, out_slots, *, model, backend, num_loops: int):
+                 row_tables, lengths, block_tables, out_slots, bkv, bmeta, seeds, *, model, backend,
+                 num_loops: int):
     """Prompt tokens [T] run all R loops; per loop d they write plane d (write_page[d],
-    row_tables[d]: [R, T]). A prompt's last token leaves its state in its slot."""
-    x = model.embed(params, tokens)[0]                                   # [T, D]
+    row_tables[d]: [R, T]). When the engine keeps planes beyond R (a loop cap above R),
+    write_page is [cap, T] and the last loop also writes planes R..cap-1: a deeper query
+    reads a prompt token at its exit depth R. A prompt's last token leaves its state in
+    its slot. Boundary models: the prelude writes every row's boundary KV, and so does
+    the coda (later codas attend to it; its logits are unused, so XLA drops the lm_head)."""
+    x, inject, bkv = _embed(model, backend, params, tokens, bkv, bmeta, seeds)   # [T, D]
     for d in range(num_loops):
-        meta = PagedMeta(positions, write_page[d], write_offset, row_tables[d], lengths, block_tables)
-        x, kv, _ = model.loop(params, x, None, kv, meta, backend)
-    return kv, slot_state.at[out_slots].set(x)
+        last_fills_deeper = d == num_loops - 1 and write_page.shape[0] > num_loops
+        meta = PagedMeta(positions, write_page[d:] if last_fills_deeper else write_page[d], write_offset,
+                         row_tables[d], lengths, block_tables)
+        x, kv, _ = model.loop(params, x, inject, kv, meta, backend)
+    if bkv is not None:
+        _, bkv = _head(model, backend, params, x, bkv, bmeta)
+    return kv, slot_state.at[out_slots].set(x), bkv
 
 
-@functools.partial(jax.jit, static_argnames=("model", "backend"), donate_argnames=("kv", "slot_state"))
+@functools.partial(jax.jit, static_argnames=("model", "backend"),
+                   donate_argnames=("bkv", "slot_state", "slot_inject"))
+def embed_step(params, bkv: PagedKV, slot_state, slot_inject, slots, tokens, seeds, bmeta, *, model, backend):
+    """Boundary models: the prelude of B tokens starting their loops; writes their boundary
+    KV and puts s_0 and e (the per-loop ``inject``) in their slots."""
+    state, inject, bkv = _embed(model, backend, params, tokens, bkv, bmeta, seeds)
+    return bkv, slot_state.at[slots].set(state), slot_inject.at[slots].set(inject)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "backend", "raw_signal"),
+                   donate_argnames=("kv", "slot_state"))
 def loop_step(params, kv: PagedKV, slot_state, lookahead_w, slots, tokens, starting, positions,
-              write_page, write_offset, row_tables, lengths, block_tables, *, model, backend):
-    """One loop pass over B rows, each at its own depth. Rows starting a token embed
-    it; others continue from their slot state. Returns hazards and lookahead scores."""
-    x = jnp.where(starting[:, None], model.embed(params, tokens)[0], slot_state[slots])
+              write_page, write_offset, row_tables, lengths, block_tables, slot_inject, *, model, backend,
+              raw_signal: bool):
+    """One loop pass over B rows, each at its own depth. Plain models: rows starting a
+    token embed it here; others continue from their slot state. Boundary models: every
+    row reads its slot's state and inject (``embed_step`` ran for starting rows).
+    Returns (hazard, lookahead score), or (the loop's raw signal,) when ``raw_signal``."""
+    if slot_inject is None:
+        x = jnp.where(starting[:, None], model.embed(params, tokens)[0], slot_state[slots])
+        inject = None
+    else:
+        x, inject = slot_state[slots], slot_inject[slots]
     meta = PagedMeta(positions, write_page, write_offset, row_tables, lengths, block_tables)
-    x, kv, gate_logit = model.loop(params, x, None, kv, meta, backend)
-    hazard = jax.nn.sigmoid(gate_logit)
-    score = jax.nn.sigmoid(x.astype(jnp.float32) @ lookahead_w)
-    return kv, slot_state.at[slots].set(x), hazard, score
+    x, kv, signal = model.loop(params, x, inject, kv, meta, backend)
+    if raw_signal:
+        signals = (signal,)
+    else:
+        signals = (jax.nn.sigmoid(signal), jax.nn.sigmoid(x.astype(jnp.float32) @ lookahead_w))
+    return kv, slot_state.at[slots].set(x), signals
 
 
-@functools.partial(jax.jit, static_argnames=("model", "num_top"))
-def head_step(params, slot_state, slots, temperature, top_k, top_p, seed_hi, seed_lo, output_index,
-              *, model, num_top: int):
-    """Heads of B rows: logits, a sampled token per row, and its logprobs."""
-    logits = model.head(params, slot_state[slots])                       # [B, V] f32
+@functools.partial(jax.jit, static_argnames=("model", "backend", "num_top"), donate_argnames=("bkv",))
+def head_step(params, slot_state, slots, temperature, top_k, top_p, seed_hi, seed_lo, output_index, bkv, bmeta,
+              *, model, backend, num_top: int):
+    """Heads of B rows: logits, a sampled token per row, and its logprobs (boundary models:
+    the coda also writes each row's boundary KV)."""
+    logits, bkv = _head(model, backend, params, slot_state[slots], bkv, bmeta)   # [B, V] f32
     tokens = sample_tokens(logits, temperature, top_k, top_p, seed_hi, seed_lo, output_index)
     chosen, top_ids, top_lp = token_logprobs(logits, tokens, num_top)
-    return tokens, chosen, top_ids, top_lp
+    return (tokens, chosen, top_ids, top_lp), bkv
+
+
+@dataclasses.dataclass
+class BoundaryRows:
+    """Boundary-pool metadata of a call's rows (models with prelude/coda KV), unpadded."""
+    write_page: np.ndarray     # [N] int32: page of each row's position in its boundary table
+    row_tables: np.ndarray     # [N] int32: each row's boundary table
+    seeds: np.ndarray          # [N, 2] uint32: (hi, lo) words of the request seed (initial state)
+    block_tables: np.ndarray   # [num_tables, pages_per_table] int32: the boundary pool's tables
+
+    def take(self, idx: np.ndarray) -> "BoundaryRows":
+        return BoundaryRows(self.write_page[idx], self.row_tables[idx], self.seeds[idx], self.block_tables)
+
+
+class LoopSignals(NamedTuple):
+    """Per-row exit inputs of one loop pass: hazard and score, or the raw signal."""
+    hazard: np.ndarray | None
+    score: np.ndarray | None
+    signal: np.ndarray | None
 
 
 class ModelRunner:
     def __init__(self, model, params, kv: PagedKV, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 attn_impl: str, lookahead_w: np.ndarray, max_copies: int):
+                 attn_impl: str, lookahead_w: np.ndarray, max_copies: int, boundary_kv: PagedKV | None = None,
+                 prefill_write_planes: int | None = None, raw_signal: bool = False):
+        """boundary_kv: the boundary pool, exactly when the model has boundary stages.
+        prefill_write_planes: core planes a prompt row writes (R, or the loop cap when the
+        last_exited planes reach beyond R). raw_signal: loop passes return the raw signal."""
         self.model = model
         self.params = params
         self.kv = kv
         self.cfg = model.cfg
+        self.has_boundary = boundary_kv_layers(model) > 0
+        if self.has_boundary != (boundary_kv is not None):
+            raise ValueError(f"{self.cfg.arch}: boundary_kv must be given exactly when the model has boundary "
+                             f"stages ({boundary_kv_layers(model)} boundary KV layers)")
+        self.bkv = boundary_kv
         self.backend = PagedKVBackend(attn_impl=attn_impl)
         self.max_num_seqs = max_num_seqs
         self.dummy_slot = max_num_seqs
         self.slot_state = jnp.zeros((max_num_seqs + 1, self.cfg.hidden_size), params.embed.dtype)
+        self.slot_inject = jnp.zeros_like(self.slot_state) if self.has_boundary else None
         self.lookahead_w = jnp.asarray(lookahead_w, jnp.float32)
         self.num_top = min(NUM_TOP_LOGPROBS, self.cfg.vocab_size)
+        self.prefill_write_planes = prefill_write_planes or self.cfg.num_loops
+        self.raw_signal = raw_signal
         self.row_buckets = buckets_up_to(max_num_seqs)
         self.token_buckets = buckets_up_to(max_num_batched_tokens)
         self.copy_buckets = buckets_up_to(max(1, max_copies))
 
+    def device_state_lost(self) -> bool:
+        """Whether a failed call consumed (donated) a KV pool: nothing on the device is usable."""
+        return self.kv.k.is_deleted() or (self.bkv is not None and self.bkv.k.is_deleted())
+
+    def _bmeta(self, boundary: BoundaryRows | None, positions, write_offset, pad: int):
+        """Padded (boundary PagedMeta, seeds) of a call; (None, None) for plain models."""
+        if boundary is None:
+            return None, None
+        meta = PagedMeta(np.pad(positions, (0, pad)), np.pad(boundary.write_page, (0, pad)),
+                         np.pad(write_offset, (0, pad)), np.pad(boundary.row_tables, (0, pad)),
+                         np.pad(positions + 1, (0, pad)).astype(np.int32), boundary.block_tables)
+        return meta, np.pad(boundary.seeds, ((0, pad), (0, 0)))
+
     # -- calls (numpy in, numpy out) ------------------------------------------------
-    def prefill(self, tokens, positions, write_page, write_offset, row_tables, out_slots, block_tables):
+    def prefill(self, tokens, positions, write_page, write_offset, row_tables, out_slots, block_tables,
+                boundary: BoundaryRows | None = None):
         t = bucket(len(tokens))
         pad = t - len(tokens)
         lengths = np.pad(positions + 1, (0, pad))
-        self.kv, self.slot_state = prefill_step(
+        bmeta, seeds = self._bmeta(boundary, positions, write_offset, pad)
+        self.kv, self.slot_state, self.bkv = prefill_step(
             self.params, self.kv, self.slot_state, np.pad(tokens, (0, pad)), np.pad(positions, (0, pad)),
             np.pad(write_page, ((0, 0), (0, pad))), np.pad(write_offset, (0, pad)),
             np.pad(row_tables, ((0, 0), (0, pad))), lengths.astype(np.int32), block_tables,
-            np.pad(out_slots, (0, pad), constant_values=self.dummy_slot),
+            np.pad(out_slots, (0, pad), constant_values=self.dummy_slot), self.bkv, bmeta, seeds,
             model=self.model, backend=self.backend, num_loops=self.cfg.num_loops)
 
-    def loop(self, slots, tokens, starting, positions, write_page, write_offset, row_tables, block_tables):
+    def embed(self, slots, tokens, positions, write_offset, boundary: BoundaryRows):
+        """Boundary models: the prelude of the rows starting a token (fills their slots)."""
         b = bucket(len(slots))
         pad = b - len(slots)
-        self.kv, self.slot_state, hazard, score = loop_step(
+        bmeta, seeds = self._bmeta(boundary, positions, write_offset, pad)
+        self.bkv, self.slot_state, self.slot_inject = embed_step(
+            self.params, self.bkv, self.slot_state, self.slot_inject,
+            np.pad(slots, (0, pad), constant_values=self.dummy_slot), np.pad(tokens, (0, pad)), seeds, bmeta,
+            model=self.model, backend=self.backend)
+
+    def loop(self, slots, tokens, starting, positions, write_page, write_offset, row_tables, block_tables,
+             boundary: BoundaryRows | None = None) -> LoopSignals:
+        """One loop pass. Boundary models run the prelude of the starting rows first."""
+        if self.has_boundary and np.any(starting):
+            idx = np.flatnonzero(starting)
+            self.embed(slots[idx], tokens[idx], positions[idx], write_offset[idx], boundary.take(idx))
+        b = bucket(len(slots))
+        pad = b - len(slots)
+        self.kv, self.slot_state, signals = loop_step(
             self.params, self.kv, self.slot_state, self.lookahead_w,
             np.pad(slots, (0, pad), constant_values=self.dummy_slot), np.pad(tokens, (0, pad)),
             np.pad(starting, (0, pad)), np.pad(positions, (0, pad)), np.pad(write_page, (0, pad)),
             np.pad(write_offset, (0, pad)), np.pad(row_tables, (0, pad)),
-            np.pad(positions + 1, (0, pad)).astype(np.int32), block_tables,
-            model=self.model, backend=self.backend)
+            np.pad(positions + 1, (0, pad)).astype(np.int32), block_tables, self.slot_inject,
+            model=self.model, backend=self.backend, raw_signal=self.raw_signal)
         n = len(slots)
-        return np.asarray(hazard)[:n], np.asarray(score)[:n]
+        signals = [np.asarray(x)[:n] for x in signals]
+        return LoopSignals(None, None, signals[0]) if self.raw_signal else LoopSignals(*signals, None)
 
-    def head(self, slots, temperature, top_k, top_p, seed_hi, seed_lo, output_index):
+    def head(self, slots, temperature, top_k, top_p, seed_hi, seed_lo, output_index, positions=None,
+             boundary: BoundaryRows | None = None):
+        """positions (each row's state position) and boundary: needed by boundary models only."""
         b = bucket(len(slots))
         pad = b - len(slots)
-        out = head_step(self.params, self.slot_state, np.pad(slots, (0, pad), constant_values=self.dummy_slot),
-                        np.pad(temperature, (0, pad)), np.pad(top_k, (0, pad)),
-                        np.pad(top_p, (0, pad), constant_values=1.0), np.pad(seed_hi, (0, pad)),
-                        np.pad(seed_lo, (0, pad)), np.pad(output_index, (0, pad)),
-                        model=self.model, num_top=self.num_top)
+        bmeta, _ = self._bmeta(boundary, positions, positions % self.kv.page_size if boundary else None, pad)
+        out, self.bkv = head_step(
+            self.params, self.slot_state, np.pad(slots, (0, pad), constant_values=self.dummy_slot),
+            np.pad(temperature, (0, pad)), np.pad(top_k, (0, pad)), np.pad(top_p, (0, pad), constant_values=1.0),
+            np.pad(seed_hi, (0, pad)), np.pad(seed_lo, (0, pad)), np.pad(output_index, (0, pad)), self.bkv, bmeta,
+            model=self.model, backend=self.backend, num_top=self.num_top)
         n = len(slots)
         return tuple(np.asarray(x)[:n] for x in out)
 
@@ -134,25 +253,34 @@ class ModelRunner:
                                         for a in (src_page, src_offset, dst_page, dst_offset)))
 
     # -- start-up ----------------------------------------------------------------------
-    def warm_up(self, block_tables: np.ndarray, show_progress: bool = True) -> float:
+    def warm_up(self, block_tables: np.ndarray, show_progress: bool = True,
+                boundary_block_tables: np.ndarray | None = None) -> float:
         """Compile every bucket now (all-padding inputs touch only the scratch page)."""
         t0 = time.perf_counter()
         jobs = ([("prefill", t) for t in self.token_buckets] + [("loop", b) for b in self.row_buckets]
                 + [("head", b) for b in self.row_buckets] + [("copy", m) for m in self.copy_buckets])
+        if self.has_boundary:
+            jobs += [("embed", b) for b in self.row_buckets]
         zeros = lambda n: np.zeros(n, np.int32)
+        pad_rows = lambda n: (BoundaryRows(zeros(n), zeros(n), np.zeros((n, 2), np.uint32), boundary_block_tables)
+                              if self.has_boundary else None)
         for i, (kind, n) in enumerate(jobs):
             if show_progress:
                 print(f"\r[rltjax] compiling {kind} x{n} ({i + 1}/{len(jobs)})", end="", file=sys.stderr,
                       flush=True)
             if kind == "prefill":
                 R = self.cfg.num_loops
-                self.prefill(zeros(n), zeros(n), np.zeros((R, n), np.int32), zeros(n),
-                             np.zeros((R, n), np.int32), np.full(n, self.dummy_slot, np.int32), block_tables)
+                self.prefill(zeros(n), zeros(n), np.zeros((self.prefill_write_planes, n), np.int32), zeros(n),
+                             np.zeros((R, n), np.int32), np.full(n, self.dummy_slot, np.int32), block_tables,
+                             pad_rows(n))
             elif kind == "loop":
                 self._warm_loop(n, block_tables)
+            elif kind == "embed":
+                self.embed(np.full(n, self.dummy_slot, np.int32), zeros(n), zeros(n) - 1, zeros(n), pad_rows(n))
             elif kind == "head":
                 self.head(np.full(n, self.dummy_slot, np.int32), np.zeros(n, np.float32), zeros(n),
-                          np.ones(n, np.float32), np.zeros(n, np.uint32), np.zeros(n, np.uint32), zeros(n))
+                          np.ones(n, np.float32), np.zeros(n, np.uint32), np.zeros(n, np.uint32), zeros(n),
+                          zeros(n) - 1, pad_rows(n))
             else:
                 self.copy(zeros(n), zeros(n), zeros(n), zeros(n))
         jax.block_until_ready(self.kv)

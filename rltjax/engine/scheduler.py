@@ -26,7 +26,8 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, *, num_pages: int, page_size: int, num_planes: int,
-                 max_model_len: int, position_sequential_prefill: bool):
+                 max_model_len: int, position_sequential_prefill: bool, boundary_num_pages: int = 0):
+        """boundary_num_pages: size of the boundary KV pool (0: the model has none)."""
         self.config = config
         self.page_size = page_size
         self.num_planes = num_planes
@@ -35,6 +36,10 @@ class Scheduler:
         self.allocator = PageAllocator(num_pages)
         self.block_tables = BlockTables(config.max_num_seqs * num_planes,
                                         pages_needed(max_model_len, page_size))
+        self.boundary_allocator = self.boundary_tables = None
+        if boundary_num_pages:
+            self.boundary_allocator = PageAllocator(boundary_num_pages)
+            self.boundary_tables = BlockTables(config.max_num_seqs, pages_needed(max_model_len, page_size))
         self.free_slots = list(range(config.max_num_seqs - 1, -1, -1))
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -44,6 +49,10 @@ class Scheduler:
     # -- capacity ---------------------------------------------------------------
     def pages_for(self, req: Request) -> int:
         return pages_needed(req.max_positions, self.page_size) * self.num_planes
+
+    def boundary_pages_for(self, req: Request) -> int:
+        """Boundary-pool pages (one plane); 0 without a boundary pool."""
+        return pages_needed(req.max_positions, self.page_size) if self.boundary_allocator else 0
 
     def never_fits(self, req: Request) -> str | None:
         """Why a request can never run here (None if it can): checked before queueing."""
@@ -55,6 +64,9 @@ class Scheduler:
         if self.pages_for(req) > usable:
             return (f"request needs {self.pages_for(req)} KV pages ({self.num_planes} plane(s) x "
                     f"{pages_needed(req.max_positions, self.page_size)}) but the cache has {usable}")
+        if self.boundary_allocator and self.boundary_pages_for(req) > self.boundary_allocator.num_pages - 1:
+            return (f"request needs {self.boundary_pages_for(req)} boundary KV pages but the boundary cache "
+                    f"has {self.boundary_allocator.num_pages - 1}")
         return None
 
     def add(self, req: Request) -> None:
@@ -66,8 +78,9 @@ class Scheduler:
         for req in list(self.waiting[: self.config.admission_scan_limit]):
             if not self.free_slots:
                 return
-            need = self.pages_for(req)
-            if not self.allocator.can_allocate(need):
+            need, bneed = self.pages_for(req), self.boundary_pages_for(req)
+            if not (self.allocator.can_allocate(need)
+                    and (not bneed or self.boundary_allocator.can_allocate(bneed))):
                 blocked.append(req)
                 if req.bypassed >= self.config.max_admission_bypasses:
                     return                    # fairness: nobody may pass it any more
@@ -77,6 +90,10 @@ class Scheduler:
             req.tables = self.block_tables.assign(req.request_id, self.num_planes)
             for i, table in enumerate(req.tables):
                 self.block_tables.append_pages(table, pages[i * per_plane:(i + 1) * per_plane])
+            if bneed:
+                [req.boundary_table] = self.boundary_tables.assign(req.request_id, 1)
+                self.boundary_tables.append_pages(req.boundary_table,
+                                                  self.boundary_allocator.allocate(req.request_id, bneed))
             req.slot = self.free_slots.pop()
             req.status = Status.PREFILLING
             self.waiting.remove(req)
@@ -94,9 +111,13 @@ class Scheduler:
             self.running.remove(req)
             self.allocator.release(req.request_id)
             self.block_tables.release(req.request_id)
+            if req.boundary_table is not None:
+                self.boundary_allocator.release(req.request_id)
+                self.boundary_tables.release(req.request_id)
             self.free_slots.append(req.slot)
         req.slot = None
         req.tables = []
+        req.boundary_table = None
 
     # -- what runs next -----------------------------------------------------------
     def schedule(self) -> StepPlan:

@@ -34,6 +34,7 @@ class Request:
     status: Status = Status.WAITING
     slot: int | None = None              # row of the device's per-slot state
     tables: list[int] = dataclasses.field(default_factory=list)  # block table per plane
+    boundary_table: int | None = None    # block table in the boundary pool (models with prelude/coda KV)
     num_prefilled: int = 0               # prompt positions whose R loops have run
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     exit_depths: list[int] = dataclasses.field(default_factory=list)

@@ -24,6 +24,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    "--gpu-memory-utilization)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of free device memory (after weights) given to the KV pool")
+    g.add_argument("--cache-max-loops", type=int, default=None,
+                   help="deepest recurrence a request may ask for (default: the model's loop count R); "
+                        "above R only for models that allow it (Huginn); last_exited keeps this many planes")
     g = p.add_argument_group("scheduler")
     g.add_argument("--scheduler-mode", default="refill", choices=SCHEDULER_MODES,
                    help="refill: Continuous Depth Batching; no_refill: a cohort loops until all rows exit")
@@ -35,7 +38,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="heads wait for this many rows unless no loop work remains")
     g = p.add_argument_group("exits")
     g.add_argument("--exit-mode", default="ouro", choices=[m for m in EXIT_MODES if m != "trace"],
-                   help="how a decode token picks its loop count")
+                   help="how a decode token picks its loop count (latent_diff: Huginn's relative latent change)")
     g.add_argument("--lookahead-seed", type=int, default=0, help="seed of random_lookahead's frozen head")
     g = p.add_argument_group("execution")
     g.add_argument("--attn-impl", default="auto", choices=ATTN_IMPLS,
@@ -52,7 +55,8 @@ def configs_from_args(args: argparse.Namespace) -> dict:
         dtype=args.dtype,
         hf_overrides=json.loads(args.hf_overrides) if args.hf_overrides else None,
         cache_config=CacheConfig(kv_layout=args.kv_layout, page_size=args.page_size, num_pages=args.num_pages,
-                                 gpu_memory_utilization=args.gpu_memory_utilization),
+                                 gpu_memory_utilization=args.gpu_memory_utilization,
+                                 max_loops=args.cache_max_loops),
         scheduler_config=SchedulerConfig(
             mode=args.scheduler_mode, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, prefill_chunk_size=args.prefill_chunk_size,

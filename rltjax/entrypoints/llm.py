@@ -16,11 +16,11 @@ import jax
 
 from checkpoints.loader import load_checkpoint
 from rltjax.cache.block_tables import pages_needed
-from rltjax.cache.sizing import KVSizingError, allocate_paged_kv, num_pages_for_memory
-from rltjax.engine.llm_engine import LLMEngine, RequestRejectedError
+from rltjax.cache.sizing import KVSizingError, allocate_paged_kv, boundary_num_pages, num_pages_for_memory
+from rltjax.engine.llm_engine import LLMEngine, RequestRejectedError, check_loop_cap
 from rltjax.engine.outputs import RequestOutput
 from rltjax.engine_config import CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig
-from rltjax.models.base import get_model
+from rltjax.models.base import boundary_kv_layers, get_model
 from rltjax.sampling_params import SamplingParams
 from rltjax.tokenizer import Tokenizer
 
@@ -49,19 +49,27 @@ def build_engine(model_dir, *, dtype=None, hf_overrides=None, cache_config: Cach
         tokenizer = tokenizer or Tokenizer.from_dir(ckpt.model_dir)
     max_model_len = min(cfg.max_position, scheduler_config.max_model_len or cfg.max_position)
     dtype = params.embed.dtype
-    num_planes = cfg.num_loops if cache_config.kv_layout == "last_exited" else 1
+    model = get_model(cfg)
+    check_loop_cap(cache_config, model)              # before any KV is sized by it
+    num_planes = cache_config.num_planes(cfg.num_loops)
+    boundary_layers = boundary_kv_layers(model)      # Huginn's prelude + coda; 0 for plain models
     num_pages = cache_config.num_pages
     if num_pages is None:
         try:
             num_pages = num_pages_for_memory(cfg, cache_config.page_size, dtype,
-                                             cache_config.gpu_memory_utilization)
+                                             cache_config.gpu_memory_utilization,
+                                             boundary_layers=boundary_layers, num_planes=num_planes)
         except KVSizingError:   # no memory statistics (CPU): room for max_num_seqs full sequences
             num_pages = 1 + scheduler_config.max_num_seqs * num_planes * pages_needed(
                 max_model_len, cache_config.page_size)
     kv = allocate_paged_kv(cfg, num_pages, cache_config.page_size, dtype)
-    return LLMEngine(get_model(cfg), params, kv, tokenizer=tokenizer, cache_config=cache_config,
+    boundary_kv = None
+    if boundary_layers:
+        boundary_kv = allocate_paged_kv(cfg, boundary_num_pages(num_pages, num_planes), cache_config.page_size,
+                                        dtype, num_layers=boundary_layers)
+    return LLMEngine(model, params, kv, tokenizer=tokenizer, cache_config=cache_config,
                      scheduler_config=scheduler_config, exit_config=exit_config,
-                     execution_config=execution_config, max_model_len=max_model_len)
+                     execution_config=execution_config, max_model_len=max_model_len, boundary_kv=boundary_kv)
 
 
 class LLM:

@@ -13,8 +13,8 @@ import numpy as np
 from rltjax.engine_config import EXIT_MODES
 
 F32 = np.float32
-# The engine's modes plus the zero-shot ones only the reference runs so far.
-REFERENCE_EXIT_MODES = EXIT_MODES + ("latent_diff",)
+# The reference runs every engine mode (latent_diff included).
+REFERENCE_EXIT_MODES = EXIT_MODES
 
 
 def lookahead_weights(seed: int, hidden_size: int, initializer_range: float) -> np.ndarray:

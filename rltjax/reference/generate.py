@@ -53,8 +53,8 @@ class ReferenceModel:
 
     def __init__(self, model: Any, params: Any, *, kv_layout: str = "last_exited",
                  exit_config: ExitConfig | None = None, exit_mode: str | None = None):
-        """exit_mode overrides exit_config.mode; it may also name a reference-only mode
-        ("latent_diff", for models whose loop signal is the relative latent change)."""
+        """exit_mode overrides exit_config.mode ("latent_diff" needs a model whose loop
+        signal is the relative latent change)."""
         self.model = model
         self.cfg = model.cfg
         self.params = params

@@ -1,0 +1,147 @@
+"""The batched engine serves Huginn-0125 (boundary KV, seeded initial state, recurrence
+beyond R, latent-difference exits) and Nanbeige exactly like the dense reference."""
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import reference_model, reference_npz
+from engine_helpers import assert_all_pages_free, make_engine, run_workload
+from rltjax.engine.llm_engine import RequestRejectedError
+from rltjax.engine_config import EngineConfigError
+from rltjax.sampling_params import SamplingParams
+
+NAME = "huginn-tiny"
+ZERO = {"state_init": "zero"}
+REF = reference_npz(NAME)
+TOKENS = [int(t) for t in np.concatenate([REF["p2_input_ids"], REF["p1_input_ids"], REF["p0_input_ids"]])]
+CAP = 12   # CacheConfig.max_loops: planes for recurrence up to 12 (R = mean_recurrence = 4)
+# One engine shape for every Huginn test (few buckets: compiles dominate the run time on CPU).
+SHAPE = dict(max_loops=CAP, max_num_seqs=2, prefill_chunk_size=4, max_num_batched_tokens=4)
+
+
+def check_equal(out, ref):
+    assert out.token_ids == ref.token_ids
+    assert out.exit_depths == ref.exit_depths
+    assert out.finish_reason == ref.finish_reason
+    if ref.logprobs is not None:
+        assert [set(e) for e in out.logprobs] == [set(e) for e in ref.logprobs]
+        for a, b in zip(out.logprobs, ref.logprobs):
+            np.testing.assert_allclose([a[t] for t in sorted(a)], [b[t] for t in sorted(b)], rtol=1e-5, atol=1e-5)
+
+
+def workload():
+    """Staggered arrivals; per-request recurrence caps 2, 4 (R), 7, 12 and latent-diff thresholds
+    that exit at varied depths; chunked prompts that cross pages; greedy and sampled. Every
+    request names its seed: the like-init initial state depends on it even when greedy."""
+    def sp(max_tokens, **kw):
+        return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kw)
+    return [
+        (0, "a", TOKENS[:10], sp(6, temperature=0.0, seed=1, max_loops=12, exit_threshold=0.2, logprobs=3)),
+        (1, "b", TOKENS[20:25], sp(5, temperature=1.0, seed=7, max_loops=2, exit_threshold=0.9)),
+        (2, "c", TOKENS[3:14], sp(5, temperature=0.8, top_k=5, seed=11, max_loops=7, min_loops=2,
+                                  exit_threshold=0.3, logprobs=2)),
+        (4, "d", TOKENS[40:49], sp(4, temperature=0.0, seed=3)),                       # default: R loops
+        (5, "e", TOKENS[30:33], sp(6, temperature=1.0, top_p=0.8, seed=5, max_loops=12, min_loops=3,
+                                   exit_threshold=0.1)),
+        (7, "f", TOKENS[50:57], sp(4, temperature=0.0, seed=9, max_loops=4, exit_threshold=0.6)),
+    ]
+
+
+def run_against_reference(kv_layout, mode, overrides, **engine_kw):
+    engine = make_engine(name=NAME, hf_overrides=overrides, kv_layout=kv_layout, mode=mode, exit_mode="latent_diff",
+                         **SHAPE, **engine_kw)
+    arrivals = workload()
+    outputs = run_workload(engine, arrivals)
+    ref = reference_model(NAME, kv_layout=kv_layout, overrides=tuple(overrides.items()), exit_mode="latent_diff")
+    depths = set()
+    for _, rid, prompt, params in arrivals:
+        expected = ref.generate(prompt, params, request_id=rid)
+        check_equal(outputs[rid], expected)
+        depths |= set(expected.exit_depths[1:])
+    assert_all_pages_free(engine)
+    assert engine.scheduler.boundary_allocator is not None
+    return depths
+
+
+@pytest.mark.parametrize("state_init", ["zero", "like-init"])
+@pytest.mark.parametrize("mode", ["refill", "no_refill"])
+@pytest.mark.parametrize("kv_layout", ["last_exited", "shared"])
+def test_huginn_engine_matches_reference(kv_layout, mode, state_init):
+    depths = run_against_reference(kv_layout, mode, ZERO if state_init == "zero" else {})
+    assert {2, 4, 7} <= depths and max(depths) > 7 and len(depths) >= 5, depths   # varied, beyond R
+
+
+def test_huginn_greedy_equals_upstream_and_no_compilation_after_warm_up():
+    """Zero initial state at R = 4 loops reproduces the upstream fixture's greedy ids, with
+    every executable compiled ahead of time (boundary embed/head included)."""
+    engine = make_engine(name=NAME, hf_overrides=ZERO, compile_ahead=True, exit_mode="latent_diff", **SHAPE)
+    events = []
+
+    def listener(event, duration, **kwargs):
+        if "compile" in event:
+            events.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        arrivals = [(i, p, [int(t) for t in REF[f"{p}_input_ids"]],
+                     SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1, seed=i))
+                    for i, p in enumerate(["p0", "p1", "p2"])]
+        arrivals.append((4, "deep", TOKENS[:9], SamplingParams(max_tokens=3, temperature=0.0, max_loops=CAP,
+                                                               seed=5, ignore_eos=True)))
+        outputs = run_workload(engine, arrivals)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert events == []
+    ref = reference_model(NAME, overrides=tuple(ZERO.items()), exit_mode="latent_diff")
+    for _, rid, prompt, params in arrivals:
+        check_equal(outputs[rid], ref.generate(prompt, params))
+        if rid != "deep":
+            assert outputs[rid].token_ids == [int(t) for t in REF[f"{rid}_gen_ids"]]
+            assert outputs[rid].exit_depths == [4] * 12
+    assert outputs["deep"].exit_depths == [4, CAP, CAP]
+    assert_all_pages_free(engine)
+
+
+def test_loop_cap_is_checked():
+    engine = make_engine(name=NAME, hf_overrides=ZERO, exit_mode="latent_diff", max_loops=CAP)
+    with pytest.raises(RequestRejectedError, match=r"max_loops=13: exceeds this engine's loop cap "
+                                                   r"CacheConfig.max_loops=12"):
+        engine.add_request("deep", [5, 6], SamplingParams(max_tokens=2, max_loops=13))
+    with pytest.raises(RequestRejectedError, match=r"max_loops=129: exceeds the model's loop count 128"):
+        engine.add_request("deeper", [5, 6], SamplingParams(max_tokens=2, max_loops=129))
+    default = make_engine(name=NAME, hf_overrides=ZERO)           # cap defaults to R = 4
+    with pytest.raises(RequestRejectedError, match=r"CacheConfig.max_loops=4"):
+        default.add_request("five", [5, 6], SamplingParams(max_tokens=2, max_loops=5))
+    # KV planes follow the cap: 12 per request for last_exited, 1 for shared
+    assert engine.scheduler.num_planes == CAP and default.scheduler.num_planes == 4
+    assert make_engine(name=NAME, hf_overrides=ZERO, max_loops=CAP, kv_layout="shared").scheduler.num_planes == 1
+    with pytest.raises(EngineConfigError, match=r"CacheConfig.max_loops=5: must be in \[R=4, 4\]"):
+        make_engine(max_loops=5)                                   # Ouro: no recurrence beyond R
+    with pytest.raises(EngineConfigError, match=r"CacheConfig.max_loops=3: must be in \[R=4, 128\]"):
+        make_engine(name=NAME, max_loops=3)
+    with pytest.raises(EngineConfigError, match="latent_diff"):
+        make_engine(exit_mode="latent_diff")                      # Ouro's signal is a gate logit
+
+
+@pytest.mark.parametrize("kv_layout,mode", [("last_exited", "refill"), ("shared", "no_refill")])
+def test_nanbeige_engine_matches_reference_and_upstream(kv_layout, mode):
+    ref_npz = reference_npz("nanbeige-tiny")
+    engine = make_engine(name="nanbeige-tiny", kv_layout=kv_layout, mode=mode, max_num_seqs=2)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+    arrivals = [(2 * i, p, [int(t) for t in ref_npz[f"{p}_input_ids"]], greedy)
+                for i, p in enumerate(["p0", "p1", "p2"])]
+    arrivals.append((1, "shallow", [int(t) for t in ref_npz["p1_input_ids"]][:9],
+                     SamplingParams(max_tokens=5, temperature=1.0, seed=4, max_loops=1, ignore_eos=True)))
+    outputs = run_workload(engine, arrivals)
+    ref = reference_model("nanbeige-tiny", kv_layout=kv_layout)
+    for _, rid, prompt, params in arrivals:
+        check_equal(outputs[rid], ref.generate(prompt, params))
+        if rid != "shallow":
+            assert outputs[rid].exit_depths == [2] * 12
+            if kv_layout == "last_exited":   # shared KV changes the model's attention inputs
+                assert outputs[rid].token_ids == [int(t) for t in ref_npz[f"{rid}_gen_ids"]]
+    assert outputs["shallow"].exit_depths == [2, 1, 1, 1, 1]
+    assert engine.scheduler.boundary_allocator is None and engine.runner.bkv is None
+    assert_all_pages_free(engine)

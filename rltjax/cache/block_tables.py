@@ -37,6 +37,7 @@ class BlockTables:
         self._free_tables: list[int] = list(range(max_tables - 1, -1, -1))  # LIFO, lowest first
         self._in_use = np.zeros(max_tables, bool)  # O(1) check on the per-step slot_for path
         self._tables_of: dict[Hashable, list[int]] = {}
+        self.version = 0  # bumped whenever the array changes, so a device copy can be reused until then
 
     @property
     def array(self) -> np.ndarray:
@@ -79,6 +80,7 @@ class BlockTables:
                                   f"exceeds max_pages_per_table={self.max_pages_per_table}")
         self._array[table_idx, start:start + len(pages)] = pages
         self._num_pages[table_idx] = start + len(pages)
+        self.version += 1
 
     def pages_of(self, table_idx: int) -> list[int]:
         self._check_in_use(table_idx)
@@ -104,6 +106,7 @@ class BlockTables:
         del self._tables_of[seq_id]
         self._array[tables] = SCRATCH_PAGE
         self._num_pages[tables] = 0
+        self.version += 1
         self._in_use[tables] = False
         self._free_tables.extend(reversed(tables))
         return tables

@@ -13,6 +13,7 @@ import secrets
 import time
 from typing import Any, Mapping, Sequence
 
+import jax
 import numpy as np
 
 from rltjax.cache.paged_kv import PagedKV
@@ -74,6 +75,7 @@ class LLMEngine:
                                   raw_signal=self.exit_policy.raw_signal)
         self.eos_token_ids = tuple(tokenizer.eos_token_ids if tokenizer is not None else self.cfg.eos_token_ids)
         self.requests: dict[str, Request] = {}
+        self._device_tables: dict[int, tuple[int, jax.Array]] = {}
         self._detok: dict[str, Any] = {}
         self._stops: dict[str, StopChecker] = {}
         self._texts: dict[str, str] = {}
@@ -194,6 +196,15 @@ class LLMEngine:
     def _slot(self, req: Request, plane: int, position: int) -> tuple[int, int]:
         return self.scheduler.block_tables.slot_for(req.tables[plane], position, self.cache_config.page_size)
 
+    def _on_device(self, tables) -> jax.Array:
+        """The block tables on the device, uploaded again only after they changed: the array is
+        [max_tables, pages_per_table] (megabytes at long max_model_len), its changes are rare."""
+        version, array = self._device_tables.get(id(tables), (None, None))
+        if version != tables.version:
+            array = jax.device_put(tables.array.copy())   # a copy: the host array mutates in place
+            self._device_tables[id(tables)] = (tables.version, array)
+        return array
+
     def _boundary_rows(self, reqs: Sequence[Request], positions: np.ndarray) -> BoundaryRows | None:
         """Boundary-pool pages, tables and seeds of rows (None when the model has no boundary stages)."""
         tables = self.scheduler.boundary_tables
@@ -205,7 +216,7 @@ class LLMEngine:
                                  for r, p in zip(reqs, positions)], np.int32),
             row_tables=np.array([r.boundary_table for r in reqs], np.int32),
             seeds=np.array([split_seed(r.seed) for r in reqs], np.uint32).reshape(len(reqs), 2),
-            block_tables=tables.array)
+            block_tables=self._on_device(tables))
 
     def _prefill(self, chunks) -> None:
         R = self.cfg.num_loops
@@ -222,7 +233,8 @@ class LLMEngine:
         out_slots = np.array([req.slot if p == req.prompt_len - 1 else self.runner.dummy_slot
                               for req, p in rows], np.int32)
         self.runner.prefill(tokens, positions, write_page, write_offset, row_tables, out_slots,
-                            self.scheduler.block_tables.array, self._boundary_rows([r for r, _ in rows], positions))
+                            self._on_device(self.scheduler.block_tables),
+                            self._boundary_rows([r for r, _ in rows], positions))
         for req, start, n in chunks:
             req.num_prefilled = start + n
             if req.num_prefilled == req.prompt_len:
@@ -238,7 +250,8 @@ class LLMEngine:
             np.array([r.slot for r in rows], np.int32), np.array([r.output_token_ids[-1] for r in rows], np.int32),
             starting, positions,
             np.array([s[0] for s in slots], np.int32), np.array([s[1] for s in slots], np.int32),
-            np.array([r.tables[pl] for r, pl in zip(rows, planes)], np.int32), self.scheduler.block_tables.array,
+            np.array([r.tables[pl] for r, pl in zip(rows, planes)], np.int32),
+            self._on_device(self.scheduler.block_tables),
             self._boundary_rows(rows, positions) if starting.any() else None)
         for r in rows:
             r.loops_done += 1

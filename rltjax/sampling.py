@@ -55,8 +55,13 @@ def sample_tokens(logits, temperature, top_k, top_p, seed_hi, seed_lo, output_in
     logits [B, V] f32; temperature/top_p [B] f32; top_k [B] int32 (<= 0: off);
     seed_hi/seed_lo [B] uint32; output_index [B] int32 -> tokens [B] int32.
     """
-    keys = jax.vmap(sample_key)(seed_hi, seed_lo, output_index)
-    return jax.vmap(_sample_row)(logits, temperature, top_k, top_p, keys)
+    def draw():
+        keys = jax.vmap(sample_key)(seed_hi, seed_lo, output_index)
+        return jax.vmap(_sample_row)(logits, temperature, top_k, top_p, keys)
+
+    # An all-greedy batch skips the full-vocabulary sort; a greedy row gives the same
+    # argmax on either branch, so results stay batch-invariant.
+    return jax.lax.cond(jnp.all(temperature <= 0), lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32), draw)
 
 
 @functools.partial(jax.jit, static_argnames=("num_top",))

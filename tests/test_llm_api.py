@@ -61,3 +61,24 @@ def test_rejected_prompt_leaves_the_engine_clean(llm):
     assert not llm.engine.has_unfinished_requests()
     alloc = llm.engine.scheduler.allocator
     assert alloc.num_free == alloc.num_pages - 1
+
+
+def test_bad_input_midway_leaves_nothing_behind(llm):
+    sp = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    with pytest.raises(RequestRejectedError, match="prompt"):
+        llm.generate([[1, 2, 3], 7], sp)
+    assert not llm.engine.has_unfinished_requests() and not llm.engine.requests
+    import numpy as np
+    out = llm.generate(np.array([5, 6, 7]), sp)
+    assert len(out) == 1 and out[0].prompt_token_ids == [5, 6, 7]
+    assert not llm.engine.requests
+
+
+def test_integer_request_ids_work_everywhere(llm):
+    eng = llm.engine
+    eng.add_request(5, [1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert eng.get_output(5).request_id == "5" and len(eng.get_output(5).token_ids) == 2
+    eng.forget(5)
+    assert "5" not in eng.requests

@@ -83,9 +83,10 @@ class LLMEngine:
         self.steps_by_kind: dict[str, int] = {}
         self.compile_seconds = 0.0
         if execution_config.compile_ahead:
+            # the same (device) table arrays the steps pass: jit keys its cache on where inputs live
             self.compile_seconds = self.runner.warm_up(
-                self.scheduler.block_tables.array, execution_config.show_progress,
-                None if self.scheduler.boundary_tables is None else self.scheduler.boundary_tables.array)
+                self._on_device(self.scheduler.block_tables), execution_config.show_progress,
+                None if self.scheduler.boundary_tables is None else self._on_device(self.scheduler.boundary_tables))
 
     # -- requests -------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | Sequence[int] | Mapping[str, Any],
@@ -134,6 +135,9 @@ class LLMEngine:
             if "prompt_token_ids" not in prompt:
                 raise RequestRejectedError(f"request {request_id!r}: a dict prompt needs 'prompt_token_ids'")
             prompt = prompt["prompt_token_ids"]
+        if not isinstance(prompt, (str, Sequence, np.ndarray)):
+            raise RequestRejectedError(f"request {request_id!r}: a prompt is a string, a list of token ids or "
+                                       f"{{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestRejectedError(f"request {request_id!r}: a text prompt needs a tokenizer")
@@ -155,15 +159,16 @@ class LLMEngine:
         return self._output(req)
 
     def has_unfinished_requests(self) -> bool:
-        return any(not r.finished for r in self.requests.values())
+        # every unfinished request is either waiting or running
+        return bool(self.scheduler.waiting or self.scheduler.running)
 
     def get_output(self, request_id: str) -> RequestOutput:
-        return self._output(self.requests[request_id])
+        return self._output(self.requests[str(request_id)])
 
     def forget(self, request_id: str) -> None:
         """Drop a finished request's bookkeeping (callers that stream outputs)."""
         for table in (self.requests, self._detok, self._stops, self._texts):
-            table.pop(request_id, None)
+            table.pop(str(request_id), None)
 
     # -- one step -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

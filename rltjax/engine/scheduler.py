@@ -9,6 +9,7 @@ then runs its heads and starts the next cohort.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 
 from rltjax.cache.allocator import PageAllocator
@@ -70,8 +71,7 @@ class Scheduler:
         return None
 
     def add(self, req: Request) -> None:
-        self.waiting.append(req)
-        self.waiting.sort(key=lambda r: (r.params.priority, r.arrival_index))
+        bisect.insort(self.waiting, req, key=lambda r: (r.params.priority, r.arrival_index))
 
     def _admit(self) -> None:
         blocked: list[Request] = []

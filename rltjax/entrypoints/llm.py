@@ -13,11 +13,12 @@ import time
 from typing import Any, Mapping, Sequence
 
 import jax
+import numpy as np
 
 from checkpoints.loader import load_checkpoint
 from rltjax.cache.block_tables import pages_needed
 from rltjax.cache.sizing import KVSizingError, allocate_paged_kv, boundary_num_pages, num_pages_for_memory
-from rltjax.engine.llm_engine import LLMEngine, RequestRejectedError, check_loop_cap
+from rltjax.engine.llm_engine import LLMEngine, check_loop_cap
 from rltjax.engine.outputs import RequestOutput
 from rltjax.engine_config import CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig
 from rltjax.models.base import boundary_kv_layers, get_model
@@ -88,37 +89,38 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt; results come back in input order."""
-        if isinstance(prompts, (str, Mapping)) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, np.ndarray) and prompts.ndim == 1:
+            prompts = prompts.tolist()
+        if isinstance(prompts, (str, Mapping)) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"sampling_params: got {len(sampling_params)} for {len(prompts)} prompts")
-        ids = []
+        ids: list[str] = []
         try:
             for prompt, sp in zip(prompts, sampling_params):
                 rid = str(self._next_id)
                 self._next_id += 1
                 self.engine.add_request(rid, prompt, sp)
                 ids.append(rid)
-        except RequestRejectedError:
+            self._run(set(ids), use_tqdm and len(ids) > 1)
+            return [self.engine.get_output(rid) for rid in ids]
+        finally:   # rejected input, an interrupt or a dead device: leave nothing behind
             for rid in ids:
                 self.engine.abort_request(rid)
                 self.engine.forget(rid)
-            raise
+
+    def _run(self, ids: set[str], progress: bool) -> None:
         done, t0 = 0, time.perf_counter()
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
                 if out.finished and out.request_id in ids:
                     done += 1
-                    if use_tqdm and len(ids) > 1:
+                    if progress:
                         rate = done / max(time.perf_counter() - t0, 1e-9)
                         print(f"\r[rltjax] {done}/{len(ids)} requests ({rate:.1f} req/s)", end="",
                               file=sys.stderr, flush=True)
-        if use_tqdm and len(ids) > 1:
+        if progress:
             print(file=sys.stderr)
-        results = [self.engine.get_output(rid) for rid in ids]
-        for rid in ids:
-            self.engine.forget(rid)
-        return results

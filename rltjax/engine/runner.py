@@ -168,6 +168,12 @@ class ModelRunner:
         self.dummy_slot = max_num_seqs
         self.slot_state = jnp.zeros((max_num_seqs + 1, self.cfg.hidden_size), params.embed.dtype)
         self.slot_inject = jnp.zeros_like(self.slot_state) if self.has_boundary else None
+        # Commit every array that calls replace with their outputs to one device now: jit keys
+        # its cache on placement, and outputs are committed, so an uncommitted first input would
+        # make the warm-up compile a variant that steady state never uses.
+        device = jax.devices()[0]
+        self.kv, self.slot_state, self.slot_inject, self.bkv = jax.device_put(
+            (self.kv, self.slot_state, self.slot_inject, self.bkv), device)
         self.lookahead_w = jnp.asarray(lookahead_w, jnp.float32)
         self.num_top = min(NUM_TOP_LOGPROBS, self.cfg.vocab_size)
         self.prefill_write_planes = prefill_write_planes or self.cfg.num_loops

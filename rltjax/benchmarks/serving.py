@@ -6,6 +6,10 @@ the server needs no special flag):
     rltjax serve MODEL_DIR --max-num-seqs 64 &
     python scripts/bench_serving.py --base-url http://127.0.0.1:8000 --model MODEL_DIR --concurrency 1 8 32
 
+Here --model (default: the served directory, when /v1/models names one on this
+machine) or --preset describes the served model for the roofline and supplies
+the tokenizer; the mean loop depth comes from the server's /metrics.
+
 In process (the engine is built here from --preset with random weights, or
 from --model; start-up is timed cold and with a warm compilation cache first):
 
@@ -73,6 +77,7 @@ def _model_dir(path: str | None) -> str | None:
 
 
 def run_benchmark(args, argv: list[str]) -> dict:
+    per_run_counts(args)   # bad flags fail before anything starts
     base_url = (args.base_url or "").rstrip("/")
     server_model, engine, build = {}, None, None
     if base_url:
@@ -81,7 +86,7 @@ def run_benchmark(args, argv: list[str]) -> dict:
     if model_dir and not args.model:
         args.model = model_dir   # the served directory is on this machine: its config and tokenizer
     cfg, dtype = startup.model_config(args)
-    env = report.environment(jax_devices=args.in_process)
+    env = report.environment()   # jax stays uninitialised: start-up children need the whole GPU
     max_model_len = args.max_model_len or server_model.get("max_model_len") or (
         args.max_prompt_len + args.max_output_len)
     requests, tok, data_info = workload.prepare_workload(args, model_dir=model_dir, default_vocab=cfg.vocab_size,
@@ -105,27 +110,30 @@ def run_benchmark(args, argv: list[str]) -> dict:
                 args, max_num_seqs=max(args.concurrency), max_model_len=max_model_len,
                 cache_dir=None if args.skip_startup else cache_dir)
             result["main_build"] = build
+            env.update(report.jax_devices())
+            print(f"[bench] jax devices: {env['jax_devices']}; engine: {build['engine']}", flush=True)
         model_name = args.served_model_name or server_model.get("id")
         _warm_up(args, engine, base_url, model_name, requests)
         timings_by_run = []
-        for c in args.concurrency:
+        for c, n in zip(args.concurrency, per_run_counts(args)):
+            reqs = requests[:n]
             before = clients.scrape_exit_depth(base_url) if base_url else None
             if engine is not None:
-                timings, wall = clients.run_engine(engine, requests, c, temperature=args.temperature,
+                timings, wall = clients.run_engine(engine, reqs, c, temperature=args.temperature,
                                                    exit_threshold=args.exit_threshold, tag=f"c{c}")
             else:
-                timings, wall = clients.run_http(base_url, requests, c, model_name, prompt_format=args.prompt_format,
+                timings, wall = clients.run_http(base_url, reqs, c, model_name, prompt_format=args.prompt_format,
                                                  temperature=args.temperature, exit_threshold=args.exit_threshold,
                                                  api_key=args.api_key)
             summary = metrics.summarize(timings, wall)
             if before is not None and (after := clients.scrape_exit_depth(base_url)) and after[1] > before[1]:
                 summary["mean_decode_depth"] = (after[0] - before[0]) / (after[1] - before[1])
             ctx = roofline.mean_context([t.prompt_tokens for t in timings], [t.output_tokens for t in timings])
-            roof = roofline.roofline_report(mb, min(c, len(requests)), ctx, summary["mean_decode_depth"],
+            roof = roofline.roofline_report(mb, min(c, n), ctx, summary["mean_decode_depth"],
                                             summary["output_throughput"], args.bandwidth)
-            mismatches = sum(t.ok and t.output_tokens != r.output_len for t, r in zip(timings, requests))
-            run = dict(concurrency=c, summary=summary, roofline=roof, output_len_mismatches=mismatches,
-                       per_request=report.per_request(timings))
+            mismatches = sum(t.ok and t.output_tokens != r.output_len for t, r in zip(timings, reqs))
+            run = dict(concurrency=c, num_requests=n, summary=summary, roofline=roof,
+                       output_len_mismatches=mismatches, per_request=report.per_request(timings))
             result["runs"].append(run)
             timings_by_run.append(timings)
             print(report.summary_line(run), flush=True)
@@ -133,6 +141,16 @@ def run_benchmark(args, argv: list[str]) -> dict:
             if mismatches:
                 print(f"      WARNING: {mismatches} request(s) did not generate their target length", flush=True)
     return _write(args, result, timings_by_run)
+
+
+def per_run_counts(args) -> list[int]:
+    """N for each concurrency value: one --num-requests for all, or one each."""
+    if len(args.num_requests) == 1:
+        return args.num_requests * len(args.concurrency)
+    if len(args.num_requests) != len(args.concurrency):
+        raise ValueError(f"--num-requests: give one value or one per --concurrency value "
+                         f"({len(args.concurrency)}), got {len(args.num_requests)}")
+    return list(args.num_requests)
 
 
 def _warm_up(args, engine, base_url, model_name, requests) -> None:
@@ -154,7 +172,7 @@ def _write(args, result: dict, timings_by_run) -> dict:
     out = workload.out_dir(args, "serving")
     if not args.no_plots and result["runs"]:
         title = (f"{result['model_bytes']['name']} ({result['config']['mode']}), ShareGPT "
-                 f"N={args.num_requests}, seed {args.seed}")
+                 f"N={'/'.join(map(str, args.num_requests))}, seed {args.seed}")
         result["plots"] = report.plot_runs(out, result["runs"], timings_by_run, title)
     report.write_json(out / "results.json", result)
     print(f"[bench] wrote {out / 'results.json'}" + (f" and {len(result.get('plots', []))} plots"
@@ -188,5 +206,9 @@ def main(argv: list[str] | None = None) -> int:
         return write_random_model(args)
     if args.base_url and "jax" not in sys.modules:   # a client must not take GPU memory from the server
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    run_benchmark(args, argv)
+    try:
+        run_benchmark(args, argv)
+    except (ValueError, TimeoutError) as exc:
+        print(f"bench_serving: error: {exc}", file=sys.stderr)
+        return 2
     return 0

@@ -11,7 +11,9 @@ from rltjax.benchmarks.roofline import DEFAULT_BANDWIDTH
 
 def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload (ShareGPT V3)")
-    g.add_argument("--num-requests", type=int, default=200, help="requests per run (the same N for every C)")
+    g.add_argument("--num-requests", type=int, nargs="+", default=[200],
+                   help="requests per run: one N for every C, or one per --concurrency value (each run takes "
+                        "the first N of the same seeded draw)")
     g.add_argument("--seed", type=int, default=0, help="seed of the request draw (grain shuffle)")
     g.add_argument("--max-output-len", type=int, default=512, help="cap on the reply's token count")
     g.add_argument("--max-prompt-len", type=int, default=1024, help="longer prompts are skipped")
@@ -44,7 +46,7 @@ def prepare_workload(args, *, model_dir: str | None, default_vocab: int, max_mod
         tok = bench_tokenizer.from_model_dir(tok_dir)
     else:
         tok = bench_tokenizer.trained_tokenizer(pairs, args.tokenizer_vocab_size or default_vocab)
-    requests = dataset.sample_requests(pairs, tok.encode, args.num_requests, args.seed,
+    requests = dataset.sample_requests(pairs, tok.encode, max(args.num_requests), args.seed,
                                        max_output_len=args.max_output_len, max_prompt_len=args.max_prompt_len,
                                        min_len=args.min_len, max_model_len=max_model_len)
     info = dict(path=data.path, records_parsed=len(data.records), stopped_at_char=data.broken_at,

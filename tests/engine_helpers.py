@@ -1,6 +1,8 @@
 """Shared helpers for engine tests: build engines on the tiny fixture, drive workloads."""
 from __future__ import annotations
 
+import contextlib
+
 from conftest import load_fixture, reference_model
 from rltjax.engine_config import CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig
 from rltjax.entrypoints.llm import build_engine
@@ -65,3 +67,33 @@ def reference_for(kv_layout, exit_mode="ouro", depths_by_request=None, lookahead
     ckpt = load_fixture("ouro-tiny")
     return ReferenceModel(get_model(ckpt.cfg), ckpt.params, kv_layout=kv_layout,
                           exit_config=ExitConfig(mode="trace", depths_by_request=depths_by_request))
+
+
+def check_equal(out, ref):
+    """An engine output equals the reference oracle's run of the same request."""
+    import numpy as np
+    assert out.token_ids == ref.token_ids
+    assert out.exit_depths == ref.exit_depths
+    assert out.finish_reason == ref.finish_reason
+    assert out.error is None
+    if ref.logprobs is not None:
+        assert [set(e) for e in out.logprobs] == [set(e) for e in ref.logprobs]
+        for a, b in zip(out.logprobs, ref.logprobs):
+            np.testing.assert_allclose([a[t] for t in sorted(a)], [b[t] for t in sorted(b)], rtol=1e-5, atol=1e-5)
+
+
+@contextlib.contextmanager
+def compile_events():
+    """Collects the names of JAX compile events raised inside the block."""
+    import jax
+    events = []
+
+    def listener(event, duration, **kwargs):
+        if "compile" in event:
+            events.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield events
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)

@@ -1,9 +1,9 @@
 """Helpers for engine behaviour tests: a plan recorder and a workload driver."""
 from __future__ import annotations
 
-import numpy as np
 
 from conftest import reference_npz
+from engine_helpers import check_equal  # noqa: F401  (re-exported)
 from rltjax.sampling_params import SamplingParams
 
 TOKENS = [int(t) for t in reference_npz("ouro-tiny")["p2_input_ids"]] * 3   # 120 prompt ids
@@ -18,15 +18,6 @@ def greedy(max_tokens, **kw):
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
 
 
-def check_equal(out, ref):
-    assert out.token_ids == ref.token_ids
-    assert out.exit_depths == ref.exit_depths
-    assert out.finish_reason == ref.finish_reason
-    assert out.error is None
-    if ref.logprobs is not None:
-        assert [set(e) for e in out.logprobs] == [set(e) for e in ref.logprobs]
-        for a, b in zip(out.logprobs, ref.logprobs):
-            np.testing.assert_allclose([a[t] for t in sorted(a)], [b[t] for t in sorted(b)], rtol=1e-5, atol=1e-5)
 
 
 def check_against_reference(outputs, arrivals, ref, skip=()):

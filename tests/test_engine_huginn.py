@@ -2,12 +2,11 @@
 beyond R, latent-difference exits) and Nanbeige exactly like the dense reference."""
 from __future__ import annotations
 
-import jax
 import numpy as np
 import pytest
 
 from conftest import reference_model, reference_npz
-from engine_helpers import assert_all_pages_free, make_engine, run_workload
+from engine_helpers import assert_all_pages_free, check_equal, compile_events, make_engine, run_workload
 from rltjax.engine.llm_engine import RequestRejectedError
 from rltjax.engine_config import EngineConfigError
 from rltjax.sampling_params import SamplingParams
@@ -21,14 +20,6 @@ CAP = 12   # CacheConfig.max_loops: planes for recurrence up to 12 (R = mean_rec
 SHAPE = dict(max_loops=CAP, max_num_seqs=2, prefill_chunk_size=4, max_num_batched_tokens=4)
 
 
-def check_equal(out, ref):
-    assert out.token_ids == ref.token_ids
-    assert out.exit_depths == ref.exit_depths
-    assert out.finish_reason == ref.finish_reason
-    if ref.logprobs is not None:
-        assert [set(e) for e in out.logprobs] == [set(e) for e in ref.logprobs]
-        for a, b in zip(out.logprobs, ref.logprobs):
-            np.testing.assert_allclose([a[t] for t in sorted(a)], [b[t] for t in sorted(b)], rtol=1e-5, atol=1e-5)
 
 
 def workload():
@@ -77,22 +68,13 @@ def test_huginn_greedy_equals_upstream_and_no_compilation_after_warm_up():
     """Zero initial state at R = 4 loops reproduces the upstream fixture's greedy ids, with
     every executable compiled ahead of time (boundary embed/head included)."""
     engine = make_engine(name=NAME, hf_overrides=ZERO, compile_ahead=True, exit_mode="latent_diff", **SHAPE)
-    events = []
-
-    def listener(event, duration, **kwargs):
-        if "compile" in event:
-            events.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        arrivals = [(i, p, [int(t) for t in REF[f"{p}_input_ids"]],
-                     SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1, seed=i))
-                    for i, p in enumerate(["p0", "p1", "p2"])]
-        arrivals.append((4, "deep", TOKENS[:9], SamplingParams(max_tokens=3, temperature=0.0, max_loops=CAP,
-                                                               seed=5, ignore_eos=True)))
+    arrivals = [(i, p, [int(t) for t in REF[f"{p}_input_ids"]],
+                 SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1, seed=i))
+                for i, p in enumerate(["p0", "p1", "p2"])]
+    arrivals.append((4, "deep", TOKENS[:9], SamplingParams(max_tokens=3, temperature=0.0, max_loops=CAP,
+                                                           seed=5, ignore_eos=True)))
+    with compile_events() as events:
         outputs = run_workload(engine, arrivals)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert events == []
     ref = reference_model(NAME, overrides=tuple(ZERO.items()), exit_mode="latent_diff")
     for _, rid, prompt, params in arrivals:

@@ -1,25 +1,16 @@
 """The batched engine equals the dense reference oracle, request by request."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import reference_npz
-from engine_helpers import assert_all_pages_free, make_engine, reference_for, run_workload
+from engine_helpers import assert_all_pages_free, check_equal, make_engine, reference_for, run_workload
 from rltjax.sampling_params import SamplingParams
 
 TOKENS = [int(t) for t in reference_npz("ouro-tiny")["p2_input_ids"]] * 3   # 120 prompt ids
 
 
-def check_equal(out, ref):
-    assert out.token_ids == ref.token_ids
-    assert out.exit_depths == ref.exit_depths
-    assert out.finish_reason == ref.finish_reason
-    if ref.logprobs is not None:
-        assert [set(e) for e in out.logprobs] == [set(e) for e in ref.logprobs]
-        for a, b in zip(out.logprobs, ref.logprobs):
-            np.testing.assert_allclose([a[t] for t in sorted(a)], [b[t] for t in sorted(b)], rtol=1e-5, atol=1e-5)
 
 
 request = st.tuples(

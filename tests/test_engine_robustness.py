@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from engine_helpers import assert_all_pages_free, make_engine, reference_for, run_workload
+from engine_helpers import assert_all_pages_free, compile_events, make_engine, reference_for, run_workload
 from engine_trace_helpers import (FAST_SLOW, SMALL_PAGES, TOKENS, TRACE, PlanLog, check_against_reference,
                                   check_equal, drive, greedy)
 from rltjax.engine.llm_engine import RequestRejectedError
@@ -266,19 +266,10 @@ def test_first_steps_after_warm_up_do_not_compile():
     """A fresh engine's first batches (a 1-token prefill first) reuse the warm-up executables:
     the state arrays the steps replace are committed to the device before warm-up."""
     engine = make_engine(compile_ahead=True, max_num_seqs=2)
-    events = []
-
-    def listener(event, duration, **kwargs):
-        if "compile" in event:
-            events.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with compile_events() as events:
         for i, n in enumerate([1, 3, 9]):
             engine.add_request(f"c{i}", TOKENS[:n], greedy(3))
             while engine.has_unfinished_requests():
                 engine.step()
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert events == []
     assert_all_pages_free(engine)

@@ -269,7 +269,9 @@ class LLMEngine:
             r.exit_depths.append(r.loops_done)
             if self.layered:   # deeper planes must read this token's exit-depth KV: min(d, e)
                 src = self._slot(r, r.loops_done - 1, r.decode_position)
-                copies += [src + self._slot(r, pl, r.decode_position) for pl in range(r.loops_done, self.num_planes)]
+                # planes past the request's own max_loops serve depths it never runs
+                deepest = min(self.num_planes, r.max_loops)
+                copies += [src + self._slot(r, pl, r.decode_position) for pl in range(r.loops_done, deepest)]
         if copies:
             c = np.array(copies, np.int32)
             self.runner.copy(c[:, 0], c[:, 1], c[:, 2], c[:, 3])

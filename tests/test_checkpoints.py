@@ -1,18 +1,15 @@
-"""Checkpoint loading, validation, conversion and random init (CPU, tiny fixtures)."""
+"""Checkpoint loading, conversion and random init (CPU, tiny fixtures)."""
 from __future__ import annotations
 
 import dataclasses
 import functools
 import json
-import shutil
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from safetensors import safe_open
 
 from checkpoints import convert as convert_cli
 from checkpoints.convert import convert_checkpoint
@@ -20,49 +17,12 @@ from checkpoints.hf import load_hf_params, param_template, save_hf_params
 from checkpoints.loader import MARKER_FILE, load_checkpoint
 from checkpoints.orbax_io import restore_params, save_params
 from checkpoints.random_init import random_checkpoint, random_checkpoint_shapes
-from checkpoints.safetensors_reader import (CheckpointError, index_model_dir, read_tensor,
-                                            write_safetensors)
+from checkpoints.safetensors_reader import CheckpointError
 from rltjax.config import load_hf_config
 from rltjax.models import ouro
 from rltjax.models.params import flatten_params
 
-FIXTURES = Path(__file__).parent / "fixtures"
-OURO = FIXTURES / "ouro-tiny"          # fp32, one file
-GQA = FIXTURES / "ouro-tiny-gqa"       # bf16, two shards + index
-Q0 = "model.layers.0.self_attn.q_proj.weight"
-
-
-def raw_tensors(model_dir: Path) -> dict[str, np.ndarray]:
-    """Every tensor of a dir via the safetensors library (an independent reader)."""
-    out = {}
-    for f in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(f), framework="flax") as st:
-            out.update({k: np.asarray(st.get_tensor(k)) for k in st.keys()})
-    return out
-
-
-def copy_fixture(src: Path, tmp_path: Path) -> Path:
-    dst = tmp_path / src.name
-    shutil.copytree(src, dst)
-    return dst
-
-
-def rewrite(model_dir: Path, edit) -> Path:
-    """Rewrite a single-file checkpoint's tensors through ``edit(dict) -> None``."""
-    path = model_dir / "model.safetensors"
-    tensors = {n: read_tensor(i) for n, i in index_model_dir(model_dir).items()}
-    edit(tensors)
-    write_safetensors(path, tensors)
-    return path
-
-
-def assert_same_tree(a, b):
-    fa, fb = flatten_params(a), flatten_params(b)
-    assert fa.keys() == fb.keys()
-    for name in fa:
-        x, y = np.asarray(fa[name]), np.asarray(fb[name])
-        assert x.dtype == y.dtype and x.shape == y.shape, name
-        assert x.tobytes() == y.tobytes(), f"{name} differs"   # bit-identical
+from checkpoint_helpers import FIXTURES, GQA, OURO, Q0, assert_same_tree, copy_fixture, raw_tensors, rewrite
 
 
 # --- loading HF directories -------------------------------------------------------------
@@ -115,131 +75,6 @@ def test_ignored_tensors_are_skipped(tmp_path, monkeypatch):
         load_checkpoint(d)
     monkeypatch.setattr(ouro, "HF_IGNORED_TENSORS", ("freqs_cis",), raising=False)
     assert_same_tree(load_checkpoint(d).params, load_checkpoint(OURO).params)
-
-
-# --- error paths: each message must name the offending path / tensor / file ---------------
-
-def test_bad_paths(tmp_path):
-    with pytest.raises(CheckpointError, match="does not exist") as e:
-        load_checkpoint(tmp_path / "nowhere")
-    assert "nowhere" in str(e.value)
-    with pytest.raises(CheckpointError, match="is a file") as e:
-        load_checkpoint(OURO / "model.safetensors")
-    assert "model.safetensors" in str(e.value)
-    d = copy_fixture(OURO, tmp_path)
-    (d / "config.json").unlink()
-    with pytest.raises(CheckpointError, match="config.json"):
-        load_checkpoint(d)
-
-
-def test_missing_tensor(tmp_path):
-    d = copy_fixture(OURO, tmp_path)
-    rewrite(d, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
-    with pytest.raises(CheckpointError, match="missing 1 tensor") as e:
-        load_checkpoint(d)
-    assert "model.layers.1.mlp.up_proj.weight" in str(e.value) and "model.safetensors" in str(e.value)
-
-
-def test_many_missing_tensors_are_truncated(tmp_path):
-    d = copy_fixture(OURO, tmp_path)
-    rewrite(d, lambda t: [t.pop(k) for k in list(t) if k.startswith("model.layers.")])
-    with pytest.raises(CheckpointError, match=r"missing 22 tensor\(s\).*\(12 more\)"):
-        load_checkpoint(d)
-
-
-def test_unexpected_tensor(tmp_path):
-    d = copy_fixture(OURO, tmp_path)
-    rewrite(d, lambda t: t.update({"model.rotary_emb.inv_freq": np.ones(8, np.float32)}))
-    with pytest.raises(CheckpointError, match=r"unexpected 1 tensor\(s\): model.rotary_emb.inv_freq"):
-        load_checkpoint(d)
-
-
-def test_misshaped_tensor(tmp_path):
-    d = copy_fixture(OURO, tmp_path)
-    rewrite(d, lambda t: t.update({Q0: t[Q0][:, :63]}))
-    with pytest.raises(CheckpointError, match=r"shape \[64, 63\].*expects \[64, 64\]") as e:
-        load_checkpoint(d)
-    assert Q0 in str(e.value) and "model.safetensors" in str(e.value)
-
-
-def test_int_tensor(tmp_path):
-    d = copy_fixture(OURO, tmp_path)
-    rewrite(d, lambda t: t.update({"model.norm.weight": np.ones(64, np.int32)}))
-    with pytest.raises(CheckpointError, match="I32") as e:
-        load_checkpoint(d)
-    assert "model.norm.weight" in str(e.value) and "model.safetensors" in str(e.value)
-
-
-def test_truncated_file(tmp_path):
-    d = copy_fixture(OURO, tmp_path)
-    path = d / "model.safetensors"
-    path.write_bytes(path.read_bytes()[:-100])
-    with pytest.raises(CheckpointError, match="truncated") as e:
-        load_checkpoint(d)
-    assert str(path) in str(e.value)
-    path.write_bytes(b"\x10\x00")       # not even a header length
-    with pytest.raises(CheckpointError, match="truncated"):
-        load_checkpoint(d)
-
-
-def test_corrupt_header(tmp_path):
-    d = copy_fixture(OURO, tmp_path)
-    path = d / "model.safetensors"
-    data = bytearray(OURO.joinpath("model.safetensors").read_bytes())
-    data[8] = ord("x")                  # the header's opening brace
-    path.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match="not valid JSON") as e:
-        load_checkpoint(d)
-    assert str(path) in str(e.value)
-    data[:8] = (10 ** 9).to_bytes(8, "little")   # header length past the end of the file
-    path.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match="header length") as e:
-        load_checkpoint(d)
-    assert str(path) in str(e.value)
-
-
-def test_index_pointing_to_missing_shard(tmp_path):
-    d = copy_fixture(GQA, tmp_path)
-    index = json.loads((d / "model.safetensors.index.json").read_text())
-    index["weight_map"][Q0] = "model-00003-of-00003.safetensors"
-    (d / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(CheckpointError, match="model-00003-of-00003.safetensors does not exist"):
-        load_checkpoint(d)
-
-
-def test_index_naming_the_wrong_shard(tmp_path):
-    d = copy_fixture(GQA, tmp_path)
-    index = json.loads((d / "model.safetensors.index.json").read_text())
-    name = "model.layers.2.mlp.down_proj.weight"
-    assert index["weight_map"][name] == "model-00002-of-00002.safetensors"
-    index["weight_map"][name] = "model-00001-of-00002.safetensors"
-    (d / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(CheckpointError, match=f"not in it: {name}") as e:
-        load_checkpoint(d)
-    assert "model-00001-of-00002.safetensors" in str(e.value)
-
-
-def test_index_without_weight_map(tmp_path):
-    d = copy_fixture(GQA, tmp_path)
-    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}}))
-    with pytest.raises(CheckpointError, match="weight_map"):
-        load_checkpoint(d)
-
-
-def test_pickle_only_dir_is_refused(tmp_path):
-    d = tmp_path / "pickled"
-    d.mkdir()
-    shutil.copy(OURO / "config.json", d)
-    (d / "pytorch_model.bin").write_bytes(b"\x80\x04not really a pickle")
-    with pytest.raises(CheckpointError, match="pickle formats are refused") as e:
-        load_checkpoint(d)
-    assert "pytorch_model.bin" in str(e.value) and "safetensors" in str(e.value)
-
-
-def test_unimplemented_arch_is_a_clear_error():
-    from rltjax.models.base import arch_module
-    with pytest.raises(NotImplementedError, match="mamba"):
-        arch_module("mamba")
 
 
 @pytest.mark.parametrize("name", ["huginn-tiny", "nanbeige-tiny"])

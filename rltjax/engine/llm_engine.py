@@ -16,6 +16,7 @@ from typing import Any, Mapping, Sequence
 import jax
 import numpy as np
 
+from rltjax.cache.kv_update import exit_copy_slots
 from rltjax.cache.paged_kv import PagedKV
 from rltjax.engine.exit_policy import ExitPolicy
 from rltjax.engine.outputs import IncrementalDetokenizer, RequestOutput, StopChecker
@@ -268,13 +269,13 @@ class LLMEngine:
             r.status = Status.AWAITING_HEAD
             r.exit_depths.append(r.loops_done)
             if self.layered:   # deeper planes must read this token's exit-depth KV: min(d, e)
-                src = self._slot(r, r.loops_done - 1, r.decode_position)
                 # planes past the request's own max_loops serve depths it never runs
-                deepest = min(self.num_planes, r.max_loops)
-                copies += [src + self._slot(r, pl, r.decode_position) for pl in range(r.loops_done, deepest)]
-        if copies:
-            c = np.array(copies, np.int32)
-            self.runner.copy(c[:, 0], c[:, 1], c[:, 2], c[:, 3])
+                copies.append(exit_copy_slots(
+                    self.scheduler.block_tables.array, lambda _, plane, r=r: r.tables[plane], 0,
+                    r.decode_position, r.loops_done, min(self.num_planes, r.max_loops),
+                    self.cache_config.page_size))
+        if copies and sum(len(c[0]) for c in copies):
+            self.runner.copy(*(np.concatenate(part) for part in zip(*copies)))
 
     def _head(self, rows: list[Request]) -> list[Request]:
         seeds = np.array([split_seed(r.seed) for r in rows], np.uint32).reshape(len(rows), 2)

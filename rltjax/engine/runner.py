@@ -31,6 +31,7 @@ from rltjax.models.base import boundary_kv_layers
 from rltjax.sampling import sample_tokens, token_logprobs
 
 NUM_TOP_LOGPROBS = 20
+MIN_TOKEN_BUCKET = 32   # prefill token counts pad to >= this: fewer executables, negligible padding
 
 
 def bucket(n: int) -> int:
@@ -75,11 +76,18 @@ def prefill_step(params, kv: PagedKV, slot_state, tokens, positions, write_page,
     its slot. Boundary models: the prelude writes every row's boundary KV, and so does
     the coda (later codas attend to it; its logits are unused, so XLA drops the lm_head)."""
     x, inject, bkv = _embed(model, backend, params, tokens, bkv, bmeta, seeds)   # [T, D]
-    for d in range(num_loops):
-        last_fills_deeper = d == num_loops - 1 and write_page.shape[0] > num_loops
-        meta = PagedMeta(positions, write_page[d:] if last_fills_deeper else write_page[d], write_offset,
-                         row_tables[d], lengths, block_tables)
-        x, kv, _ = model.loop(params, x, inject, kv, meta, backend)
+
+    def one_loop(d, x, kv, pages):
+        meta = PagedMeta(positions, pages, write_offset, row_tables[d], lengths, block_tables)
+        x, kv, _ = model.loop(params, x, inject, kv, meta, backend, unroll=False)
+        return x, kv
+
+    # Rolled over loops and layers: T >= MIN_TOKEN_BUCKET rows make prefill compute-bound,
+    # where dynamic weight slices cost little, and one traced layer keeps compiles short
+    # (Huginn runs 32 loops here).
+    x, kv = jax.lax.fori_loop(0, num_loops - 1, lambda d, c: one_loop(d, *c, write_page[d]), (x, kv))
+    last = num_loops - 1
+    x, kv = one_loop(last, x, kv, write_page[last:] if write_page.shape[0] > num_loops else write_page[last])
     if bkv is not None:
         _, bkv = _head(model, backend, params, x, bkv, bmeta)
     return kv, slot_state.at[out_slots].set(x), bkv
@@ -179,7 +187,8 @@ class ModelRunner:
         self.prefill_write_planes = prefill_write_planes or self.cfg.num_loops
         self.raw_signal = raw_signal
         self.row_buckets = buckets_up_to(max_num_seqs)
-        self.token_buckets = buckets_up_to(max_num_batched_tokens)
+        self.token_buckets = [t for t in buckets_up_to(max_num_batched_tokens)
+                              if t >= min(MIN_TOKEN_BUCKET, bucket(max_num_batched_tokens))]
         self.copy_buckets = buckets_up_to(max(1, max_copies))
 
     def device_state_lost(self) -> bool:
@@ -198,7 +207,7 @@ class ModelRunner:
     # -- calls (numpy in, numpy out) ------------------------------------------------
     def prefill(self, tokens, positions, write_page, write_offset, row_tables, out_slots, block_tables,
                 boundary: BoundaryRows | None = None):
-        t = bucket(len(tokens))
+        t = max(bucket(len(tokens)), self.token_buckets[0])
         pad = t - len(tokens)
         lengths = np.pad(positions + 1, (0, pad))
         bmeta, seeds = self._bmeta(boundary, positions, write_offset, pad)

@@ -92,8 +92,9 @@ class OuroModel:
         return params.embed[tokens], None
 
     def loop(self, params: OuroParams, state: jax.Array, inject: Any, kv: Any, meta: Any,
-             backend: KVBackend):
+             backend: KVBackend, unroll: bool = True):
         """One pass over all layers for N rows, then the shared norm and the gate.
+        unroll=False keeps the layer loop rolled (prefill: compute-bound, faster compile).
 
         state [N, D] -> (state [N, D], kv, gate_logit [N] f32).
         """
@@ -122,7 +123,7 @@ class OuroModel:
         # rolled scan the per-layer dynamic slices made the projections ~2x slower on
         # an H200 (docs/performance.md, "loop pass").
         (state, kv), _ = jax.lax.scan(layer_step, (state, kv), (layer_ids, params.layers),
-                                      unroll=True)
+                                      unroll=unroll)
         state = rms_norm(state, params.norm, cfg.norm_eps)
         gate_logit = state.astype(jnp.float32) @ params.gate_w.astype(jnp.float32) \
             + params.gate_b.astype(jnp.float32)

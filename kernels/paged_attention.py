@@ -4,6 +4,9 @@ Layout and semantics: `kernels.paged_attention_ref` (the oracle). impl:
   "xla"    the pure-XLA reference (any backend, any shapes);
   "pallas" the Pallas Triton kernel (`kernels.pallas_triton`); interpret=True runs it on CPU;
   "auto"   pallas on GPU when the shapes are kernel-supported, xla otherwise.
+Two entry points: ``paged_attention`` (any rows; the decode kernel, one program per
+row) and ``paged_prefill_attention`` (rows in aligned query blocks that share a table;
+a flash-style kernel that reads each KV block once per block of rows).
 Kernel-supported: page_size a power of two in 8..128, head_dim a multiple of 16 in
 64..256 (non-powers of two such as 96 run as power-of-two column chunks, 64 + 32),
 q/k/v in bfloat16, float16 or float32. A Mosaic GPU or jax-triton port replaces the
@@ -15,6 +18,8 @@ import jax
 import jax.numpy as jnp
 
 from kernels.paged_attention_ref import paged_attention_ref
+
+DEFAULT_BLOCK_Q = 16     # query rows per prefill-kernel program (the engine aligns chunks to it)
 
 KERNEL_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
@@ -42,16 +47,17 @@ def kernel_unsupported(q, k_pages) -> str | None:
     return None
 
 
-def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
-                    block_tables: jax.Array, row_tables: jax.Array, lengths: jax.Array, *,
-                    layer: jax.Array | int | None = None, impl: str = "auto",
-                    interpret: bool = False, scale: float | None = None,
-                    pages_per_block: int | None = None, num_splits: int | None = None) -> jax.Array:
-    """Attention of each query row over its paged KV: returns [N, H, Dh] in q's dtype.
+def _resolve_impl(impl: str, q, k_pages) -> str:
+    why_not = kernel_unsupported(q, k_pages)
+    if impl == "pallas" and why_not:
+        _fail("page_size" if "page_size" in why_not else "head_dim" if "head_dim" in why_not
+              else "q", why_not)
+    if impl == "auto":
+        return "pallas" if jax.default_backend() == "gpu" and not why_not else "xla"
+    return impl
 
-    k_pages/v_pages: one layer's [Hkv, P, S, Dh] pool, or the stacked [L, Hkv, P, S, Dh]
-    pool together with ``layer`` (int32 scalar, may be traced), read in place.
-    """
+
+def _validate(q, k_pages, v_pages, block_tables, row_tables, lengths, layer, impl: str) -> None:
     if impl not in ("auto", "xla", "pallas"):
         _fail("impl", f"expected 'auto', 'xla' or 'pallas', got {impl!r}")
     if q.ndim != 3:
@@ -82,17 +88,25 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         _fail("row_tables", f"expected [{n}] (one per row of q), got {row_tables.shape}")
     if lengths.shape[0] != n:
         _fail("lengths", f"expected [{n}] (one per row of q), got {lengths.shape}")
+
+
+def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                    block_tables: jax.Array, row_tables: jax.Array, lengths: jax.Array, *,
+                    layer: jax.Array | int | None = None, impl: str = "auto",
+                    interpret: bool = False, scale: float | None = None,
+                    pages_per_block: int | None = None, num_splits: int | None = None) -> jax.Array:
+    """Attention of each query row over its paged KV: returns [N, H, Dh] in q's dtype.
+
+    k_pages/v_pages: one layer's [Hkv, P, S, Dh] pool, or the stacked [L, Hkv, P, S, Dh]
+    pool together with ``layer`` (int32 scalar, may be traced), read in place.
+    """
+    _validate(q, k_pages, v_pages, block_tables, row_tables, lengths, layer, impl)
     if pages_per_block is not None and (pages_per_block < 1 or pages_per_block & (pages_per_block - 1)):
         _fail("pages_per_block", f"expected a power of two, got {pages_per_block}")
     if num_splits is not None and num_splits < 1:
         _fail("num_splits", f"expected >= 1, got {num_splits}")
 
-    why_not = kernel_unsupported(q, k_pages)
-    if impl == "pallas" and why_not:
-        _fail("page_size" if "page_size" in why_not else "head_dim" if "head_dim" in why_not
-              else "q", why_not)
-    if impl == "auto":
-        impl = "pallas" if jax.default_backend() == "gpu" and not why_not else "xla"
+    impl = _resolve_impl(impl, q, k_pages)
     if impl == "xla":
         return paged_attention_ref(q, k_pages, v_pages, block_tables, row_tables, lengths,
                                    layer=layer, scale=scale)
@@ -103,3 +117,25 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     return paged_attention_pallas(q, k_pages, v_pages, block_tables, row_tables, lengths,
                                   layer=layer, scale=scale, pages_per_block=pages_per_block,
                                   num_splits=num_splits, interpret=interpret)
+
+
+def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                            block_tables: jax.Array, row_tables: jax.Array, lengths: jax.Array, *,
+                            layer: jax.Array | int | None = None, impl: str = "auto",
+                            interpret: bool = False, scale: float | None = None,
+                            block_q: int = DEFAULT_BLOCK_Q) -> jax.Array:
+    """``paged_attention`` for prefill chunks: same arguments and result, one more
+    precondition for the kernel (``kernels.pallas_prefill``): in every aligned block of
+    ``block_q`` rows, the rows with length > 0 read one block table. The XLA path takes
+    any layout. A Mosaic GPU or jax-triton port replaces the "pallas" branch only.
+    """
+    _validate(q, k_pages, v_pages, block_tables, row_tables, lengths, layer, impl)
+    if block_q < 16 or block_q & (block_q - 1):
+        _fail("block_q", f"expected a power of two >= 16, got {block_q}")
+    impl = _resolve_impl(impl, q, k_pages)
+    if impl == "xla":
+        return paged_attention_ref(q, k_pages, v_pages, block_tables, row_tables, lengths,
+                                   layer=layer, scale=scale)
+    from kernels.pallas_prefill import paged_prefill_attention_pallas
+    return paged_prefill_attention_pallas(q, k_pages, v_pages, block_tables, row_tables, lengths,
+                                          layer=layer, scale=scale, block_q=block_q, interpret=interpret)

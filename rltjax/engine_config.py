@@ -137,10 +137,12 @@ class ExecutionConfig:
     """How device work is compiled and dispatched.
 
     attn_impl: paged attention implementation (``auto`` = Pallas on GPU, XLA elsewhere).
+    interpret: run the Pallas kernels in interpret mode (CPU testing of attn_impl="pallas").
     compile_ahead: compile every bucket at start-up (else on first use).
     compilation_cache_dir: XLA's persistent compilation cache (None disables it).
     """
     attn_impl: str = "auto"
+    interpret: bool = False
     compile_ahead: bool = True
     compilation_cache_dir: str | None = dataclasses.field(default_factory=lambda: str(default_cache_dir()))
     show_progress: bool = True

@@ -25,6 +25,15 @@ def test_bench_attention_quick(tmp_path):
     assert "best per shape" in text
 
 
+def test_bench_prefill_quick(tmp_path):
+    out = tmp_path / "prefill.json"
+    text = run_script("bench_prefill.py", "--quick", "--block-q", "16", "32", "--out", str(out))
+    rows = json.loads(out.read_text())["results"]
+    assert rows and all(r["per_row_err"] < 1e-4 and r["prefill_bq16_err"] < 1e-4 and r["prefill_bq32_err"] < 1e-4
+                        for r in rows)
+    assert "speed-up" in text
+
+
 def test_bench_loop_pass_quick(tmp_path):
     out = tmp_path / "loop.json"
     run_script("bench_loop_pass.py", "--quick", "--out", str(out))

@@ -37,7 +37,7 @@ import dataclasses
 import jax
 
 from rltjax.cache.kv_update import write_kv
-from kernels.paged_attention import paged_attention
+from kernels.paged_attention import paged_attention, paged_prefill_attention
 
 
 @jax.tree_util.register_dataclass
@@ -72,10 +72,13 @@ class PagedKVBackend:
     """KVBackend (rltjax.models.base) over PagedKV / PagedMeta.
 
     attn_impl: "xla" | "pallas" | "auto", passed to kernels.paged_attention;
-    interpret runs the Pallas kernel in interpret mode (CPU tests).
+    interpret runs the Pallas kernels in interpret mode (CPU tests).
+    prefill_block_q: > 0 reads through the prefill kernel (``paged_prefill_attention``):
+    the rows must come in aligned blocks of this many rows that share a table.
     """
     attn_impl: str = "xla"
     interpret: bool = False
+    prefill_block_q: int = 0
 
     def write(self, kv: PagedKV, layer, k, v, meta: PagedMeta) -> PagedKV:
         return write_kv(kv, layer, k, v, meta.write_page, meta.write_offset)
@@ -83,5 +86,8 @@ class PagedKVBackend:
     def attend(self, kv: PagedKV, layer, q, meta: PagedMeta):
         # The stacked pool goes in whole with the layer index: slicing kv.k[layer] here
         # would make XLA copy one layer's pool per layer per pass for the kernel call.
-        return paged_attention(q, kv.k, kv.v, meta.block_tables, meta.row_tables, meta.lengths,
-                               layer=layer, impl=self.attn_impl, interpret=self.interpret)
+        args = (q, kv.k, kv.v, meta.block_tables, meta.row_tables, meta.lengths)
+        if self.prefill_block_q:
+            return paged_prefill_attention(*args, layer=layer, impl=self.attn_impl, interpret=self.interpret,
+                                           block_q=self.prefill_block_q)
+        return paged_attention(*args, layer=layer, impl=self.attn_impl, interpret=self.interpret)

@@ -62,10 +62,6 @@ class LLMEngine:
         self.loop_limit = loop_limit(model)
         self.num_planes = cache_config.num_planes(R)
         self.exit_policy = ExitPolicy(exit_config.mode, self.cfg.has_exit_gate, signal_kind(model))
-        self.scheduler = Scheduler(scheduler_config, num_pages=kv.num_pages, page_size=cache_config.page_size,
-                                   num_planes=self.num_planes, max_model_len=max_model_len,
-                                   position_sequential_prefill=not self.layered,
-                                   boundary_num_pages=0 if boundary_kv is None else boundary_kv.num_pages)
         self.runner = ModelRunner(model, params, kv, max_num_seqs=scheduler_config.max_num_seqs,
                                   max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
                                   attn_impl=execution_config.attn_impl,
@@ -73,7 +69,13 @@ class LLMEngine:
                                                                 self.cfg.initializer_range),
                                   max_copies=scheduler_config.max_num_seqs * max(1, self.num_planes - 1),
                                   boundary_kv=boundary_kv, prefill_write_planes=max(R, self.num_planes),
-                                  raw_signal=self.exit_policy.raw_signal)
+                                  raw_signal=self.exit_policy.raw_signal, interpret=execution_config.interpret,
+                                  chunked_prefill=self.layered)
+        self.scheduler = Scheduler(scheduler_config, num_pages=kv.num_pages, page_size=cache_config.page_size,
+                                   num_planes=self.num_planes, max_model_len=max_model_len,
+                                   position_sequential_prefill=not self.layered,
+                                   boundary_num_pages=0 if boundary_kv is None else boundary_kv.num_pages,
+                                   prefill_alignment=self.runner.prefill_alignment)
         self.eos_token_ids = tuple(tokenizer.eos_token_ids if tokenizer is not None else self.cfg.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._device_tables: dict[int, tuple[int, jax.Array]] = {}
@@ -226,21 +228,27 @@ class LLMEngine:
 
     def _prefill(self, chunks) -> None:
         R = self.cfg.num_loops
-        rows = [(req, p) for req, start, n in chunks for p in range(start, start + n)]
-        tokens = np.array([req.prompt_token_ids[p] for req, p in rows], np.int32)
-        positions = np.array([p for _, p in rows], np.int32)
+        align = self.runner.prefill_alignment
+        rows: list[tuple[Request, int] | None] = []          # None: padding up to the next chunk's start
+        for req, start, n in chunks:
+            rows += [None] * (-len(rows) % align) + [(req, p) for p in range(start, start + n)]
+        live = [r for r in rows if r is not None]
+        pick = lambda f, pad: [f(*r) if r is not None else pad for r in rows]
+        tokens = np.array(pick(lambda req, p: req.prompt_token_ids[p], 0), np.int32)
+        positions = np.array(pick(lambda req, p: p, -1), np.int32)          # -1: length 0, reads nothing
         # loop d writes plane d; the last loop also fills planes R..cap-1 (min(d, e) with e = R)
-        planes = [[d if self.layered else 0 for _ in rows] for d in range(max(R, self.num_planes))]
-        slots = [[self._slot(req, pl, p) for (req, p), pl in zip(rows, row_planes)] for row_planes in planes]
+        planes = [d if self.layered else 0 for d in range(max(R, self.num_planes))]
+        slots = [pick(lambda req, p: self._slot(req, pl, p), (0, 0)) for pl in planes]   # padding: scratch
         write_page = np.array([[s[0] for s in per_d] for per_d in slots], np.int32)
         write_offset = np.array([s[1] for s in slots[0]], np.int32)
-        row_tables = np.array([[req.tables[pl] for (req, _), pl in zip(rows, row_planes)]
-                               for row_planes in planes[:R]], np.int32)
-        out_slots = np.array([req.slot if p == req.prompt_len - 1 else self.runner.dummy_slot
-                              for req, p in rows], np.int32)
+        row_tables = np.array([pick(lambda req, p: req.tables[pl], 0) for pl in planes[:R]], np.int32)
+        out_slots = np.array(pick(lambda req, p: req.slot if p == req.prompt_len - 1 else self.runner.dummy_slot,
+                                  self.runner.dummy_slot), np.int32)
+        boundary = self._boundary_rows([r for r, _ in live], np.array([p for _, p in live], np.int32))
+        if boundary is not None and len(live) < len(rows):
+            boundary = boundary.scatter(np.array([r is not None for r in rows]))
         self.runner.prefill(tokens, positions, write_page, write_offset, row_tables, out_slots,
-                            self._on_device(self.scheduler.block_tables),
-                            self._boundary_rows([r for r, _ in rows], positions))
+                            self._on_device(self.scheduler.block_tables), boundary)
         for req, start, n in chunks:
             req.num_prefilled = start + n
             if req.num_prefilled == req.prompt_len:

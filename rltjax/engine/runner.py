@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels.paged_attention import kernel_unsupported
 from rltjax.cache.kv_update import copy_slots
 from rltjax.cache.paged_kv import PagedKV, PagedKVBackend, PagedMeta
 from rltjax.models.base import boundary_kv_layers
@@ -32,6 +33,7 @@ from rltjax.sampling import sample_tokens, token_logprobs
 
 NUM_TOP_LOGPROBS = 20
 MIN_TOKEN_BUCKET = 32   # prefill token counts pad to >= this: fewer executables, negligible padding
+PREFILL_BLOCK_Q = 16    # query rows per prefill-kernel block: chunks start at multiples of it
 
 
 def bucket(n: int) -> int:
@@ -147,6 +149,15 @@ class BoundaryRows:
     def take(self, idx: np.ndarray) -> "BoundaryRows":
         return BoundaryRows(self.write_page[idx], self.row_tables[idx], self.seeds[idx], self.block_tables)
 
+    def scatter(self, live: np.ndarray) -> "BoundaryRows":
+        """These rows placed at the True entries of ``live``; the others are padding
+        (scratch page 0, table 0, seed 0)."""
+        def spread(a):
+            out = np.zeros((len(live),) + a.shape[1:], a.dtype)
+            out[live] = a
+            return out
+        return BoundaryRows(spread(self.write_page), spread(self.row_tables), spread(self.seeds), self.block_tables)
+
 
 class LoopSignals(NamedTuple):
     """Per-row exit inputs of one loop pass: hazard and score, or the raw signal."""
@@ -158,10 +169,14 @@ class LoopSignals(NamedTuple):
 class ModelRunner:
     def __init__(self, model, params, kv: PagedKV, *, max_num_seqs: int, max_num_batched_tokens: int,
                  attn_impl: str, lookahead_w: np.ndarray, max_copies: int, boundary_kv: PagedKV | None = None,
-                 prefill_write_planes: int | None = None, raw_signal: bool = False):
+                 prefill_write_planes: int | None = None, raw_signal: bool = False, interpret: bool = False,
+                 chunked_prefill: bool = True):
         """boundary_kv: the boundary pool, exactly when the model has boundary stages.
         prefill_write_planes: core planes a prompt row writes (R, or the loop cap when the
-        last_exited planes reach beyond R). raw_signal: loop passes return the raw signal."""
+        last_exited planes reach beyond R). raw_signal: loop passes return the raw signal.
+        chunked_prefill: prefill batches hold multi-token chunks (last_exited); then, when the
+        Pallas kernels run, prefill reads through the prefill kernel and ``prefill_alignment``
+        says where chunks must start (multiples of PREFILL_BLOCK_Q; 1 = anywhere)."""
         self.model = model
         self.params = params
         self.kv = kv
@@ -171,7 +186,13 @@ class ModelRunner:
             raise ValueError(f"{self.cfg.arch}: boundary_kv must be given exactly when the model has boundary "
                              f"stages ({boundary_kv_layers(model)} boundary KV layers)")
         self.bkv = boundary_kv
-        self.backend = PagedKVBackend(attn_impl=attn_impl)
+        self.backend = PagedKVBackend(attn_impl=attn_impl, interpret=interpret)
+        probe = jax.ShapeDtypeStruct((1, self.cfg.num_heads, self.cfg.head_dim), kv.k.dtype)
+        uses_kernel = attn_impl == "pallas" or (attn_impl == "auto" and jax.default_backend() == "gpu"
+                                                and kernel_unsupported(probe, kv.k) is None)
+        self.prefill_alignment = PREFILL_BLOCK_Q if chunked_prefill and uses_kernel else 1
+        self.prefill_backend = (dataclasses.replace(self.backend, prefill_block_q=PREFILL_BLOCK_Q)
+                                if self.prefill_alignment > 1 else self.backend)
         self.max_num_seqs = max_num_seqs
         self.dummy_slot = max_num_seqs
         self.slot_state = jnp.zeros((max_num_seqs + 1, self.cfg.hidden_size), params.embed.dtype)
@@ -187,8 +208,9 @@ class ModelRunner:
         self.prefill_write_planes = prefill_write_planes or self.cfg.num_loops
         self.raw_signal = raw_signal
         self.row_buckets = buckets_up_to(max_num_seqs)
-        self.token_buckets = [t for t in buckets_up_to(max_num_batched_tokens)
-                              if t >= min(MIN_TOKEN_BUCKET, bucket(max_num_batched_tokens))]
+        # aligned prefill batches stay within the budget, except one chunk when budget < alignment
+        most_tokens = max(max_num_batched_tokens, self.prefill_alignment)
+        self.token_buckets = [t for t in buckets_up_to(most_tokens) if t >= min(MIN_TOKEN_BUCKET, bucket(most_tokens))]
         self.copy_buckets = buckets_up_to(max(1, max_copies))
 
     def device_state_lost(self) -> bool:
@@ -216,7 +238,7 @@ class ModelRunner:
             np.pad(write_page, ((0, 0), (0, pad))), np.pad(write_offset, (0, pad)),
             np.pad(row_tables, ((0, 0), (0, pad))), lengths.astype(np.int32), block_tables,
             np.pad(out_slots, (0, pad), constant_values=self.dummy_slot), self.bkv, bmeta, seeds,
-            model=self.model, backend=self.backend, num_loops=self.cfg.num_loops)
+            model=self.model, backend=self.prefill_backend, num_loops=self.cfg.num_loops)
 
     def embed(self, slots, tokens, positions, write_offset, boundary: BoundaryRows):
         """Boundary models: the prelude of the rows starting a token (fills their slots)."""

@@ -27,13 +27,17 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, *, num_pages: int, page_size: int, num_planes: int,
-                 max_model_len: int, position_sequential_prefill: bool, boundary_num_pages: int = 0):
-        """boundary_num_pages: size of the boundary KV pool (0: the model has none)."""
+                 max_model_len: int, position_sequential_prefill: bool, boundary_num_pages: int = 0,
+                 prefill_alignment: int = 1):
+        """boundary_num_pages: size of the boundary KV pool (0: the model has none).
+        prefill_alignment: each prefill chunk starts at a multiple of this many rows of the
+        batch (the prefill kernel's query blocks); the padding counts against the token budget."""
         self.config = config
         self.page_size = page_size
         self.num_planes = num_planes
         self.max_model_len = max_model_len
         self.position_sequential_prefill = position_sequential_prefill
+        self.prefill_alignment = prefill_alignment
         self.allocator = PageAllocator(num_pages)
         self.block_tables = BlockTables(config.max_num_seqs * num_planes,
                                         pages_needed(max_model_len, page_size))
@@ -156,14 +160,17 @@ class Scheduler:
 
     def _prefill_chunks(self, prefilling: list[Request]) -> list[tuple[Request, int, int]]:
         budget = self.config.max_num_batched_tokens
+        align = self.prefill_alignment
         chunks = []
         for req in prefilling:
-            if budget <= 0:
-                break
             rest = req.prompt_len - req.num_prefilled
             # shared KV: a position finishes all its loops before the next one starts
             ceiling = 1 if self.position_sequential_prefill else self.config.prefill_chunk_size
             n = min(budget, ceiling, rest)
+            if chunks and -(-n // align) * align > budget:    # its padding would overrun the budget
+                n = budget // align * align
+            if n <= 0:
+                break
             chunks.append((req, req.num_prefilled, n))
-            budget -= n
+            budget -= -(-n // align) * align
         return chunks

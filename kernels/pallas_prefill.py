@@ -1,0 +1,142 @@
+"""Paged attention for prefill chunks: a flash-style Pallas kernel (Triton backend).
+
+Same layout and per-row semantics as `kernels.paged_attention_ref`, plus one
+precondition on how rows are laid out (the engine's prefill batches keep it):
+
+  query blocks:  rows are taken in aligned blocks of ``block_q`` (row i is in
+                 block i // block_q); every row of a block with length > 0 reads
+                 the same block table. Rows with length 0 (padding) may sit anywhere.
+
+A prefill chunk is consecutive positions of one sequence at one plane, so when
+each chunk starts at a multiple of ``block_q`` all its blocks qualify. The
+per-row decode kernel re-reads a row's whole prefix for every row (quadratic
+traffic in the chunk length); here one program reads each KV block once for
+``block_q`` rows and multiplies [block_q, Dh] x [Dh, block_k] on tensor cores.
+
+Grid (query block, query head). The program takes the block's table from its
+first row with length > 0, loops over key blocks up to the block's longest row
+(online softmax in float32, per-row causal mask ``key < length``) and writes
+[block_q, Dh]. A row whose table differs from the block's gets NaN: a broken
+layout is loud, never silently wrong. Rows with length 0 get zeros.
+
+Addressing and head_dim chunking as in `kernels.pallas_triton` (int64 strides for
+pools beyond 2**31 elements; page ids past the needed pages replaced by page 0).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from kernels.pallas_triton import head_dim_chunks
+
+NEG_INF = float("-inf")
+DEFAULT_BLOCK_Q = 16
+TARGET_BLOCK_K = 64          # keys per inner iteration
+
+
+def _cdiv(a, b: int):
+    return jax.lax.div(a + (b - 1), b)
+
+
+def _kernel(layer_ref, lengths_ref, row_tables_ref, block_tables_ref, q_ref, k_ref, v_ref, o_ref, *,
+            block_q: int, group: int, page_size: int, pages_per_block: int, pages_per_table: int,
+            scale: float):
+    qb = pl.program_id(0)
+    head = pl.program_id(1)
+    kvh = head // group
+    layer = layer_ref[0]
+    chunks = head_dim_chunks(q_ref.shape[-1])
+    block_k = pages_per_block * page_size
+    rows = pl.ds(qb * block_q, block_q)
+
+    lengths = jnp.clip(lengths_ref[rows], 0, pages_per_table * page_size)       # [bq]
+    tables = row_tables_ref[rows]                                                # [bq]
+    live = lengths > 0
+    # The table of the block's first live row (any live row's, under the precondition).
+    first = jnp.min(jnp.where(live, jax.lax.broadcasted_iota(jnp.int32, (block_q,), 0), block_q))
+    table = jnp.sum(jnp.where(jax.lax.broadcasted_iota(jnp.int32, (block_q,), 0) == first, tables, 0))
+    n_pages = _cdiv(jnp.max(lengths), page_size)
+    n_blocks = _cdiv(n_pages, pages_per_block)
+
+    dot = functools.partial(plgpu.dot, precision=jax.lax.Precision.HIGHEST
+                            if q_ref.dtype == jnp.float32 else None)
+    qs = [q_ref[rows, head, pl.ds(off, w)] for off, w in chunks]                # [bq, w]
+
+    def body(b, carry):
+        os, m, l = carry
+        slot = b * pages_per_block + jax.lax.broadcasted_iota(jnp.int32, (pages_per_block,), 0)
+        ids = plgpu.load(block_tables_ref.at[table, pl.ds(b * pages_per_block, pages_per_block)],
+                         mask=slot < n_pages, other=0)
+        tok = b * block_k + jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+        visible = tok[None, :] < lengths[:, None]                               # [bq, bk]
+        ks = [k_ref[layer, kvh, ids, :, pl.ds(off, w)].reshape(block_k, w) for off, w in chunks]
+        vs = [v_ref[layer, kvh, ids, :, pl.ds(off, w)].reshape(block_k, w) for off, w in chunks]
+        s = sum(dot(qc, kc, trans_b=True) for qc, kc in zip(qs, ks)) * scale    # [bq, bk] f32
+        s = jnp.where(visible, s, NEG_INF)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        # A row can see nothing in this block (shorter than its neighbours): keep it at -inf
+        # without NaNs by exponentiating against a finite stand-in.
+        m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
+        alpha = jnp.exp(m - m_safe)
+        p = jnp.exp(s - m_safe[:, None])
+        l = l * alpha + jnp.sum(p, axis=1)
+        pv = p.astype(vs[0].dtype)
+        os = [o * alpha[:, None] + dot(pv, vc) for o, vc in zip(os, vs)]
+        return os, m_new, l
+
+    init = ([jnp.zeros((block_q, w), jnp.float32) for _, w in chunks],
+            jnp.full((block_q,), NEG_INF, jnp.float32), jnp.zeros((block_q,), jnp.float32))
+    os, _, l = jax.lax.fori_loop(0, n_blocks, body, init)
+    inv = 1.0 / jnp.where(l > 0, l, 1.0)
+    ok = (tables == table) | ~live
+    for (off, w), o in zip(chunks, os):
+        o = jnp.where(ok[:, None], o * inv[:, None], jnp.nan)
+        o_ref[rows, head, pl.ds(off, w)] = o.astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "block_q", "pages_per_block", "num_warps",
+                                             "num_stages", "interpret"))
+def paged_prefill_attention_pallas(q, k_pages, v_pages, block_tables, row_tables, lengths, *, layer=None,
+                                   scale: float | None = None, block_q: int = DEFAULT_BLOCK_Q,
+                                   pages_per_block: int | None = None, num_warps: int = 4,
+                                   num_stages: int = 2, interpret: bool = False):
+    """The kernel; callers go through `kernels.paged_attention.paged_prefill_attention`.
+    N need not be a multiple of block_q (rows are padded with length 0 here)."""
+    if k_pages.ndim == 4:
+        k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    n, num_heads, head_dim = q.shape
+    _, num_kv, _, page_size, _ = k_pages.shape
+    pages_per_table = block_tables.shape[1]
+    if pages_per_block is None:
+        pages_per_block = max(1, TARGET_BLOCK_K // page_size)
+    if pages_per_block & (pages_per_block - 1) or pages_per_block * page_size < 16:
+        raise ValueError(f"pages_per_block must be a power of two with pages_per_block * page_size >= 16, "
+                         f"got {pages_per_block}")
+    if block_q < 16 or block_q & (block_q - 1):
+        raise ValueError(f"block_q must be a power of two >= 16 (tensor-core tiles), got {block_q}")
+    pad = -n % block_q
+    if pad:
+        q = jnp.pad(q, ((0, pad), (0, 0), (0, 0)))
+        row_tables = jnp.pad(row_tables, (0, pad))
+        lengths = jnp.pad(lengths, (0, pad))
+    scale = head_dim ** -0.5 if scale is None else float(scale)
+    kernel = functools.partial(_kernel, block_q=block_q, group=num_heads // num_kv, page_size=page_size,
+                               pages_per_block=pages_per_block, pages_per_table=pages_per_table, scale=scale)
+    whole = lambda shape: pl.BlockSpec(shape, lambda i, h: (0,) * len(shape))
+    out = pl.pallas_call(
+        kernel,
+        grid=((n + pad) // block_q, num_heads),
+        in_specs=[whole((1,)), whole(lengths.shape), whole(row_tables.shape), whole(block_tables.shape),
+                  whole(q.shape), whole(k_pages.shape), whole(k_pages.shape)],
+        out_specs=whole(q.shape),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"rlt_paged_prefill_bq{block_q}_ppb{pages_per_block}",
+    )(layer, lengths, row_tables, block_tables, q, k_pages, v_pages)
+    return out[:n]

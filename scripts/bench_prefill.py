@@ -1,0 +1,110 @@
+"""Choose the prefill attention path by measurement: the flash-style prefill kernel
+(``kernels.pallas_prefill``, aligned query blocks) vs the per-row decode kernel vs the
+XLA reference, on engine-shaped prefill batches at Ouro-1.4B shapes (16 heads x 128,
+bf16, page 16).
+
+    python scripts/bench_prefill.py --out prefill.json       # on a GPU
+    python scripts/bench_prefill.py --quick                  # CPU smoke run (interpret mode)
+
+A case is a list of chunks (prefix already in the cache, chunk length): every chunk's
+rows are consecutive positions of one sequence, starting at a block-aligned row, as the
+engine lays them out. Timings: median microseconds per call (bench_attention's chained
+timing). "speed-up" is per-row decode kernel time / prefill kernel time.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from bench_attention import max_diff, time_us  # noqa: E402
+from kernels.paged_attention_ref import paged_attention_ref  # noqa: E402
+from kernels.pallas_prefill import paged_prefill_attention_pallas  # noqa: E402
+from kernels.pallas_triton import paged_attention_pallas  # noqa: E402
+
+CASES = {  # name: [(prefix, chunk length)]
+    "1x128 @0": [(0, 128)],
+    "1x128 @1920": [(1920, 128)],
+    "2x128 @0,@896": [(0, 128), (896, 128)],
+    "1x256 @3840": [(3840, 256)],
+    "8x32 @224": [(224, 32)] * 8,
+    "2x1024 @0,@1024": [(0, 1024), (1024, 1024)],
+}
+QUICK_CASES = {"2x12": [(0, 12), (20, 12)]}
+
+
+def make_case(chunks, num_heads, head_dim, page_size, dtype, align, seed=0):
+    rng = np.random.default_rng(seed)
+    pages = [-(-(p + n) // page_size) for p, n in chunks]
+    num_pages = sum(pages) + 1
+    perm = 1 + rng.permutation(num_pages - 1)
+    tables = np.zeros((len(chunks), max(pages)), np.int32)
+    at = 0
+    for i, n in enumerate(pages):
+        tables[i, :n] = perm[at:at + n]
+        at += n
+    row_tables, lengths = [], []
+    for i, (p, n) in enumerate(chunks):
+        pad = -len(row_tables) % align
+        row_tables += [0] * pad + [i] * n
+        lengths += [0] * pad + list(range(p + 1, p + n + 1))
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(k1, (len(lengths), num_heads, head_dim), dtype)
+    kp = jax.random.normal(k2, (num_heads, num_pages, page_size, head_dim), dtype)
+    vp = jax.random.normal(k3, (num_heads, num_pages, page_size, head_dim), dtype)
+    return q, kp, vp, jnp.asarray(tables), jnp.asarray(row_tables, jnp.int32), jnp.asarray(lengths, jnp.int32)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="tiny shapes, interpret mode (CPU)")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--block-q", type=int, nargs="+", default=[16, 32, 64])
+    p.add_argument("--out")
+    args = p.parse_args(argv)
+    interpret = args.quick
+    heads, head_dim, page_size = (2, 64, 8) if args.quick else (16, 128, 16)
+    dtype = jnp.float32 if args.quick else jnp.bfloat16
+    iters, chain = (1, 1) if args.quick else (args.iters, 5)
+    rows = []
+    for name, chunks in (QUICK_CASES if args.quick else CASES).items():
+        align = max(args.block_q)
+        case = make_case(chunks, heads, head_dim, page_size, dtype, align)
+        ref = jax.jit(paged_attention_ref)(*case)
+        row = dict(case=name, chunks=chunks, rows=int(case[0].shape[0]))
+        per_row = functools.partial(paged_attention_pallas, interpret=interpret)
+        row["per_row_us"] = time_us(per_row, case, iters, chain)
+        row["per_row_err"] = max_diff(per_row(*case), ref)
+        if not args.quick or name in QUICK_CASES:
+            row["xla_us"] = time_us(paged_attention_ref, case, iters, chain)
+        for bq in args.block_q:
+            fn = functools.partial(paged_prefill_attention_pallas, block_q=bq, interpret=interpret)
+            row[f"prefill_bq{bq}_us"] = time_us(fn, case, iters, chain)
+            row[f"prefill_bq{bq}_err"] = max_diff(fn(*case), ref)
+        best = min(row[f"prefill_bq{bq}_us"] for bq in args.block_q)
+        row["speedup_vs_per_row"] = row["per_row_us"] / best
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    info = dict(jax=jax.__version__, device=jax.devices()[0].device_kind, heads=heads, head_dim=head_dim,
+                page_size=page_size, dtype=jnp.dtype(dtype).name, results=rows)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(info, f, indent=1)
+    print(f"\n{'case':<18}{'rows':>6}{'XLA ref':>10}{'per-row':>10}" + "".join(f"{'bq' + str(b):>9}" for b in args.block_q)
+          + f"{'speed-up':>10}   (us; {info['device']})")
+    for r in rows:
+        print(f"{r['case']:<18}{r['rows']:>6}{r.get('xla_us', float('nan')):>10.1f}{r['per_row_us']:>10.1f}"
+              + "".join(f"{r[f'prefill_bq{b}_us']:>9.1f}" for b in args.block_q) + f"{r['speedup_vs_per_row']:>9.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -5,7 +5,8 @@ lookahead score, or, for modes that read the loop's own signal (``latent_diff``:
 Huginn's relative latent change), that raw signal; everything else is float32
 numpy arithmetic here, so a decision does not depend on which rows shared the
 pass. Each mode is one vectorised rule (DESIGN section 2); a new mode adds a row
-to ``_RULES``.
+to ``EXIT_RULES``. The rules use only array operators, so the device-side decode
+window (``decode_window``) applies the very same functions to jax arrays.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ F32 = np.float32
 
 def _ouro(r, lo, hi, q, cdf, score, signal, triggered):
     exit_now = (r >= hi) | ((q < 1) & (r >= lo) & (cdf >= q))
-    return exit_now, np.zeros_like(exit_now)
+    return exit_now, exit_now & False
 
 
 def _ouro_delayed(r, lo, hi, q, cdf, score, signal, triggered):
@@ -36,16 +37,16 @@ def _random_lookahead(r, lo, hi, q, cdf, score, signal, triggered):
 
 def _fixed(r, lo, hi, q, cdf, score, signal, triggered):
     exit_now = r >= hi
-    return exit_now, np.zeros_like(exit_now)
+    return exit_now, exit_now & False
 
 
 def _latent_diff(r, lo, hi, q, cdf, score, signal, triggered):
     exit_now = (r >= hi) | ((q < 1) & (r >= lo) & (signal < q))
-    return exit_now, np.zeros_like(exit_now)
+    return exit_now, exit_now & False
 
 
 # mode -> (uses the cumulative hazard, rule(r, min, max, q, cdf, score, signal, triggered) -> (exit, trigger))
-_RULES: dict[str, tuple[bool, Callable]] = {
+EXIT_RULES: dict[str, tuple[bool, Callable]] = {
     "ouro": (True, _ouro),
     "ouro_delayed": (True, _ouro_delayed),
     "random_lookahead": (False, _random_lookahead),
@@ -63,7 +64,7 @@ class ExitPolicy:
         """signal_kind: what the model's loop signal is (``rltjax.models.base.signal_kind``)."""
         if mode in ("ouro", "ouro_delayed") and not has_gate:
             mode = "fixed"          # no learned signal: fixed depth (DESIGN section 2)
-        if mode not in _RULES and mode != "trace":
+        if mode not in EXIT_RULES and mode != "trace":
             raise ValueError(f"unknown exit mode {mode!r}")
         if mode == "latent_diff" and signal_kind != "latent_diff":
             raise EngineConfigError(f"ExitConfig.mode='latent_diff' needs a model whose loop signal is the "
@@ -85,7 +86,7 @@ class ExitPolicy:
         if self.mode == "trace":
             trace = np.array([row.trace_depths[len(row.output_token_ids)] for row in rows])
             return r >= trace
-        cumulative, rule = _RULES[self.mode]
+        cumulative, rule = EXIT_RULES[self.mode]
         lo = np.array([row.min_loops for row in rows])
         hi = np.array([row.max_loops for row in rows])
         q = np.array([row.params.exit_threshold for row in rows], F32)

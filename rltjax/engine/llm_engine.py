@@ -18,6 +18,7 @@ import numpy as np
 
 from rltjax.cache.kv_update import exit_copy_slots
 from rltjax.cache.paged_kv import PagedKV
+from rltjax.engine.decode_window import WINDOW_MODES, WindowRows, stop_id_matrix
 from rltjax.engine.exit_policy import ExitPolicy
 from rltjax.engine.outputs import IncrementalDetokenizer, RequestOutput, StopChecker
 from rltjax.engine.runner import BoundaryRows, ModelRunner
@@ -62,6 +63,16 @@ class LLMEngine:
         self.loop_limit = loop_limit(model)
         self.num_planes = cache_config.num_planes(R)
         self.exit_policy = ExitPolicy(exit_config.mode, self.cfg.has_exit_gate, signal_kind(model))
+        self.window_passes = execution_config.decode_window
+        window_spec = None
+        if self.window_passes:
+            if boundary_kv is not None or self.exit_policy.mode not in WINDOW_MODES:
+                raise EngineConfigError(
+                    f"ExecutionConfig.decode_window={self.window_passes}: decode windows run models without "
+                    f"boundary KV and exit modes {WINDOW_MODES}; this engine has {self.cfg.arch} with "
+                    f"exit mode {self.exit_policy.mode!r} (use decode_window=0)")
+            window_spec = dict(num_passes=self.window_passes, mode=self.exit_policy.mode, layered=self.layered,
+                               num_planes=self.num_planes)
         self.runner = ModelRunner(model, params, kv, max_num_seqs=scheduler_config.max_num_seqs,
                                   max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
                                   attn_impl=execution_config.attn_impl,
@@ -70,7 +81,7 @@ class LLMEngine:
                                   max_copies=scheduler_config.max_num_seqs * max(1, self.num_planes - 1),
                                   boundary_kv=boundary_kv, prefill_write_planes=max(R, self.num_planes),
                                   raw_signal=self.exit_policy.raw_signal, interpret=execution_config.interpret,
-                                  chunked_prefill=self.layered)
+                                  chunked_prefill=self.layered, window_spec=window_spec)
         self.scheduler = Scheduler(scheduler_config, num_pages=kv.num_pages, page_size=cache_config.page_size,
                                    num_planes=self.num_planes, max_model_len=max_model_len,
                                    position_sequential_prefill=not self.layered,
@@ -184,6 +195,8 @@ class LLMEngine:
         try:
             if plan.kind == "prefill":
                 self._prefill(plan.chunks)
+            elif plan.kind == "loop" and self.window_passes and len(plan.rows) == len(self.scheduler.running):
+                return [self._output(r) for r in self._window(plan.rows)]
             elif plan.kind == "loop":
                 self._loop(plan.rows)
             elif plan.kind == "head":
@@ -297,24 +310,65 @@ class LLMEngine:
             self._boundary_rows(rows, positions))
         now = time.monotonic()
         for i, r in enumerate(rows):
-            token = int(tokens[i])
-            r.output_token_ids.append(token)
-            r.first_token_time = r.first_token_time or now
-            if r.params.logprobs is not None:
-                entry = {int(t): float(lp) for t, lp in zip(top_ids[i, :r.params.logprobs], top_lp[i, :r.params.logprobs])}
-                entry[token] = float(chosen[i])
-                r.logprobs = (r.logprobs or []) + [entry]
-            delta = self._detok[r.request_id].add_token(token) if r.request_id in self._detok else ""
-            text = self._texts[r.request_id] + delta
-            finished, reason, stop_reason, text = self._stops[r.request_id].check(token, text, delta)
-            self._texts[r.request_id] = text
-            if finished:
-                r.stop_reason = stop_reason
-                self._finish(r, reason)
-            elif len(r.output_token_ids) >= r.params.max_tokens:
-                self._finish(r, "length")
-            else:
-                r.start_token()
+            self._accept_token(r, int(tokens[i]), chosen[i], top_ids[i], top_lp[i], now)
+        return rows
+
+    def _accept_token(self, r: Request, token: int, chosen, top_ids, top_lp, now: float) -> bool:
+        """A sampled token joins the request's output; stop checks. Returns whether it finished."""
+        r.output_token_ids.append(token)
+        r.first_token_time = r.first_token_time or now
+        if r.params.logprobs is not None:
+            entry = {int(t): float(lp) for t, lp in zip(top_ids[:r.params.logprobs], top_lp[:r.params.logprobs])}
+            entry[token] = float(chosen)
+            r.logprobs = (r.logprobs or []) + [entry]
+        delta = self._detok[r.request_id].add_token(token) if r.request_id in self._detok else ""
+        text = self._texts[r.request_id] + delta
+        finished, reason, stop_reason, text = self._stops[r.request_id].check(token, text, delta)
+        self._texts[r.request_id] = text
+        if finished:
+            r.stop_reason = stop_reason
+            self._finish(r, reason)
+        elif len(r.output_token_ids) >= r.params.max_tokens:
+            self._finish(r, "length")
+        else:
+            r.start_token()
+        return r.finished
+
+    def _window(self, rows: list[Request]) -> list[Request]:
+        """Every running request is decoding: up to K passes on the device, then replay the
+        outputs through the host's stop checks and take each request's state back."""
+        seeds = np.array([split_seed(r.seed) for r in rows], np.uint32).reshape(len(rows), 2)
+        k = self.window_passes
+        arr = lambda f, dtype=np.int32: np.array([f(r) for r in rows], dtype)
+        trace = np.array([(list(r.trace_depths[len(r.output_token_ids):]) + [r.max_loops] * k)[:k]
+                          if r.trace_depths else [r.max_loops] * k for r in rows], np.int32)
+        state = WindowRows(
+            slots=arr(lambda r: r.slot), tokens=arr(lambda r: r.output_token_ids[-1]),
+            positions=arr(lambda r: r.decode_position), loops_done=arr(lambda r: r.loops_done),
+            remaining=arr(lambda r: r.exit_remaining, np.float32), triggered=arr(lambda r: r.exit_triggered, bool),
+            active=np.ones(len(rows), bool), num_out=arr(lambda r: len(r.output_token_ids)),
+            max_tokens=arr(lambda r: r.params.max_tokens), min_loops=arr(lambda r: r.min_loops),
+            max_loops=arr(lambda r: r.max_loops), threshold=arr(lambda r: r.params.exit_threshold, np.float32),
+            temperature=arr(lambda r: r.params.temperature, np.float32), top_k=arr(lambda r: r.params.top_k),
+            top_p=arr(lambda r: r.params.top_p, np.float32), seed_hi=seeds[:, 0], seed_lo=seeds[:, 1],
+            tables=np.array([[r.tables[p if self.layered else 0] for p in range(self.num_planes)] for r in rows],
+                            np.int32),
+            stop_ids=stop_id_matrix([self._stops[r.request_id].token_stop_ids for r in rows]), trace=trace)
+        after, out = self.runner.window(state, self._on_device(self.scheduler.block_tables))
+        self.steps_by_kind["window_passes"] = self.steps_by_kind.get("window_passes", 0) + int(out.passes)
+        now = time.monotonic()
+        for i, r in enumerate(rows):
+            for j in range(int(out.count[i])):
+                r.exit_depths.append(int(out.depths[i, j]))
+                if self._accept_token(r, int(out.tokens[i, j]), out.chosen[i, j], out.top_ids[i, j],
+                                      out.top_lp[i, j], now):
+                    break          # a host-only stop (stop string, or a stop id past the device's width)
+            if not r.finished:
+                if not after.active[i]:
+                    raise RuntimeError(f"request {r.request_id!r}: the decode window finished it but the host "
+                                       f"stop checks did not (this is a bug)")
+                r.status, r.loops_done = Status.LOOPING, int(after.loops_done[i])
+                r.exit_remaining, r.exit_triggered = np.float32(after.remaining[i]), bool(after.triggered[i])
         return rows
 
     def _finish(self, req: Request, reason: str) -> None:

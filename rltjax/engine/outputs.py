@@ -149,6 +149,12 @@ class StopChecker:
         self.stop: tuple[str, ...] = (stop,) if isinstance(stop, str) else tuple(stop)
         self.max_stop_len = max((len(s) for s in self.stop), default=0)
 
+    @property
+    def token_stop_ids(self) -> tuple[int, ...]:
+        """Token ids that end the request (EOS unless ignored, then stop_token_ids)."""
+        eos = () if self.ignore_eos else tuple(sorted(self.eos_token_ids))
+        return eos + tuple(sorted(self.stop_token_ids - set(eos)))
+
     def check(self, token_id: int, text_so_far: str, new_delta: str
               ) -> tuple[bool, str | None, int | str | None, str]:
         """``text_so_far`` already ends with ``new_delta`` (the text this token released).

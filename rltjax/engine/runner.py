@@ -28,11 +28,13 @@ import numpy as np
 from kernels.paged_attention import kernel_unsupported
 from rltjax.cache.kv_update import copy_slots
 from rltjax.cache.paged_kv import PagedKV, PagedKVBackend, PagedMeta
+from rltjax.engine.decode_window import WindowOutputs, WindowRows, decode_window, idle_window_rows
 from rltjax.models.base import boundary_kv_layers
 from rltjax.sampling import sample_tokens, token_logprobs
 
 NUM_TOP_LOGPROBS = 20
 MIN_TOKEN_BUCKET = 32   # prefill token counts pad to >= this: fewer executables, negligible padding
+MIN_ROW_BUCKET = 8      # loop/head/window rows pad to >= this: a pass is weight-bound, 8 rows cost as 1
 PREFILL_BLOCK_Q = 16    # query rows per prefill-kernel block: chunks start at multiples of it
 
 
@@ -170,13 +172,15 @@ class ModelRunner:
     def __init__(self, model, params, kv: PagedKV, *, max_num_seqs: int, max_num_batched_tokens: int,
                  attn_impl: str, lookahead_w: np.ndarray, max_copies: int, boundary_kv: PagedKV | None = None,
                  prefill_write_planes: int | None = None, raw_signal: bool = False, interpret: bool = False,
-                 chunked_prefill: bool = True):
+                 chunked_prefill: bool = True, window_spec: dict | None = None):
         """boundary_kv: the boundary pool, exactly when the model has boundary stages.
         prefill_write_planes: core planes a prompt row writes (R, or the loop cap when the
         last_exited planes reach beyond R). raw_signal: loop passes return the raw signal.
         chunked_prefill: prefill batches hold multi-token chunks (last_exited); then, when the
         Pallas kernels run, prefill reads through the prefill kernel and ``prefill_alignment``
-        says where chunks must start (multiples of PREFILL_BLOCK_Q; 1 = anywhere)."""
+        says where chunks must start (multiples of PREFILL_BLOCK_Q; 1 = anywhere).
+        window_spec: decode windows' static settings (num_passes, mode, layered, num_planes),
+        None when the engine runs none."""
         self.model = model
         self.params = params
         self.kv = kv
@@ -207,11 +211,15 @@ class ModelRunner:
         self.num_top = min(NUM_TOP_LOGPROBS, self.cfg.vocab_size)
         self.prefill_write_planes = prefill_write_planes or self.cfg.num_loops
         self.raw_signal = raw_signal
-        self.row_buckets = buckets_up_to(max_num_seqs)
+        self.window_spec = window_spec
+        self.row_buckets = [b for b in buckets_up_to(max_num_seqs) if b >= min(MIN_ROW_BUCKET, bucket(max_num_seqs))]
         # aligned prefill batches stay within the budget, except one chunk when budget < alignment
         most_tokens = max(max_num_batched_tokens, self.prefill_alignment)
         self.token_buckets = [t for t in buckets_up_to(most_tokens) if t >= min(MIN_TOKEN_BUCKET, bucket(most_tokens))]
         self.copy_buckets = buckets_up_to(max(1, max_copies))
+
+    def _rows_bucket(self, n: int) -> int:
+        return max(bucket(n), self.row_buckets[0])
 
     def device_state_lost(self) -> bool:
         """Whether a failed call consumed (donated) a KV pool: nothing on the device is usable."""
@@ -242,7 +250,7 @@ class ModelRunner:
 
     def embed(self, slots, tokens, positions, write_offset, boundary: BoundaryRows):
         """Boundary models: the prelude of the rows starting a token (fills their slots)."""
-        b = bucket(len(slots))
+        b = self._rows_bucket(len(slots))
         pad = b - len(slots)
         bmeta, seeds = self._bmeta(boundary, positions, write_offset, pad)
         self.bkv, self.slot_state, self.slot_inject = embed_step(
@@ -256,7 +264,7 @@ class ModelRunner:
         if self.has_boundary and np.any(starting):
             idx = np.flatnonzero(starting)
             self.embed(slots[idx], tokens[idx], positions[idx], write_offset[idx], boundary.take(idx))
-        b = bucket(len(slots))
+        b = self._rows_bucket(len(slots))
         pad = b - len(slots)
         self.kv, self.slot_state, signals = loop_step(
             self.params, self.kv, self.slot_state, self.lookahead_w,
@@ -273,7 +281,7 @@ class ModelRunner:
     def head(self, slots, temperature, top_k, top_p, seed_hi, seed_lo, output_index, positions=None,
              boundary: BoundaryRows | None = None):
         """positions (each row's state position) and boundary: needed by boundary models only."""
-        b = bucket(len(slots))
+        b = self._rows_bucket(len(slots))
         pad = b - len(slots)
         bmeta, _ = self._bmeta(boundary, positions, positions % self.kv.page_size if boundary else None, pad)
         out, self.bkv = head_step(
@@ -283,6 +291,20 @@ class ModelRunner:
             model=self.model, backend=self.backend, num_top=self.num_top)
         n = len(slots)
         return tuple(np.asarray(x)[:n] for x in out)
+
+    def window(self, rows: WindowRows, block_tables) -> tuple[WindowRows, WindowOutputs]:
+        """A decode window (``decode_window``) over rows padded to a row bucket; numpy out,
+        cut back to the given rows."""
+        n = len(rows.slots)
+        pad = self._rows_bucket(n) - n
+        padded = WindowRows(**{f.name: np.pad(getattr(rows, f.name), [(0, pad)] + [(0, 0)] * (getattr(rows, f.name).ndim - 1),
+                                              constant_values=self.dummy_slot if f.name == "slots" else 0)
+                               for f in dataclasses.fields(WindowRows)})
+        self.kv, self.slot_state, after, out = decode_window(
+            self.params, self.kv, self.slot_state, padded, block_tables, self.lookahead_w, model=self.model,
+            backend=self.backend, num_top=self.num_top, dummy_slot=self.dummy_slot, **self.window_spec)
+        cut = lambda tree: jax.tree.map(lambda a: np.asarray(a)[:n] if np.ndim(a) else np.asarray(a), tree)
+        return cut(after), cut(out)
 
     def copy(self, src_page, src_offset, dst_page, dst_offset):
         m = bucket(len(src_page))
@@ -299,6 +321,8 @@ class ModelRunner:
                 + [("head", b) for b in self.row_buckets] + [("copy", m) for m in self.copy_buckets])
         if self.has_boundary:
             jobs += [("embed", b) for b in self.row_buckets]
+        if self.window_spec:
+            jobs += [("window", b) for b in self.row_buckets]
         zeros = lambda n: np.zeros(n, np.int32)
         pad_rows = lambda n: (BoundaryRows(zeros(n), zeros(n), np.zeros((n, 2), np.uint32), boundary_block_tables)
                               if self.has_boundary else None)
@@ -313,6 +337,9 @@ class ModelRunner:
                              pad_rows(n))
             elif kind == "loop":
                 self._warm_loop(n, block_tables)
+            elif kind == "window":
+                self.window(idle_window_rows(n, self.window_spec["num_planes"], self.window_spec["num_passes"]),
+                            block_tables)
             elif kind == "embed":
                 self.embed(np.full(n, self.dummy_slot, np.int32), zeros(n), zeros(n) - 1, zeros(n), pad_rows(n))
             elif kind == "head":

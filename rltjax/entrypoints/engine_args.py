@@ -43,6 +43,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("execution")
     g.add_argument("--attn-impl", default="auto", choices=ATTN_IMPLS,
                    help="paged attention: auto = Pallas kernel on GPU, XLA elsewhere")
+    g.add_argument("--decode-window", type=int, default=0, metavar="K",
+                   help="run decode as device-side windows of up to K loop passes (0: one pass per step)")
     g.add_argument("--no-compile-ahead", action="store_true",
                    help="compile batch shapes on first use instead of at start-up")
     g.add_argument("--compilation-cache-dir", default=str(default_cache_dir()),
@@ -64,4 +66,5 @@ def configs_from_args(args: argparse.Namespace) -> dict:
             min_coda_batch_size=args.min_coda_batch_size, max_model_len=args.max_model_len),
         exit_config=ExitConfig(mode=args.exit_mode, lookahead_seed=args.lookahead_seed),
         execution_config=ExecutionConfig(attn_impl=args.attn_impl, compile_ahead=not args.no_compile_ahead,
+                                         decode_window=args.decode_window,
                                          compilation_cache_dir=args.compilation_cache_dir or None))

@@ -1,0 +1,199 @@
+"""Device-side decode windows: one jitted ``while_loop`` runs up to K loop passes.
+
+DESIGN section 4: a loop pass costs under a millisecond, so the host must not sit
+between passes. A window takes every decoding row (a request whose newest token
+is looping) and, on the device, per pass: runs one loop pass for the active rows,
+applies the exit rule (the host's own ``EXIT_RULES`` functions, on jax arrays),
+copies an exiting token's KV into the deeper planes (``last_exited``), runs the
+head when any row exited (sampling with the batch-invariant per-request keys,
+logprobs), checks EOS / stop token ids / max_tokens, and feeds the sampled token
+back as the row's next looping token. It stops after K passes or when no row is
+active. The host reads the outputs ([B, K] tokens, depths, logprobs) afterwards,
+replays them through its own stop checks (stop strings are host-only: tokens a
+row made past one are dropped) and syncs each request's state, so a step-by-step
+step can follow a window at any point and the outputs are those of the
+step-by-step engine.
+
+Pages are reserved for a request's lifetime at admission, so the device finds
+every write slot in the block tables itself. Models with boundary stages
+(Huginn) do not run in windows (their prelude/coda KV would need the boundary
+pool threaded through); neither do no_refill cohorts or min_coda_batch_size > 1.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rltjax.cache.paged_kv import PagedKV, PagedMeta
+from rltjax.engine.exit_policy import EXIT_RULES
+from rltjax.sampling import sample_tokens, token_logprobs
+
+WINDOW_MODES = ("ouro", "ouro_delayed", "random_lookahead", "fixed", "trace")
+STOP_ID_WIDTH = 8   # token-stop ids checked on the device per row (more are checked by the host only)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class WindowRows:
+    """Per-row state of a window, [B] unless noted (padding rows: inactive, dummy slot)."""
+    slots: jax.Array          # int32 slot of the per-slot state buffer
+    tokens: jax.Array         # int32 the token now looping
+    positions: jax.Array      # int32 its position
+    loops_done: jax.Array     # int32 loops it has run
+    remaining: jax.Array      # f32 ouro modes: prod of (1 - hazard)
+    triggered: jax.Array      # bool delayed modes: exit after the next loop
+    active: jax.Array         # bool still generating
+    num_out: jax.Array        # int32 output tokens so far (the next one's output index)
+    max_tokens: jax.Array     # int32
+    min_loops: jax.Array      # int32
+    max_loops: jax.Array      # int32
+    threshold: jax.Array      # f32 exit_threshold
+    temperature: jax.Array    # f32
+    top_k: jax.Array          # int32
+    top_p: jax.Array          # f32
+    seed_hi: jax.Array        # uint32
+    seed_lo: jax.Array        # uint32
+    tables: jax.Array         # [B, planes] int32 block table of each plane
+    stop_ids: jax.Array       # [B, STOP_ID_WIDTH] int32 ids that end the request (-1: none)
+    trace: jax.Array          # [B, K] int32 trace mode: exit depth of the window's k-th output
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class WindowOutputs:
+    tokens: jax.Array         # [B, K] int32
+    depths: jax.Array         # [B, K] int32 exit depth of each output
+    chosen: jax.Array         # [B, K] f32 logprob of the sampled token
+    top_ids: jax.Array        # [B, K, T] int32
+    top_lp: jax.Array         # [B, K, T] f32
+    count: jax.Array          # [B] int32 outputs made in this window
+    passes: jax.Array         # [] int32 loop passes run
+
+
+def _exit_copies(rows: WindowRows, exit_now, depth, block_tables, page_size: int, num_planes: int):
+    """Copy-on-exit slots of the exiting rows, [B * planes] each (non-copies: page 0 -> 0)."""
+    blk = rows.positions // page_size
+    off = rows.positions % page_size
+    src_table = jnp.take_along_axis(rows.tables, jnp.maximum(depth - 1, 0)[:, None], axis=1)[:, 0]
+    src_page = block_tables[src_table, blk]                                     # [B]
+    plane = jnp.arange(num_planes)[None, :]
+    cap = jnp.minimum(num_planes, rows.max_loops)[:, None]
+    valid = exit_now[:, None] & (plane >= depth[:, None]) & (plane < cap)       # [B, P]
+    dst_page = block_tables[rows.tables, blk[:, None]]                          # [B, P]
+    zero = jnp.zeros_like(dst_page)
+    flat = lambda a: a.reshape(-1)
+    return (flat(jnp.where(valid, src_page[:, None], zero)), flat(jnp.where(valid, off[:, None], zero)),
+            flat(jnp.where(valid, dst_page, zero)), flat(jnp.where(valid, off[:, None], zero)))
+
+
+def _copy(kv: PagedKV, src_page, src_offset, dst_page, dst_offset) -> PagedKV:
+    src = (slice(None), slice(None), src_page, src_offset)
+    dst = (slice(None), slice(None), dst_page, dst_offset)
+    return PagedKV(k=kv.k.at[dst].set(kv.k[src]), v=kv.v.at[dst].set(kv.v[src]))
+
+
+@functools.partial(jax.jit, static_argnames=("model", "backend", "num_passes", "mode", "num_top", "layered",
+                                             "num_planes", "dummy_slot"),
+                   donate_argnames=("kv", "slot_state"))
+def decode_window(params, kv: PagedKV, slot_state, rows: WindowRows, block_tables, lookahead_w, *, model,
+                  backend, num_passes: int, mode: str, num_top: int, layered: bool, num_planes: int,
+                  dummy_slot: int):
+    """Up to ``num_passes`` loop passes over the rows -> (kv, slot_state, rows, WindowOutputs)."""
+    b, k_max = rows.slots.shape[0], num_passes
+    page_size = kv.page_size
+    first_out = rows.num_out
+    idx = jnp.arange(b)
+    out = WindowOutputs(tokens=jnp.zeros((b, k_max), jnp.int32), depths=jnp.zeros((b, k_max), jnp.int32),
+                        chosen=jnp.zeros((b, k_max), jnp.float32),
+                        top_ids=jnp.zeros((b, k_max, num_top), jnp.int32),
+                        top_lp=jnp.zeros((b, k_max, num_top), jnp.float32),
+                        count=jnp.zeros((b,), jnp.int32), passes=jnp.zeros((), jnp.int32))
+
+    def one_pass(carry):
+        kv, slot_state, rows, out = carry
+        act = rows.active
+        plane = rows.loops_done if layered else jnp.zeros_like(rows.loops_done)
+        table = jnp.where(act, jnp.take_along_axis(rows.tables, plane[:, None], axis=1)[:, 0], 0)
+        pos = jnp.where(act, rows.positions, -1)
+        write_page = jnp.where(act, block_tables[table, jnp.maximum(pos, 0) // page_size], 0)
+        slots = jnp.where(act, rows.slots, dummy_slot)
+        # inactive rows re-embed token 0 into the dummy slot (it feeds only the scratch page)
+        starting = (rows.loops_done == 0) | ~act
+        x = jnp.where(starting[:, None], model.embed(params, jnp.where(act, rows.tokens, 0))[0], slot_state[slots])
+        meta = PagedMeta(pos, write_page, jnp.where(act, pos % page_size, 0), table, pos + 1, block_tables)
+        x, kv, signal = model.loop(params, x, None, kv, meta, backend)
+        slot_state = slot_state.at[slots].set(x)
+
+        r = rows.loops_done + 1
+        if mode == "trace":
+            depth_now = jnp.take_along_axis(rows.trace, (rows.num_out - first_out)[:, None], axis=1)[:, 0]
+            exit_now, trigger, remaining = r >= depth_now, rows.triggered, rows.remaining
+        else:
+            cumulative, rule = EXIT_RULES[mode]
+            hazard = jax.nn.sigmoid(signal)
+            score = jax.nn.sigmoid(x.astype(jnp.float32) @ lookahead_w)
+            remaining = (rows.remaining * (1.0 - hazard)).astype(jnp.float32) if cumulative else rows.remaining
+            exit_now, trigger = rule(r, rows.min_loops, rows.max_loops, rows.threshold,
+                                     (1.0 - remaining).astype(jnp.float32), score, signal, rows.triggered)
+        exit_now = exit_now & act
+        if layered and num_planes > 1:
+            kv = _copy(kv, *_exit_copies(rows, exit_now, r, block_tables, page_size, num_planes))
+
+        def head(_):
+            logits = model.head(params, slot_state[slots])                      # [B, V] f32
+            tok = sample_tokens(logits, rows.temperature, rows.top_k, rows.top_p, rows.seed_hi, rows.seed_lo,
+                                rows.num_out)
+            return (tok,) + token_logprobs(logits, tok, num_top)
+
+        def no_head(_):
+            return (jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.float32),
+                    jnp.zeros((b, num_top), jnp.int32), jnp.zeros((b, num_top), jnp.float32))
+
+        tok, chosen, top_ids, top_lp = jax.lax.cond(jnp.any(exit_now), head, no_head, None)
+        k = jnp.where(exit_now, rows.num_out - first_out, k_max)          # k_max: out of range, dropped
+        out = WindowOutputs(
+            tokens=out.tokens.at[idx, k].set(tok, mode="drop"), depths=out.depths.at[idx, k].set(r, mode="drop"),
+            chosen=out.chosen.at[idx, k].set(chosen, mode="drop"),
+            top_ids=out.top_ids.at[idx, k].set(top_ids, mode="drop"),
+            top_lp=out.top_lp.at[idx, k].set(top_lp, mode="drop"),
+            count=out.count + exit_now, passes=out.passes + 1)
+        num_out = rows.num_out + exit_now
+        stops = jnp.any(tok[:, None] == rows.stop_ids, axis=1) | (num_out >= rows.max_tokens)
+        rows = dataclasses.replace(
+            rows, tokens=jnp.where(exit_now, tok, rows.tokens), positions=rows.positions + exit_now,
+            loops_done=jnp.where(exit_now, 0, jnp.where(act, r, rows.loops_done)),
+            remaining=jnp.where(exit_now, jnp.float32(1.0), jnp.where(act, remaining, rows.remaining)),
+            triggered=jnp.where(act & ~exit_now, trigger, False), active=act & ~(exit_now & stops),
+            num_out=num_out)
+        return kv, slot_state, rows, out
+
+    def cond(carry):
+        return (carry[3].passes < k_max) & jnp.any(carry[2].active)
+
+    kv, slot_state, rows, out = jax.lax.while_loop(cond, one_pass, (kv, slot_state, rows, out))
+    return kv, slot_state, rows, out
+
+
+def stop_id_matrix(stop_sets: list[tuple[int, ...]]) -> np.ndarray:
+    """[rows, STOP_ID_WIDTH] int32 token-stop ids per row, padded with -1. Ids past the width
+    stop the request on the host only (the device then runs on until the window ends and the
+    host drops the extra tokens): a fixed width keeps one executable per row bucket."""
+    m = np.full((len(stop_sets), STOP_ID_WIDTH), -1, np.int32)
+    for i, ids in enumerate(stop_sets):
+        ids = list(ids)[:STOP_ID_WIDTH]
+        m[i, :len(ids)] = ids
+    return m
+
+
+def idle_window_rows(n: int, num_planes: int, num_passes: int) -> WindowRows:
+    """n inactive rows (warm-up compiles; a window over them runs no pass)."""
+    z = lambda dtype=np.int32: np.zeros(n, dtype)
+    return WindowRows(slots=z(), tokens=z(), positions=z(), loops_done=z(), remaining=np.ones(n, np.float32),
+                      triggered=z(bool), active=z(bool), num_out=z(), max_tokens=z(), min_loops=z(), max_loops=z(),
+                      threshold=z(np.float32), temperature=z(np.float32), top_k=z(), top_p=np.ones(n, np.float32),
+                      seed_hi=z(np.uint32), seed_lo=z(np.uint32), tables=np.zeros((n, num_planes), np.int32),
+                      stop_ids=np.full((n, STOP_ID_WIDTH), -1, np.int32), trace=np.zeros((n, num_passes), np.int32))

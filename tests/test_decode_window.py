@@ -1,0 +1,128 @@
+"""Device-side decode windows give exactly the step-by-step engine's outputs: tokens, exit
+depths and (float32) logprobs equal the dense oracle over random workloads with arrivals
+between windows, aborts, every window-capable exit mode, both KV layouts and several K;
+host-only stops (stop strings, stop ids past the device's width) cut a window's extra tokens."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from conftest import reference_npz
+from engine_helpers import assert_all_pages_free, check_equal, make_engine, reference_for, run_workload
+from rltjax.engine.decode_window import STOP_ID_WIDTH
+from rltjax.engine_config import EngineConfigError
+from rltjax.sampling_params import SamplingParams
+
+TOKENS = [int(t) for t in reference_npz("ouro-tiny")["p2_input_ids"]] * 3
+
+request = st.tuples(
+    st.integers(0, 8),                                   # arrival step
+    st.integers(0, 60), st.integers(1, 14),              # prompt start, length
+    st.integers(1, 9),                                   # max_tokens
+    st.sampled_from([0.0, 0.9]), st.integers(0, 2**40),  # temperature, seed
+    st.sampled_from([0.3, 0.6, 1.0]),                    # exit threshold
+    st.integers(1, 2), st.integers(3, 4),                # min_loops, max_loops
+    st.sampled_from([None, 3]),                          # logprobs
+)
+
+
+@settings(max_examples=14, deadline=None, suppress_health_check=list(HealthCheck))
+@given(kv_layout=st.sampled_from(["last_exited", "shared"]),
+       exit_mode=st.sampled_from(["ouro", "ouro_delayed", "random_lookahead"]),
+       window=st.sampled_from([1, 3, 8]), max_num_seqs=st.sampled_from([2, 4]),
+       requests=st.lists(request, min_size=1, max_size=5), abort_at=st.sampled_from([None, 2, 5]))
+def test_windows_match_reference(kv_layout, exit_mode, window, max_num_seqs, requests, abort_at):
+    engine = make_engine(kv_layout=kv_layout, exit_mode=exit_mode, page_size=4, max_num_seqs=max_num_seqs,
+                         lookahead_seed=3, decode_window=window)
+    arrivals = []
+    for i, (step, start, length, max_tokens, temp, seed, q, lo, hi, lp) in enumerate(requests):
+        params = SamplingParams(max_tokens=max_tokens, temperature=temp, seed=seed, exit_threshold=q,
+                                min_loops=lo, max_loops=hi, logprobs=lp, ignore_eos=True)
+        arrivals.append((step, f"r{i}", TOKENS[start:start + length], params))
+    pending, step, aborted = sorted(arrivals, key=lambda a: a[0]), 0, None
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0][0] <= step:
+            _, rid, prompt, params = pending.pop(0)
+            engine.add_request(rid, prompt, params)
+        if step == abort_at and aborted is None:
+            running = [r.request_id for r in engine.scheduler.running]
+            if running:
+                aborted = running[-1]
+                engine.abort_request(aborted)
+        engine.step()
+        step += 1
+        assert step < 5000
+    ref = reference_for(kv_layout, exit_mode, lookahead_seed=3)
+    for _, rid, prompt, params in arrivals:
+        out = engine.get_output(rid)
+        want = ref.generate(prompt, params, request_id=rid)
+        if rid == aborted:     # an aborted request's tokens so far are a prefix of the oracle's
+            assert out.finish_reason == "abort"
+            assert out.token_ids == want.token_ids[:len(out.token_ids)]
+            assert out.exit_depths == want.exit_depths[:len(out.exit_depths)]
+        else:
+            check_equal(out, want)
+    assert_all_pages_free(engine)
+
+
+@pytest.mark.parametrize("kv_layout", ["last_exited", "shared"])
+def test_windows_replay_traces_and_run(kv_layout):
+    depths = {"a": [4, 1, 3, 2, 4, 1, 2, 3, 1, 1], "b": [4, 2, 2, 3, 1, 4, 4, 2, 2, 2]}
+    engine = make_engine(kv_layout=kv_layout, exit_mode="trace", depths_by_request=depths, decode_window=5)
+    arrivals = [(0, "a", TOKENS[:7], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)),
+                (0, "b", TOKENS[3:12], SamplingParams(max_tokens=10, temperature=1.0, seed=9, ignore_eos=True))]
+    outputs = run_workload(engine, arrivals)
+    ref = reference_for(kv_layout, depths_by_request=depths)
+    for _, rid, prompt, params in arrivals:
+        assert outputs[rid].exit_depths == depths[rid]
+        check_equal(outputs[rid], ref.generate(prompt, params, request_id=rid))
+    assert engine.steps_by_kind.get("window_passes", 0) > 0
+    assert_all_pages_free(engine)
+
+
+def test_host_only_stops_cut_the_window():
+    """A stop id past the device's width and a stop string both end the request at the same
+    token as the step-by-step engine; the window's extra tokens are dropped."""
+    ref_engine = make_engine(tokenizer=True)
+    greedy = run_workload(ref_engine, [(0, "g", TOKENS[:6], SamplingParams(max_tokens=12, temperature=0.0,
+                                                                          ignore_eos=True))])["g"]
+    stop_id = greedy.token_ids[4]
+    filler = [t for t in range(100, 100 + 2 * STOP_ID_WIDTH) if t not in greedy.token_ids][:STOP_ID_WIDTH]
+    text_stop = greedy.text[len(greedy.text) // 2:][:3] if len(greedy.text) > 6 else None
+    cases = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=filler + [stop_id])]
+    if text_stop and text_stop.strip():
+        cases.append(SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop=[text_stop]))
+    for params in cases:
+        outs = [run_workload(make_engine(tokenizer=True, decode_window=w), [(0, "x", TOKENS[:6], params)])["x"]
+                for w in (0, 16)]
+        assert outs[0].token_ids == outs[1].token_ids and outs[0].text == outs[1].text
+        assert outs[0].finish_reason == outs[1].finish_reason == "stop"
+        assert len(outs[0].token_ids) < 12
+
+
+def test_nanbeige_windows_match_step_engine():
+    prompts = [TOKENS[:9], TOKENS[20:25]]
+    outs = []
+    for w in (0, 4):
+        engine = make_engine(name="nanbeige-tiny", decode_window=w)
+        arrivals = [(i, f"n{i}", p, SamplingParams(max_tokens=6, temperature=0.7, seed=i, ignore_eos=True,
+                                                     logprobs=2)) for i, p in enumerate(prompts)]
+        outs.append(run_workload(engine, arrivals))
+        assert_all_pages_free(engine)
+    for rid in outs[0]:
+        assert outs[0][rid].token_ids == outs[1][rid].token_ids
+        assert outs[0][rid].exit_depths == outs[1][rid].exit_depths
+        for a, b in zip(outs[0][rid].logprobs, outs[1][rid].logprobs):
+            assert a.keys() == b.keys()
+            np.testing.assert_allclose(list(a.values()), list(b.values()), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(mode="no_refill"), "refill"),
+    (dict(min_coda_batch_size=2), "min_coda_batch_size"),
+    (dict(name="huginn-tiny", exit_mode="fixed", hf_overrides={"state_init": "zero"}), "boundary KV"),
+])
+def test_window_combinations_rejected(kwargs, match):
+    with pytest.raises(EngineConfigError, match=match):
+        make_engine(decode_window=4, **kwargs)

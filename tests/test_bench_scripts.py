@@ -34,6 +34,19 @@ def test_bench_prefill_quick(tmp_path):
     assert "speed-up" in text
 
 
+def test_bench_cdb_quick(tmp_path):
+    """Replays its recorded trace in every adaptive configuration (the script asserts the
+    depths) and reports the speed-ups against the ideal from the trace's mean depth."""
+    out = tmp_path / "cdb.json"
+    run_script("bench_cdb.py", "--quick", "--concurrency", "3", "--prompt-len", "8", "--output-len", "12",
+               "--decode-window", "4", "--depth-probs", "0.5", "0.5", "0", "0", "--out", str(out))
+    info = json.loads(out.read_text())
+    s = info["summary"]
+    assert set(s["depth_histogram"]) <= {"1", "2"} and 1.0 <= s["mean_depth"] <= 2.0
+    assert s["ideal_speedup"] > 1.5          # 4 loops vs <= 2: close to R / dbar for a tiny head
+    assert len(info["results"]) == 5 and all(r["output_tokens_per_s"] > 0 for r in info["results"])
+
+
 def test_bench_loop_pass_quick(tmp_path):
     out = tmp_path / "loop.json"
     run_script("bench_loop_pass.py", "--quick", "--out", str(out))

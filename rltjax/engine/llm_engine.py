@@ -20,6 +20,7 @@ from rltjax.cache.kv_update import exit_copy_slots
 from rltjax.cache.paged_kv import PagedKV
 from rltjax.engine.decode_window import WINDOW_MODES, WindowRows, stop_id_matrix
 from rltjax.engine.exit_policy import ExitPolicy
+from rltjax.engine.exit_trace import model_fingerprint
 from rltjax.engine.outputs import IncrementalDetokenizer, RequestOutput, StopChecker
 from rltjax.engine.runner import BoundaryRows, ModelRunner
 from rltjax.engine.scheduler import Scheduler
@@ -96,11 +97,22 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self.steps_by_kind: dict[str, int] = {}
         self.compile_seconds = 0.0
+        self._fingerprint: str | None = None
         if execution_config.compile_ahead:
             # the same (device) table arrays the steps pass: jit keys its cache on where inputs live
             self.compile_seconds = self.runner.warm_up(
                 self._on_device(self.scheduler.block_tables), execution_config.show_progress,
                 None if self.scheduler.boundary_tables is None else self._on_device(self.scheduler.boundary_tables))
+
+    @property
+    def dtype_name(self) -> str:
+        return np.dtype(self.runner.params.embed.dtype).name
+
+    def model_fingerprint(self) -> str:
+        """Digest of the config and weights (``exit_trace.model_fingerprint``), computed once."""
+        if self._fingerprint is None:
+            self._fingerprint = model_fingerprint(self.cfg, self.runner.params)
+        return self._fingerprint
 
     # -- requests -------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | Sequence[int] | Mapping[str, Any],

@@ -1,0 +1,165 @@
+"""Continuous Depth Batching on one exit trace: fixed depth vs adaptive, refill vs no_refill,
+step-by-step vs device-side decode windows (random weights at a preset's shape).
+
+    python scripts/bench_cdb.py --preset ouro-1.4b --concurrency 32 --out cdb.json        # GPU
+    python scripts/bench_cdb.py --quick --concurrency 4 --prompt-len 16 --output-len 16   # CPU
+
+The trace: every request's decode depths are drawn (seeded) from --depth-probs (default
+uniform over 1..4: mean 2.5), run once, and recorded as an ``ExitTrace`` (tokens, depths,
+model fingerprint); every adaptive run below replays it and is checked token for token.
+Random weights have no meaningful gate, hence a drawn trace, not a gated one.
+
+Ideal speed-up (DESIGN section 4) = (F0 + R*Fr) / (F0 + dbar*Fr) with the memory model's
+bytes: Fr = core weights + B*L*KV bytes per position per plane (one loop pass),
+F0 = head weights (lm_head), B = concurrency, L = mean context. Achieved speed-up =
+adaptive tok/s / fixed-depth tok/s of the same executor; the ratio achieved/ideal is the
+CDB paper's measure. "full-depth overhead" compares the adaptive machinery at full depth
+(step engine, refill, threshold 1) with running each token's R loops back to back on the
+device (a decode window at fixed depth).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import numpy as np  # noqa: E402
+
+from rltjax.entrypoints.bench import QUICK_OVERRIDES  # noqa: E402
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="ouro-1.4b")
+    p.add_argument("--quick", action="store_true", help="tiny config, float32 (CPU smoke run)")
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=512)
+    p.add_argument("--depth-probs", type=float, nargs="+", default=[0.25, 0.25, 0.25, 0.25],
+                   help="probability of depth 1..R for each decode token")
+    p.add_argument("--decode-window", type=int, default=16, help="K passes per window")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out")
+    return p.parse_args(argv)
+
+
+def run(engine, prompts, params, ids) -> tuple[float, dict, list]:
+    """All requests at once (closed loop of size = concurrency); seconds, steps, outputs."""
+    import jax
+    engine.steps_by_kind.clear()
+    t0 = time.perf_counter()
+    for rid, prompt in zip(ids, prompts):
+        engine.add_request(rid, prompt, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    jax.block_until_ready(engine.runner.kv.k)
+    wall = time.perf_counter() - t0
+    outs = [engine.get_output(rid) for rid in ids]
+    for rid in ids:
+        engine.forget(rid)
+    return wall, dict(engine.steps_by_kind), outs
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    import jax
+
+    from checkpoints.random_init import random_checkpoint
+    from rltjax.benchmarks.roofline import model_bytes
+    from rltjax.engine.exit_trace import ExitTrace
+    from rltjax.engine_config import CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig
+    from rltjax.entrypoints.llm import build_engine
+    from rltjax.presets import preset_config
+    from rltjax.sampling_params import SamplingParams
+
+    cfg = preset_config(args.preset, QUICK_OVERRIDES if args.quick else None)
+    params_w = random_checkpoint(cfg, seed=0, dtype="float32" if args.quick else "bfloat16")
+    R, C = cfg.num_loops, args.concurrency
+    probs = np.asarray(args.depth_probs, float)
+    if len(probs) != R or abs(probs.sum() - 1) > 1e-6:
+        raise SystemExit(f"--depth-probs: give {R} probabilities (depths 1..{R}) summing to 1")
+    rng = np.random.default_rng(args.seed)
+    prompts = [rng.integers(3, cfg.vocab_size, args.prompt_len).tolist() for _ in range(C)]
+    ids = [f"t{i}" for i in range(C)]
+    drawn = {rid: [R] + (1 + rng.choice(R, args.output_len, p=probs)).tolist() for rid in ids}
+    sp = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    pages = C * -(-(args.prompt_len + args.output_len) // args.page_size) * R + 1
+
+    def engine_for(exit_config, mode="refill", window=0):
+        gc.collect()
+        return build_engine(None, params=params_w, cfg=cfg, cache_config=CacheConfig(page_size=args.page_size,
+                                                                                      num_pages=pages),
+                            scheduler_config=SchedulerConfig(max_num_seqs=C, mode=mode,
+                                                             max_model_len=args.prompt_len + args.output_len),
+                            exit_config=exit_config,
+                            execution_config=ExecutionConfig(decode_window=window, show_progress=False))
+
+    class _Recorder:           # ExitTrace.record reads an LLM's .engine
+        def __init__(self, engine):
+            self.engine = engine
+
+    eng = engine_for(ExitConfig(mode="trace", depths_by_request=drawn))
+    run(eng, prompts[:1], dataclasses.replace(sp, max_tokens=4), ids[:1])          # warm
+    _, _, outs = run(eng, prompts, sp, ids)
+    trace = ExitTrace.record(_Recorder(eng), prompts, outs, sp)
+    for rec, rid in zip(trace.records, ids):
+        rec["request_id"] = rid
+    del eng
+    dbar = trace.mean_depth
+
+    configs = [("fixed", "step", "refill"), ("trace", "step", "refill"), ("trace", "step", "no_refill"),
+               ("fixed", "window", "refill"), ("trace", "window", "refill")]
+    rows = []
+    for depth, executor, mode in configs:
+        exit_config = trace.exit_config() if depth == "trace" else ExitConfig(mode="fixed")
+        eng = engine_for(exit_config, mode, args.decode_window if executor == "window" else 0)
+        run(eng, prompts[:2], dataclasses.replace(sp, max_tokens=3), ids[:2])       # warm
+        wall, steps, outs = run(eng, prompts, sp, ids)
+        if depth == "trace":
+            trace.check_engine(eng)
+            assert all(o.exit_depths == r["exit_depths"] for o, r in zip(outs, trace.records)), "trace not replayed"
+        rows.append(dict(depth=depth, executor=executor, scheduler=mode, seconds=wall,
+                         output_tokens_per_s=C * args.output_len / wall, steps=steps))
+        print(json.dumps(rows[-1]), flush=True)
+        del eng
+
+    by = {(r["depth"], r["executor"], r["scheduler"]): r["output_tokens_per_s"] for r in rows}
+    dtype = "float32" if args.quick else "bfloat16"
+    sizes = model_bytes(cfg, dtype)
+    L = args.prompt_len + args.output_len / 2
+    fr = sizes.core_weight_bytes + C * L * sizes.kv_bytes_per_position_per_plane
+    f0 = cfg.hidden_size * cfg.vocab_size * np.dtype(dtype if args.quick else np.float16).itemsize
+    ideal = (f0 + R * fr) / (f0 + dbar * fr)
+    summary = dict(mean_depth=dbar, depth_histogram=trace.depth_histogram(), ideal_speedup=ideal)
+    for executor in ("step", "window"):
+        achieved = by[("trace", executor, "refill")] / by[("fixed", executor, "refill")]
+        summary[f"{executor}_speedup"] = achieved
+        summary[f"{executor}_fraction_of_ideal"] = achieved / ideal
+    summary["no_refill_speedup"] = by[("trace", "step", "no_refill")] / by[("fixed", "step", "refill")]
+    summary["full_depth_overhead_step_vs_back_to_back"] = by[("fixed", "window", "refill")] / by[("fixed", "step", "refill")] - 1
+    info = dict(jax=jax.__version__, device=jax.devices()[0].device_kind, preset=args.preset, quick=args.quick,
+                concurrency=C, prompt_len=args.prompt_len, output_len=args.output_len,
+                decode_window=args.decode_window, results=rows, summary=summary)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(info, f, indent=1)
+    print(f"\n{'depth':<7}{'executor':<9}{'scheduler':<11}{'tok/s':>10}   ({info['device']}, C={C}, "
+          f"{args.prompt_len}+{args.output_len}, mean depth {dbar:.2f})")
+    for r in rows:
+        print(f"{r['depth']:<7}{r['executor']:<9}{r['scheduler']:<11}{r['output_tokens_per_s']:>10.1f}")
+    print(f"ideal speed-up {ideal:.3f}; achieved: step {summary['step_speedup']:.3f} "
+          f"({summary['step_fraction_of_ideal']:.1%}), window {summary['window_speedup']:.3f} "
+          f"({summary['window_fraction_of_ideal']:.1%}); no_refill {summary['no_refill_speedup']:.3f}; "
+          f"back-to-back full depth vs CDB step: {summary['full_depth_overhead_step_vs_back_to_back']:+.1%}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

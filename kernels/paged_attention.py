@@ -19,7 +19,9 @@ import jax.numpy as jnp
 
 from kernels.paged_attention_ref import paged_attention_ref
 
-DEFAULT_BLOCK_Q = 16     # query rows per prefill-kernel program (the engine aligns chunks to it)
+# Query rows per prefill-kernel program; the engine aligns chunks to it. H200, Ouro shapes:
+# 32 was 1.2-1.6x faster than 16 at most shapes (scripts/bench_prefill.py, docs/performance.md).
+DEFAULT_BLOCK_Q = 32
 
 KERNEL_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 

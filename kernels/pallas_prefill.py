@@ -31,11 +31,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from kernels.paged_attention import DEFAULT_BLOCK_Q
 from kernels.pallas_triton import head_dim_chunks
 
 NEG_INF = float("-inf")
-DEFAULT_BLOCK_Q = 16
-TARGET_BLOCK_K = 64          # keys per inner iteration
+TARGET_BLOCK_K = 64          # keys per inner iteration (float32: half, to stay within shared memory)
 
 
 def _cdiv(a, b: int):
@@ -103,7 +103,7 @@ def _kernel(layer_ref, lengths_ref, row_tables_ref, block_tables_ref, q_ref, k_r
 def paged_prefill_attention_pallas(q, k_pages, v_pages, block_tables, row_tables, lengths, *, layer=None,
                                    scale: float | None = None, block_q: int = DEFAULT_BLOCK_Q,
                                    pages_per_block: int | None = None, num_warps: int = 4,
-                                   num_stages: int = 2, interpret: bool = False):
+                                   num_stages: int | None = None, interpret: bool = False):
     """The kernel; callers go through `kernels.paged_attention.paged_prefill_attention`.
     N need not be a multiple of block_q (rows are padded with length 0 here)."""
     if k_pages.ndim == 4:
@@ -112,8 +112,11 @@ def paged_prefill_attention_pallas(q, k_pages, v_pages, block_tables, row_tables
     n, num_heads, head_dim = q.shape
     _, num_kv, _, page_size, _ = k_pages.shape
     pages_per_table = block_tables.shape[1]
+    wide = q.dtype.itemsize >= 4
     if pages_per_block is None:
-        pages_per_block = max(1, TARGET_BLOCK_K // page_size)
+        pages_per_block = max(1, (TARGET_BLOCK_K // (2 if wide else 1)) // page_size, 16 // page_size)
+    if num_stages is None:
+        num_stages = 1 if wide else 2
     if pages_per_block & (pages_per_block - 1) or pages_per_block * page_size < 16:
         raise ValueError(f"pages_per_block must be a power of two with pages_per_block * page_size >= 16, "
                          f"got {pages_per_block}")

@@ -34,7 +34,7 @@ def prefill_batch(rng, chunks, *, num_kv, group, page_size, head_dim, dtype, blo
 
 
 @st.composite
-def chunk_lists(draw, page_size):
+def chunk_lists(draw, page_size, block_q):
     cap = PAGES_PER_TABLE * page_size
     chunks, rows = [], 0
     for _ in range(draw(st.integers(1, 4))):
@@ -43,19 +43,20 @@ def chunk_lists(draw, page_size):
             break
         start = draw(st.integers(0, cap - n))
         chunks.append((draw(st.integers(0, N_TABLES - 1)), start, n))
-        rows = -(-(rows + n) // BLOCK_Q) * BLOCK_Q
+        rows = -(-(rows + n) // block_q) * block_q
     return chunks
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data(), seed=st.integers(0, 2**31 - 1), num_kv=st.sampled_from([1, 2]),
        group=st.sampled_from([1, 2, 4]), page_size=st.sampled_from([8, 16]),
-       head_dim=st.sampled_from([64, 96]), dtype=st.sampled_from([jnp.float32, jnp.bfloat16]))
-def test_prefill_kernel_matches_reference(data, seed, num_kv, group, page_size, head_dim, dtype):
-    chunks = data.draw(chunk_lists(page_size))
+       head_dim=st.sampled_from([64, 96]), dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
+       block_q=st.sampled_from([16, 32]))
+def test_prefill_kernel_matches_reference(data, seed, num_kv, group, page_size, head_dim, dtype, block_q):
+    chunks = data.draw(chunk_lists(page_size, block_q))
     case = prefill_batch(np.random.default_rng(seed), chunks, num_kv=num_kv, group=group,
-                         page_size=page_size, head_dim=head_dim, dtype=dtype)
-    out = paged_prefill_attention(*case, impl="pallas", interpret=True)
+                         page_size=page_size, head_dim=head_dim, dtype=dtype, block_q=block_q)
+    out = paged_prefill_attention(*case, impl="pallas", interpret=True, block_q=block_q)
     ref = paged_attention_ref(*case)
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
                                atol=TOL[dtype], rtol=TOL[dtype])
@@ -70,7 +71,7 @@ def test_stacked_pool_and_unaligned_row_count():
     k5, v5 = jnp.stack([k * 0.5, k]), jnp.stack([v * 0.5, v])
     n = 41
     out = paged_prefill_attention(q[:n], k5, v5, bt, rt[:n], ln[:n], layer=jnp.int32(1),
-                                  impl="pallas", interpret=True)
+                                  impl="pallas", interpret=True, block_q=BLOCK_Q)
     ref = paged_attention_ref(q[:n], k, v, bt, rt[:n], ln[:n])
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
 
@@ -84,7 +85,7 @@ def test_broken_layout_is_nan_not_wrong():
                                         head_dim=64, dtype=jnp.float32)
     rt = rt.at[8].set(3)
     ln = ln.at[8].set(4)
-    out = np.asarray(paged_prefill_attention(q, k, v, bt, rt, ln, impl="pallas", interpret=True))
+    out = np.asarray(paged_prefill_attention(q, k, v, bt, rt, ln, impl="pallas", interpret=True, block_q=BLOCK_Q))
     assert np.all(np.isnan(out[8]))
     ref = np.asarray(paged_attention_ref(q, k, v, bt, rt, ln))
     np.testing.assert_allclose(out[:8], ref[:8], atol=2e-5, rtol=2e-5)

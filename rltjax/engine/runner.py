@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels.paged_attention import kernel_unsupported
+from kernels.paged_attention import DEFAULT_BLOCK_Q, kernel_unsupported
 from rltjax.cache.kv_update import copy_slots
 from rltjax.cache.paged_kv import PagedKV, PagedKVBackend, PagedMeta
 from rltjax.engine.decode_window import WindowOutputs, WindowRows, decode_window, idle_window_rows
@@ -35,7 +35,7 @@ from rltjax.sampling import sample_tokens, token_logprobs
 NUM_TOP_LOGPROBS = 20
 MIN_TOKEN_BUCKET = 32   # prefill token counts pad to >= this: fewer executables, negligible padding
 MIN_ROW_BUCKET = 8      # loop/head/window rows pad to >= this: a pass is weight-bound, 8 rows cost as 1
-PREFILL_BLOCK_Q = 16    # query rows per prefill-kernel block: chunks start at multiples of it
+PREFILL_BLOCK_Q = DEFAULT_BLOCK_Q   # prefill-kernel query rows: chunks start at multiples of it
 
 
 def bucket(n: int) -> int:

@@ -16,6 +16,9 @@ EXIT_MODES = ("ouro", "ouro_delayed", "random_lookahead", "trace", "fixed", "lat
 KV_LAYOUTS = ("last_exited", "shared")
 SCHEDULER_MODES = ("refill", "no_refill")
 ATTN_IMPLS = ("auto", "xla", "pallas")
+# K of decode windows when ExecutionConfig.decode_window is None and windows can run. On an
+# H200 (Ouro-1.4B shapes) K=16 beat step-by-step at 1, 8 and 32 streams (docs/performance.md).
+DEFAULT_DECODE_WINDOW = 16
 
 
 class EngineConfigError(ValueError):
@@ -140,13 +143,15 @@ class ExecutionConfig:
     interpret: run the Pallas kernels in interpret mode (CPU testing of attn_impl="pallas").
     decode_window: K > 0 runs decode as device-side windows of up to K loop passes
     (``rltjax.engine.decode_window``) whenever every running request is decoding; 0 runs
-    every pass as its own engine step.
+    every pass as its own engine step; None (default) picks DEFAULT_DECODE_WINDOW where the
+    engine can run windows (no boundary KV, refill, min_coda_batch_size 1, not latent_diff)
+    and 0 elsewhere.
     compile_ahead: compile every bucket at start-up (else on first use).
     compilation_cache_dir: XLA's persistent compilation cache (None disables it).
     """
     attn_impl: str = "auto"
     interpret: bool = False
-    decode_window: int = 0
+    decode_window: int | None = None
     compile_ahead: bool = True
     compilation_cache_dir: str | None = dataclasses.field(default_factory=lambda: str(default_cache_dir()))
     show_progress: bool = True
@@ -154,8 +159,9 @@ class ExecutionConfig:
     def __post_init__(self) -> None:
         if self.attn_impl not in ATTN_IMPLS:
             _bad("ExecutionConfig", "attn_impl", self.attn_impl, f"choose one of {ATTN_IMPLS}")
-        if not isinstance(self.decode_window, int) or isinstance(self.decode_window, bool) or not (
-                0 <= self.decode_window <= 1024):
+        if self.decode_window is not None and (
+                not isinstance(self.decode_window, int) or isinstance(self.decode_window, bool)
+                or not 0 <= self.decode_window <= 1024):
             _bad("ExecutionConfig", "decode_window", self.decode_window, "must be an integer in [0, 1024]")
 
 
@@ -168,13 +174,13 @@ COMBINATION_RULES: list[tuple[str, Callable[..., bool], str]] = [
      lambda c, s, e, x: s.min_coda_batch_size > s.max_num_seqs,
      "lower SchedulerConfig.min_coda_batch_size"),
     ("decode windows run refill scheduling only (no_refill cohorts wait on the host)",
-     lambda c, s, e, x: x.decode_window > 0 and s.mode != "refill",
+     lambda c, s, e, x: (x.decode_window or 0) > 0 and s.mode != "refill",
      "use SchedulerConfig.mode='refill' or ExecutionConfig.decode_window=0"),
     ("decode windows run every head at once (min_coda_batch_size must be 1)",
-     lambda c, s, e, x: x.decode_window > 0 and s.min_coda_batch_size > 1,
+     lambda c, s, e, x: (x.decode_window or 0) > 0 and s.min_coda_batch_size > 1,
      "use SchedulerConfig.min_coda_batch_size=1 or ExecutionConfig.decode_window=0"),
     ("decode windows do not run latent_diff exits (Huginn has boundary KV)",
-     lambda c, s, e, x: x.decode_window > 0 and e.mode == "latent_diff",
+     lambda c, s, e, x: (x.decode_window or 0) > 0 and e.mode == "latent_diff",
      "use ExecutionConfig.decode_window=0"),
     ("the Pallas kernel needs page_size >= 8",
      lambda c, s, e, x: x.attn_impl == "pallas" and c.page_size < 8,

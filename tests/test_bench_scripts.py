@@ -64,4 +64,5 @@ def test_bench_throughput_quick(tmp_path):
     for r in rows:
         assert r["output_tokens"] == r["requests"] * info["output_len"]
         # fixed depth: every output token but each request's first costs R loop passes at most
-        assert r["steps"]["loop"] >= (info["output_len"] - 1) * 4
+        passes = r["steps"].get("loop", 0) + r["steps"].get("window_passes", 0)
+        assert passes >= (info["output_len"] - 1) * 4

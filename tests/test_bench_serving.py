@@ -182,7 +182,9 @@ def check_run(run, expected_outputs=None):
     assert expected_outputs is None or s["output_tokens"] == expected_outputs
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         st = s[key]
-        assert 0 < st["p50"] <= st["p95"] <= st["p99"] <= st["max"] and st["mean"] > 0
+        # decode windows deliver several tokens per engine step: many inter-token gaps are 0
+        low = 0 <= st["p50"] if key == "itl_ms" else 0 < st["p50"]
+        assert low and st["p50"] <= st["p95"] <= st["p99"] <= st["max"] and st["mean"] > 0
     assert s["ttft_ms"]["max"] <= s["e2e_ms"]["max"] and s["output_throughput"] > 0
     roof = run["roofline"]
     assert roof["mean_depth"] == pytest.approx(4.0) and 0 < roof["fraction"] < 1

@@ -25,7 +25,8 @@ from rltjax.engine.outputs import IncrementalDetokenizer, RequestOutput, StopChe
 from rltjax.engine.runner import BoundaryRows, ModelRunner
 from rltjax.engine.scheduler import Scheduler
 from rltjax.engine.sequence import Request, Status
-from rltjax.engine_config import (CacheConfig, EngineConfigError, ExecutionConfig, ExitConfig, SchedulerConfig,
+from rltjax.engine_config import (DEFAULT_DECODE_WINDOW, CacheConfig, EngineConfigError, ExecutionConfig, ExitConfig,
+                                  SchedulerConfig,
                                   check_combination, validate_trace_depths)
 from rltjax.models.base import loop_limit, signal_kind
 from rltjax.reference.exits import lookahead_weights
@@ -64,14 +65,10 @@ class LLMEngine:
         self.loop_limit = loop_limit(model)
         self.num_planes = cache_config.num_planes(R)
         self.exit_policy = ExitPolicy(exit_config.mode, self.cfg.has_exit_gate, signal_kind(model))
-        self.window_passes = execution_config.decode_window
+        self.window_passes = self._window_passes(execution_config.decode_window, scheduler_config,
+                                                 boundary_kv is not None)
         window_spec = None
         if self.window_passes:
-            if boundary_kv is not None or self.exit_policy.mode not in WINDOW_MODES:
-                raise EngineConfigError(
-                    f"ExecutionConfig.decode_window={self.window_passes}: decode windows run models without "
-                    f"boundary KV and exit modes {WINDOW_MODES}; this engine has {self.cfg.arch} with "
-                    f"exit mode {self.exit_policy.mode!r} (use decode_window=0)")
             window_spec = dict(num_passes=self.window_passes, mode=self.exit_policy.mode, layered=self.layered,
                                num_planes=self.num_planes)
         self.runner = ModelRunner(model, params, kv, max_num_seqs=scheduler_config.max_num_seqs,
@@ -103,6 +100,19 @@ class LLMEngine:
             self.compile_seconds = self.runner.warm_up(
                 self._on_device(self.scheduler.block_tables), execution_config.show_progress,
                 None if self.scheduler.boundary_tables is None else self._on_device(self.scheduler.boundary_tables))
+
+    def _window_passes(self, asked: int | None, scheduler_config: SchedulerConfig, has_boundary: bool) -> int:
+        """K of decode windows: as asked, or DEFAULT_DECODE_WINDOW where windows can run (None)."""
+        possible = not has_boundary and self.exit_policy.mode in WINDOW_MODES
+        if asked is None:
+            return DEFAULT_DECODE_WINDOW if possible and scheduler_config.mode == "refill" and \
+                scheduler_config.min_coda_batch_size == 1 else 0
+        if asked and not possible:
+            raise EngineConfigError(
+                f"ExecutionConfig.decode_window={asked}: decode windows run models without boundary KV and "
+                f"exit modes {WINDOW_MODES}; this engine has {self.cfg.arch} with exit mode "
+                f"{self.exit_policy.mode!r} (use decode_window=0)")
+        return asked
 
     @property
     def dtype_name(self) -> str:
@@ -199,7 +209,10 @@ class LLMEngine:
     # -- one step -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
-        self.steps_by_kind[plan.kind] = self.steps_by_kind.get(plan.kind, 0) + 1
+        # a loop plan over every running request runs as a decode window when windows are on
+        window = plan.kind == "loop" and self.window_passes > 0 and len(plan.rows) == len(self.scheduler.running)
+        kind = "window" if window else plan.kind
+        self.steps_by_kind[kind] = self.steps_by_kind.get(kind, 0) + 1
         if plan.kind == "idle" and self.scheduler.waiting and not self.scheduler.running:
             raise RuntimeError(f"scheduler stalled: {len(self.scheduler.waiting)} waiting request(s) cannot "
                                f"be admitted into an empty engine (this is a bug)")
@@ -207,7 +220,7 @@ class LLMEngine:
         try:
             if plan.kind == "prefill":
                 self._prefill(plan.chunks)
-            elif plan.kind == "loop" and self.window_passes and len(plan.rows) == len(self.scheduler.running):
+            elif window:
                 return [self._output(r) for r in self._window(plan.rows)]
             elif plan.kind == "loop":
                 self._loop(plan.rows)

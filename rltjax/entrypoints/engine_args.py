@@ -43,8 +43,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("execution")
     g.add_argument("--attn-impl", default="auto", choices=ATTN_IMPLS,
                    help="paged attention: auto = Pallas kernel on GPU, XLA elsewhere")
-    g.add_argument("--decode-window", type=int, default=0, metavar="K",
-                   help="run decode as device-side windows of up to K loop passes (0: one pass per step)")
+    g.add_argument("--decode-window", type=int, default=None, metavar="K",
+                   help="decode as device-side windows of up to K loop passes (0: one pass per step; "
+                        "default: 16 where windows can run)")
     g.add_argument("--no-compile-ahead", action="store_true",
                    help="compile batch shapes on first use instead of at start-up")
     g.add_argument("--compilation-cache-dir", default=str(default_cache_dir()),

@@ -1,7 +1,7 @@
 """``rltjax convert SRC DST``: HF safetensors (or a converted dir) -> Orbax.
 
 The output directory is self-contained: ``orbax/`` with the params pytree
-(already stacked and cast), the config/tokenizer files the engine
+(already stacked, transposed and cast), the config/tokenizer files the engine
 reads, and ``rltjax_checkpoint.json``. The marker is written last, atomically,
 so a directory interrupted mid-conversion is never mistaken for a finished one.
 """

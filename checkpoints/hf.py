@@ -7,8 +7,8 @@ module only walks that declaration. The pytree structure comes from
 twice and the loaded tree is exactly what the model functions expect.
 
 Loading validates the whole directory before reading a byte of weights, then
-builds one leaf at a time (stack per-layer tensors; Linear weights keep HF's
-[out, in]) and sends it to the device, so host memory
+builds one leaf at a time (stack per-layer tensors, transpose Linear weights
+from HF's [out, in] to [in, out]) and sends it to the device, so host memory
 peaks at about one leaf rather than one model.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Params pytrees <-> Orbax checkpoints (the fast-restore format).
 
 Converting once to Orbax means a serving start-up restores ready-made,
-stacked leaves straight into device buffers (tensorstore reads in
+stacked, transposed leaves straight into device buffers (tensorstore reads in
 parallel) instead of re-validating and re-laying-out safetensors every time.
 
 Save is synchronous: we wait for Orbax's background commit before returning,

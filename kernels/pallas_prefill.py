@@ -21,6 +21,9 @@ layout is loud, never silently wrong. Rows with length 0 get zeros.
 
 Addressing and head_dim chunking as in `kernels.pallas_triton` (int64 strides for
 pools beyond 2**31 elements; page ids past the needed pages replaced by page 0).
+Compiled: bfloat16/float16 only. For float32 on an H200 the compiled kernel missed the
+reference (cause not found yet; interpret mode is exact), so the validated entry point
+sends compiled float32 to the per-row kernel.
 """
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ from kernels.paged_attention import DEFAULT_BLOCK_Q
 from kernels.pallas_triton import head_dim_chunks
 
 NEG_INF = float("-inf")
-TARGET_BLOCK_K = 64          # keys per inner iteration (float32: half, to stay within shared memory)
+TARGET_BLOCK_K = 64          # keys per inner iteration
 
 
 def _cdiv(a, b: int):
@@ -112,11 +115,13 @@ def paged_prefill_attention_pallas(q, k_pages, v_pages, block_tables, row_tables
     n, num_heads, head_dim = q.shape
     _, num_kv, _, page_size, _ = k_pages.shape
     pages_per_table = block_tables.shape[1]
-    wide = q.dtype.itemsize >= 4
+    if q.dtype not in (jnp.bfloat16, jnp.float16) and not interpret:
+        raise ValueError(f"the prefill kernel takes bfloat16/float16 (float32 goes through the per-row "
+                         f"kernel, see kernels.paged_attention), got {q.dtype}")
     if pages_per_block is None:
-        pages_per_block = max(1, (TARGET_BLOCK_K // (2 if wide else 1)) // page_size, 16 // page_size)
+        pages_per_block = max(1, TARGET_BLOCK_K // page_size, 16 // page_size)
     if num_stages is None:
-        num_stages = 1 if wide else 2
+        num_stages = 2
     if pages_per_block & (pages_per_block - 1) or pages_per_block * page_size < 16:
         raise ValueError(f"pages_per_block must be a power of two with pages_per_block * page_size >= 16, "
                          f"got {pages_per_block}")

@@ -25,7 +25,6 @@ import jax.numpy as jnp  # noqa: E402
 
 from checkpoints.random_init import random_checkpoint  # noqa: E402
 from rltjax.models.base import get_model  # noqa: E402
-from rltjax.models.layers import linear  # noqa: E402
 from rltjax.presets import preset_config  # noqa: E402
 from bench_loop_pass import build_pass  # noqa: E402
 
@@ -54,12 +53,12 @@ def timed_donating(compiled, params, state, kv, meta, iters=30):
 
 
 def matmul_layer(x, lp):
-    q = linear(x, lp.wq)
-    k = linear(x, lp.wk)
-    v = linear(x, lp.wv)
-    a = linear(q, lp.wo)
-    h = jax.nn.silu(linear(a, lp.w_gate)) * linear(a, lp.w_up)
-    return x + linear(h, lp.w_down) + (k + v).sum() * 0
+    q = x @ lp.wq
+    k = x @ lp.wk
+    v = x @ lp.wv
+    a = q @ lp.wo
+    h = jax.nn.silu(a @ lp.w_gate) * (a @ lp.w_up)
+    return x + (h @ lp.w_down) + (k + v).sum() * 0
 
 
 def run(argv=None):

@@ -38,15 +38,16 @@ def test_load_matches_raw_tensors(fixture, dtype):
         assert leaf.dtype == np.dtype(dtype)
         parts = list(leaf) if spec.num_stacked else [leaf]
         for name, part in zip(spec.hf_names(), parts):
-            np.testing.assert_array_equal(part, raw[name].reshape(part.shape), err_msg=name)
+            want = raw[name].T if spec.transpose else raw[name]
+            np.testing.assert_array_equal(part, want.reshape(part.shape), err_msg=name)
             used.add(name)
     assert used == set(raw)
-    # The layout conventions, spelled out: Linear weights stay [out, in], layers stacked on axis 0.
+    # The layout conventions, spelled out: Linear [out, in] -> [in, out], layers stacked on axis 0.
     p = ckpt.params
-    np.testing.assert_array_equal(np.asarray(p.layers.wq[0]), raw[Q0])
-    np.testing.assert_array_equal(np.asarray(p.lm_head), raw["lm_head.weight"])
+    np.testing.assert_array_equal(np.asarray(p.layers.wq[0]), raw[Q0].T)
+    np.testing.assert_array_equal(np.asarray(p.lm_head), raw["lm_head.weight"].T)
     np.testing.assert_array_equal(np.asarray(p.gate_b), raw["model.early_exit_gate.bias"][0])
-    assert p.layers.wq.shape == (ckpt.cfg.num_layers, ckpt.cfg.q_width, ckpt.cfg.hidden_size)
+    assert p.layers.wq.shape == (ckpt.cfg.num_layers, ckpt.cfg.hidden_size, ckpt.cfg.q_width)
 
 
 def test_bf16_checkpoint_loads_as_exact_fp32():
@@ -56,7 +57,7 @@ def test_bf16_checkpoint_loads_as_exact_fp32():
     np.testing.assert_array_equal(np.asarray(ckpt.params.embed),
                                   raw["model.embed_tokens.weight"].astype(np.float32))
     np.testing.assert_array_equal(np.asarray(ckpt.params.layers.wk[2]),
-                                  raw["model.layers.2.self_attn.k_proj.weight"].astype(np.float32))
+                                  raw["model.layers.2.self_attn.k_proj.weight"].astype(np.float32).T)
 
 
 def test_fp32_checkpoint_loads_as_bf16_rounded():
@@ -64,7 +65,7 @@ def test_fp32_checkpoint_loads_as_bf16_rounded():
     raw = raw_tensors(OURO)
     assert params.layers.wq.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(params.layers.wq[1]),
-                                  raw["model.layers.1.self_attn.q_proj.weight"].astype(ml_dtypes.bfloat16))
+                                  raw["model.layers.1.self_attn.q_proj.weight"].T.astype(ml_dtypes.bfloat16))
 
 
 def test_ignored_tensors_are_skipped(tmp_path, monkeypatch):
@@ -118,7 +119,7 @@ def test_orbax_round_trip_is_bit_identical(tmp_path, dtype):
     with pytest.raises(CheckpointError, match="already exists"):
         save_params(tmp_path, params)
     other = dataclasses.replace(cfg, num_kv_heads=4)
-    with pytest.raises(CheckpointError, match=r"'layers.wk' has shape \[3, 32, 64\]"):
+    with pytest.raises(CheckpointError, match=r"'layers.wk' has shape \[3, 64, 32\]"):
         restore_params(tmp_path, param_template(other, dtype))
 
 
@@ -180,9 +181,9 @@ def test_random_checkpoint_big_shapes_only():
                               head_dim=128)
     for shapes in (random_checkpoint_shapes(cfg),
                    jax.eval_shape(functools.partial(random_checkpoint, cfg, 0, "bfloat16"))):
-        assert shapes.embed.shape == (49152, 2048) and shapes.lm_head.shape == (49152, 2048)
+        assert shapes.embed.shape == (49152, 2048) and shapes.lm_head.shape == (2048, 49152)
         assert shapes.layers.wq.shape == (24, 2048, 2048)
-        assert shapes.layers.w_down.shape == (24, 2048, 5632)
+        assert shapes.layers.w_down.shape == (24, 5632, 2048)
         assert shapes.gate_b.shape == () and shapes.embed.dtype == jnp.bfloat16
         total = sum(l.size for l in jax.tree.leaves(shapes))
         assert 1.3e9 < total < 1.5e9    # Ouro-1.4B

@@ -31,7 +31,7 @@ def test_config_and_weights():
     rm = reference_model(NAME)
     cfg = rm.cfg
     assert (cfg.num_loops, cfg.has_exit_gate, cfg.q_width, cfg.hidden_size) == (2, False, 128, 64)
-    assert rm.params.layers.wq.shape == (2, 128, 64) and rm.params.layers.wo.shape == (2, 64, 128)
+    assert rm.params.layers.wq.shape == (2, 64, 128) and rm.params.layers.wo.shape == (2, 128, 64)
 
 
 @pytest.mark.parametrize("p", PROMPTS)

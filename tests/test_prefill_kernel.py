@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from kernels.paged_attention import paged_prefill_attention
 from kernels.paged_attention_ref import paged_attention_ref
 
-TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2, jnp.float16: 4e-3}
 BLOCK_Q = 16
 N_ROWS, N_TABLES, PAGES_PER_TABLE = 64, 4, 8        # fixed so interpret-mode compiles are reused
 
@@ -91,6 +91,14 @@ def test_broken_layout_is_nan_not_wrong():
     np.testing.assert_allclose(out[:8], ref[:8], atol=2e-5, rtol=2e-5)
 
 
+def test_compiled_float32_is_refused_by_the_kernel():
+    rng = np.random.default_rng(6)
+    case = prefill_batch(rng, [(0, 0, 4)], num_kv=1, group=1, page_size=8, head_dim=64, dtype=jnp.float32)
+    from kernels.pallas_prefill import paged_prefill_attention_pallas
+    with pytest.raises(ValueError, match="bfloat16/float16"):
+        paged_prefill_attention_pallas(*case)
+
+
 def test_block_q_validation():
     rng = np.random.default_rng(5)
     case = prefill_batch(rng, [(0, 0, 4)], num_kv=1, group=1, page_size=8, head_dim=64, dtype=jnp.float32)
@@ -99,9 +107,11 @@ def test_block_q_validation():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,block_q", [(jnp.bfloat16, 16), (jnp.bfloat16, 64), (jnp.float32, 32)])
+@pytest.mark.parametrize("dtype,block_q", [(jnp.bfloat16, 16), (jnp.bfloat16, 32), (jnp.bfloat16, 64),
+                                           (jnp.float16, 32), (jnp.float32, 32)])
 def test_prefill_kernel_compiled_on_gpu(dtype, block_q):
-    """Compiled (not interpreted) on the GPU at Ouro-like head sizes, GQA 2, page 16."""
+    """Compiled (not interpreted) on the GPU at Ouro-like head sizes, GQA 2, page 16. float32
+    goes through the per-row kernel (the compiled float32 prefill kernel is disabled)."""
     rng = np.random.default_rng(7)
     num_pages = 200
     k = jnp.asarray(rng.standard_normal((4, num_pages, 16, 128)), dtype)

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from rltjax.config import ModelConfig
 from rltjax.models.base import KVBackend
-from rltjax.models.layers import linear, rms_norm, rope_interleaved
+from rltjax.models.layers import rms_norm, rope_interleaved
 from rltjax.models.params import TensorSpec
 
 HF_IGNORED_TENSORS = ("freqs_cis",)   # RoPE table: recomputed from rope_base
@@ -41,23 +41,23 @@ class HuginnBlocks:
     norm_2: jax.Array          # [n, D]
     norm_3: jax.Array          # [n, D]
     norm_4: jax.Array          # [n, D]
-    wqkv: jax.Array            # [n, (H + 2 Hkv) Dh, D]   (Linear weights: [out, in])
+    wqkv: jax.Array            # [n, D, (H + 2 Hkv) Dh]
     qk_bias: jax.Array | None  # [n, 2, H, Dh] (None when cfg.qk_bias is False)
-    wo: jax.Array              # [n, D, H Dh]
-    w_fc: jax.Array            # [n, 2F, D]
-    w_proj: jax.Array          # [n, D, F]
+    wo: jax.Array              # [n, H Dh, D]
+    w_fc: jax.Array            # [n, D, 2F]
+    w_proj: jax.Array          # [n, F, D]
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class HuginnParams:
-    embed: jax.Array           # [V, D] wte (also the head's [out, in] weight when tied)
+    embed: jax.Array           # [V, D] wte (the head reads it transposed when tied)
     prelude: HuginnBlocks      # n = P
-    adapter: jax.Array         # [D, 2D]
+    adapter: jax.Array         # [2D, D]
     core: HuginnBlocks         # n = C
     coda: HuginnBlocks         # n = K
     ln_f: jax.Array            # [D]
-    lm_head: jax.Array | None  # [V, D], None when tied
+    lm_head: jax.Array | None  # [D, V], None when tied
 
 
 def hf_tensor_specs(cfg: ModelConfig) -> list[TensorSpec]:
@@ -66,18 +66,20 @@ def hf_tensor_specs(cfg: ModelConfig) -> list[TensorSpec]:
     specs = [TensorSpec("embed", "transformer.wte.weight", (V, D))]
     for stack, hf, n in (("prelude", "prelude", cfg.num_prelude_layers),
                          ("core", "core_block", cfg.num_layers), ("coda", "coda", cfg.num_coda_layers)):
-        def s(param, name, shape, param_shape=None):
+        def s(param, name, shape, transpose=False, param_shape=None):
             return TensorSpec(f"{stack}.{param}", f"transformer.{hf}.{{i}}.{name}", shape,
-                              num_stacked=n, param_shape=param_shape)
+                              num_stacked=n, transpose=transpose, param_shape=param_shape)
         specs += [s(f"norm_{j}", f"norm_{j}.weight", (D,)) for j in (1, 2, 3, 4)]
-        specs += [s("wqkv", "attn.Wqkv.weight", (qkv, D)), s("wo", "attn.proj.weight", (D, cfg.q_width)),
-                  s("w_fc", "mlp.fc.weight", (2 * F, D)), s("w_proj", "mlp.proj.weight", (D, F))]
+        specs += [s("wqkv", "attn.Wqkv.weight", (qkv, D), transpose=True),
+                  s("wo", "attn.proj.weight", (D, cfg.q_width), transpose=True),
+                  s("w_fc", "mlp.fc.weight", (2 * F, D), transpose=True),
+                  s("w_proj", "mlp.proj.weight", (D, F), transpose=True)]
         if cfg.qk_bias:
             specs.append(s("qk_bias", "attn.qk_bias", (2, 1, H, Dh), param_shape=(2, H, Dh)))
-    specs += [TensorSpec("adapter", "transformer.adapter.weight", (D, 2 * D)),
+    specs += [TensorSpec("adapter", "transformer.adapter.weight", (D, 2 * D), transpose=True),
               TensorSpec("ln_f", "transformer.ln_f.weight", (D,))]
     if not cfg.tie_embeddings:
-        specs.append(TensorSpec("lm_head", "lm_head.weight", (V, D)))
+        specs.append(TensorSpec("lm_head", "lm_head.weight", (V, D), transpose=True))
     return specs
 
 
@@ -94,14 +96,14 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype: Any = jnp.bfloat16) -> 
         ones = jnp.ones((n, D), dtype)
         return HuginnBlocks(
             norm_1=ones, norm_2=ones, norm_3=ones, norm_4=ones,
-            wqkv=normal((n, cfg.q_width + 2 * cfg.kv_width, D)),
+            wqkv=normal((n, D, cfg.q_width + 2 * cfg.kv_width)),
             qk_bias=jnp.zeros((n, 2, cfg.num_heads, cfg.head_dim), dtype) if cfg.qk_bias else None,
-            wo=normal((n, D, cfg.q_width)), w_fc=normal((n, 2 * F, D)), w_proj=normal((n, D, F)))
+            wo=normal((n, cfg.q_width, D)), w_fc=normal((n, D, 2 * F)), w_proj=normal((n, F, D)))
 
     return HuginnParams(embed=normal((V, D)), prelude=blocks(cfg.num_prelude_layers),
-                        adapter=normal((D, 2 * D)), core=blocks(cfg.num_layers),
+                        adapter=normal((2 * D, D)), core=blocks(cfg.num_layers),
                         coda=blocks(cfg.num_coda_layers), ln_f=jnp.ones((D,), dtype),
-                        lm_head=None if cfg.tie_embeddings else normal((V, D)))
+                        lm_head=None if cfg.tie_embeddings else normal((D, V)))
 
 
 def state_init_key(seed_hi: jax.Array, seed_lo: jax.Array, position: jax.Array) -> jax.Array:
@@ -121,7 +123,7 @@ def _blocks(cfg: ModelConfig, blocks: HuginnBlocks, x, kv, meta, backend: KVBack
     def block_step(carry, xs):
         x, kv = carry
         layer, p = xs
-        q, k, v = jnp.split(linear(rms_norm(x, p.norm_1, eps), p.wqkv), split, axis=-1)
+        q, k, v = jnp.split(rms_norm(x, p.norm_1, eps) @ p.wqkv, split, axis=-1)
         q = q.reshape(n, cfg.num_heads, cfg.head_dim)                      # [N, H, Dh]
         k = k.reshape(n, cfg.num_kv_heads, cfg.head_dim)                   # [N, Hkv, Dh]
         v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim)
@@ -130,10 +132,10 @@ def _blocks(cfg: ModelConfig, blocks: HuginnBlocks, x, kv, meta, backend: KVBack
         q = rope_interleaved(q, positions, cfg.rope_theta)
         k = rope_interleaved(k, positions, cfg.rope_theta)
         kv = backend.write(kv, layer, k, v, meta)
-        attn = linear(backend.attend(kv, layer, q, meta).reshape(n, cfg.q_width), p.wo)   # [N, D]
+        attn = backend.attend(kv, layer, q, meta).reshape(n, cfg.q_width) @ p.wo   # [N, D]
         x = rms_norm(attn + x, p.norm_2, eps)
-        a, b = jnp.split(linear(rms_norm(x, p.norm_3, eps), p.w_fc), 2, axis=-1)  # [N, F] each
-        x = rms_norm(linear(jax.nn.silu(a) * b, p.w_proj) + x, p.norm_4, eps)
+        a, b = jnp.split(rms_norm(x, p.norm_3, eps) @ p.w_fc, 2, axis=-1)  # [N, F] each
+        x = rms_norm((jax.nn.silu(a) * b) @ p.w_proj + x, p.norm_4, eps)
         return (x, kv), None
 
     num = blocks.norm_1.shape[0]
@@ -185,7 +187,7 @@ class HuginnModel:
 
         state [N, D], inject e [N, D] -> (state [N, D], kv, rel. latent change [N] f32).
         """
-        x = linear(jnp.concatenate([state, inject], axis=-1), params.adapter)   # [N, 2D] -> [N, D]
+        x = jnp.concatenate([state, inject], axis=-1) @ params.adapter   # [N, D]
         x, kv = _blocks(self.cfg, params.core, x, kv, meta, backend, 0, unroll)
         new, old = x.astype(jnp.float32), state.astype(jnp.float32)
         diff = jnp.linalg.norm(new - old, axis=-1)
@@ -198,8 +200,8 @@ class HuginnModel:
         x = rms_norm(state, params.ln_f, cfg.norm_eps)
         x, kv = _blocks(cfg, params.coda, x, kv, meta, backend, cfg.num_prelude_layers)
         x = rms_norm(x, params.ln_f, cfg.norm_eps)
-        w = params.embed if params.lm_head is None else params.lm_head  # [V, D]
-        return linear(x, w).astype(jnp.float32), kv
+        w = params.embed.T if params.lm_head is None else params.lm_head  # [D, V]
+        return (x @ w).astype(jnp.float32), kv
 
 
 MODEL_CLASS = HuginnModel

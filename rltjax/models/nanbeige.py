@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from rltjax.config import ModelConfig
 from rltjax.models.base import KVBackend
-from rltjax.models.layers import linear, rms_norm, rope_rotate_half, swiglu
+from rltjax.models.layers import rms_norm, rope_rotate_half, swiglu
 from rltjax.models.params import TensorSpec, llama_stack_specs
 
 
@@ -28,13 +28,13 @@ from rltjax.models.params import TensorSpec, llama_stack_specs
 class NanbeigeLayers:
     attn_norm: jax.Array       # [L, D]
     mlp_norm: jax.Array        # [L, D]
-    wq: jax.Array              # [L, H*Dh, D]   (Linear weights: [out, in])
-    wk: jax.Array              # [L, Hkv*Dh, D]
-    wv: jax.Array              # [L, Hkv*Dh, D]
-    wo: jax.Array              # [L, D, H*Dh]
-    w_gate: jax.Array          # [L, F, D]
-    w_up: jax.Array            # [L, F, D]
-    w_down: jax.Array          # [L, D, F]
+    wq: jax.Array              # [L, D, H*Dh]
+    wk: jax.Array              # [L, D, Hkv*Dh]
+    wv: jax.Array              # [L, D, Hkv*Dh]
+    wo: jax.Array              # [L, H*Dh, D]
+    w_gate: jax.Array          # [L, D, F]
+    w_up: jax.Array            # [L, D, F]
+    w_down: jax.Array          # [L, F, D]
 
 
 @jax.tree_util.register_dataclass
@@ -43,7 +43,7 @@ class NanbeigeParams:
     embed: jax.Array           # [V, D]
     layers: NanbeigeLayers
     norm: jax.Array            # [D]
-    lm_head: jax.Array         # [V, D]
+    lm_head: jax.Array         # [D, V]
 
 
 def hf_tensor_specs(cfg: ModelConfig) -> list[TensorSpec]:
@@ -62,11 +62,11 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype: Any = jnp.bfloat16) -> 
 
     layers = NanbeigeLayers(
         attn_norm=jnp.ones((L, D), dtype), mlp_norm=jnp.ones((L, D), dtype),
-        wq=normal((L, cfg.q_width, D)), wk=normal((L, cfg.kv_width, D)),
-        wv=normal((L, cfg.kv_width, D)), wo=normal((L, D, cfg.q_width)),
-        w_gate=normal((L, F, D)), w_up=normal((L, F, D)), w_down=normal((L, D, F)))
+        wq=normal((L, D, cfg.q_width)), wk=normal((L, D, cfg.kv_width)),
+        wv=normal((L, D, cfg.kv_width)), wo=normal((L, cfg.q_width, D)),
+        w_gate=normal((L, D, F)), w_up=normal((L, D, F)), w_down=normal((L, F, D)))
     return NanbeigeParams(embed=normal((V, D)), layers=layers, norm=jnp.ones((D,), dtype),
-                          lm_head=normal((V, D)))
+                          lm_head=normal((D, V)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,13 +92,13 @@ class NanbeigeModel:
             x, kv = carry
             layer, p = xs
             h = rms_norm(x, p.attn_norm, cfg.norm_eps)
-            q = linear(h, p.wq).reshape(n, cfg.num_heads, cfg.head_dim)    # [N, H, Dh]
-            k = linear(h, p.wk).reshape(n, cfg.num_kv_heads, cfg.head_dim) # [N, Hkv, Dh]
-            v = linear(h, p.wv).reshape(n, cfg.num_kv_heads, cfg.head_dim)
+            q = (h @ p.wq).reshape(n, cfg.num_heads, cfg.head_dim)        # [N, H, Dh]
+            k = (h @ p.wk).reshape(n, cfg.num_kv_heads, cfg.head_dim)     # [N, Hkv, Dh]
+            v = (h @ p.wv).reshape(n, cfg.num_kv_heads, cfg.head_dim)
             q = rope_rotate_half(q, positions, cfg.rope_theta)
             k = rope_rotate_half(k, positions, cfg.rope_theta)
             kv = backend.write(kv, layer, k, v, meta)
-            attn = linear(backend.attend(kv, layer, q, meta).reshape(n, cfg.q_width), p.wo)  # [N, D]
+            attn = backend.attend(kv, layer, q, meta).reshape(n, cfg.q_width) @ p.wo  # [N, D]
             x = x + attn
             x = x + swiglu(rms_norm(x, p.mlp_norm, cfg.norm_eps), p.w_gate, p.w_up, p.w_down)
             return (x, kv), None
@@ -112,7 +112,7 @@ class NanbeigeModel:
 
     def head(self, params: NanbeigeParams, state: jax.Array, kv: Any = None, meta: Any = None):
         """state [N, D] (already normed by the loop) -> logits [N, V] float32."""
-        return linear(state, params.lm_head).astype(jnp.float32)
+        return (state @ params.lm_head).astype(jnp.float32)
 
 
 MODEL_CLASS = NanbeigeModel

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from rltjax.config import ModelConfig
 from rltjax.models.base import KVBackend
-from rltjax.models.layers import linear, rms_norm, rope_rotate_half, swiglu
+from rltjax.models.layers import rms_norm, rope_rotate_half, swiglu
 from rltjax.models.params import TensorSpec, llama_stack_specs
 
 
@@ -30,13 +30,13 @@ class OuroLayers:
     attn_post_norm: jax.Array  # [L, D]
     mlp_norm: jax.Array        # [L, D]
     mlp_post_norm: jax.Array   # [L, D]
-    wq: jax.Array              # [L, H*Dh, D]   (Linear weights: [out, in])
-    wk: jax.Array              # [L, Hkv*Dh, D]
-    wv: jax.Array              # [L, Hkv*Dh, D]
-    wo: jax.Array              # [L, D, H*Dh]
-    w_gate: jax.Array          # [L, F, D]
-    w_up: jax.Array            # [L, F, D]
-    w_down: jax.Array          # [L, D, F]
+    wq: jax.Array              # [L, D, H*Dh]
+    wk: jax.Array              # [L, D, Hkv*Dh]
+    wv: jax.Array              # [L, D, Hkv*Dh]
+    wo: jax.Array              # [L, H*Dh, D]
+    w_gate: jax.Array          # [L, D, F]
+    w_up: jax.Array            # [L, D, F]
+    w_down: jax.Array          # [L, F, D]
 
 
 @jax.tree_util.register_dataclass
@@ -47,7 +47,7 @@ class OuroParams:
     norm: jax.Array            # [D]
     gate_w: jax.Array          # [D]
     gate_b: jax.Array          # []
-    lm_head: jax.Array         # [V, D]
+    lm_head: jax.Array         # [D, V]
 
 
 def hf_tensor_specs(cfg: ModelConfig) -> list[TensorSpec]:
@@ -76,11 +76,11 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype: Any = jnp.bfloat16) -> 
     layers = OuroLayers(
         attn_norm=ones((L, D)), attn_post_norm=ones((L, D)),
         mlp_norm=ones((L, D)), mlp_post_norm=ones((L, D)),
-        wq=normal((L, cfg.q_width, D)), wk=normal((L, cfg.kv_width, D)),
-        wv=normal((L, cfg.kv_width, D)), wo=normal((L, D, cfg.q_width)),
-        w_gate=normal((L, F, D)), w_up=normal((L, F, D)), w_down=normal((L, D, F)))
+        wq=normal((L, D, cfg.q_width)), wk=normal((L, D, cfg.kv_width)),
+        wv=normal((L, D, cfg.kv_width)), wo=normal((L, cfg.q_width, D)),
+        w_gate=normal((L, D, F)), w_up=normal((L, D, F)), w_down=normal((L, F, D)))
     return OuroParams(embed=normal((V, D)), layers=layers, norm=ones((D,)),
-                      gate_w=normal((D,)), gate_b=jnp.zeros((), dtype), lm_head=normal((V, D)))
+                      gate_w=normal((D,)), gate_b=jnp.zeros((), dtype), lm_head=normal((D, V)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,13 +106,13 @@ class OuroModel:
             x, kv = carry
             layer, p = xs
             h = rms_norm(x, p.attn_norm, cfg.norm_eps)
-            q = linear(h, p.wq).reshape(n, cfg.num_heads, cfg.head_dim)
-            k = linear(h, p.wk).reshape(n, cfg.num_kv_heads, cfg.head_dim)
-            v = linear(h, p.wv).reshape(n, cfg.num_kv_heads, cfg.head_dim)
+            q = (h @ p.wq).reshape(n, cfg.num_heads, cfg.head_dim)
+            k = (h @ p.wk).reshape(n, cfg.num_kv_heads, cfg.head_dim)
+            v = (h @ p.wv).reshape(n, cfg.num_kv_heads, cfg.head_dim)
             q = rope_rotate_half(q, positions, cfg.rope_theta)
             k = rope_rotate_half(k, positions, cfg.rope_theta)
             kv = backend.write(kv, layer, k, v, meta)
-            attn = linear(backend.attend(kv, layer, q, meta).reshape(n, cfg.q_width), p.wo)
+            attn = backend.attend(kv, layer, q, meta).reshape(n, cfg.q_width) @ p.wo
             x = x + rms_norm(attn, p.attn_post_norm, cfg.norm_eps)
             mlp = swiglu(rms_norm(x, p.mlp_norm, cfg.norm_eps), p.w_gate, p.w_up, p.w_down)
             x = x + rms_norm(mlp, p.mlp_post_norm, cfg.norm_eps)
@@ -131,7 +131,7 @@ class OuroModel:
 
     def head(self, params: OuroParams, state: jax.Array, kv: Any = None, meta: Any = None):
         """state [N, D] (already normed by the loop) -> logits [N, V] float32."""
-        return linear(state, params.lm_head).astype(jnp.float32)
+        return (state @ params.lm_head).astype(jnp.float32)
 
 
 MODEL_CLASS = OuroModel

@@ -20,6 +20,7 @@ class TensorSpec:
     hf_name: str               # HF tensor name; "{i}" is the layer index when num_stacked > 0
     hf_shape: tuple[int, ...]  # shape of one HF tensor
     num_stacked: int = 0       # > 0: the leaf stacks this many per-layer HF tensors on axis 0
+    transpose: bool = False    # HF Linear stores [out, in]; rltjax multiplies x @ W[in, out]
     param_shape: tuple[int, ...] | None = None  # per-layer leaf shape if it differs (reshape)
 
     def hf_names(self) -> list[str]:
@@ -28,21 +29,24 @@ class TensorSpec:
         return [self.hf_name]
 
     def leaf_shape(self) -> tuple[int, ...]:
-        one = self.param_shape if self.param_shape is not None else self.hf_shape
+        one = self.param_shape if self.param_shape is not None else (
+            tuple(reversed(self.hf_shape)) if self.transpose else self.hf_shape)
         return ((self.num_stacked,) + tuple(one)) if self.num_stacked else tuple(one)
 
     def to_leaf(self, tensors: list[np.ndarray]) -> np.ndarray:
         """HF tensor(s) -> one leaf (numpy, dtype unchanged)."""
         one = self.leaf_shape()[1:] if self.num_stacked else self.leaf_shape()
-        parts = [t.reshape(one) for t in tensors]
+        parts = [(t.T if self.transpose else t).reshape(one) for t in tensors]
         return np.stack(parts) if self.num_stacked else parts[0]
 
     def from_leaf(self, leaf: np.ndarray) -> dict[str, np.ndarray]:
         """One leaf -> {HF name: tensor}; the inverse of ``to_leaf``."""
+        hf_view = tuple(reversed(self.hf_shape)) if self.transpose else self.hf_shape
         parts = list(leaf) if self.num_stacked else [leaf]
         out = {}
         for name, part in zip(self.hf_names(), parts):
-            out[name] = np.ascontiguousarray(np.asarray(part).reshape(self.hf_shape))
+            t = np.asarray(part).reshape(hf_view)
+            out[name] = np.ascontiguousarray(t.T if self.transpose else t)
         return out
 
 
@@ -82,19 +86,20 @@ def llama_stack_specs(cfg, layer_norms: dict[str, str]) -> list[TensorSpec]:
     D, F, V, L = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_layers
     q, kv = cfg.q_width, cfg.kv_width
 
-    def stacked(param, name, shape):     # Linear weights keep HF's [out, in] (layers.linear)
-        return TensorSpec("layers." + param, "model.layers.{i}." + name, shape, num_stacked=L)
+    def stacked(param, name, shape, transpose=False):
+        return TensorSpec("layers." + param, "model.layers.{i}." + name, shape, num_stacked=L,
+                          transpose=transpose)
 
     return [
         TensorSpec("embed", "model.embed_tokens.weight", (V, D)),
         *(stacked(param, name, (D,)) for param, name in layer_norms.items()),
-        stacked("wq", "self_attn.q_proj.weight", (q, D)),
-        stacked("wk", "self_attn.k_proj.weight", (kv, D)),
-        stacked("wv", "self_attn.v_proj.weight", (kv, D)),
-        stacked("wo", "self_attn.o_proj.weight", (D, q)),
-        stacked("w_gate", "mlp.gate_proj.weight", (F, D)),
-        stacked("w_up", "mlp.up_proj.weight", (F, D)),
-        stacked("w_down", "mlp.down_proj.weight", (D, F)),
+        stacked("wq", "self_attn.q_proj.weight", (q, D), transpose=True),
+        stacked("wk", "self_attn.k_proj.weight", (kv, D), transpose=True),
+        stacked("wv", "self_attn.v_proj.weight", (kv, D), transpose=True),
+        stacked("wo", "self_attn.o_proj.weight", (D, q), transpose=True),
+        stacked("w_gate", "mlp.gate_proj.weight", (F, D), transpose=True),
+        stacked("w_up", "mlp.up_proj.weight", (F, D), transpose=True),
+        stacked("w_down", "mlp.down_proj.weight", (D, F), transpose=True),
         TensorSpec("norm", "model.norm.weight", (D,)),
-        TensorSpec("lm_head", "lm_head.weight", (V, D)),
+        TensorSpec("lm_head", "lm_head.weight", (V, D), transpose=True),
     ]

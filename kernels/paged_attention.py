@@ -127,10 +127,9 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
                             interpret: bool = False, scale: float | None = None,
                             block_q: int = DEFAULT_BLOCK_Q) -> jax.Array:
     """``paged_attention`` for prefill chunks: same arguments and result, one more
-    precondition for the kernel (``kernels.pallas_prefill``, bfloat16/float16): in every
-    aligned block of ``block_q`` rows, the rows with length > 0 read one block table. The
-    XLA path takes any layout; compiled float32 goes to the per-row kernel. A Mosaic GPU or
-    jax-triton port replaces the "pallas" branch only.
+    precondition for the kernel (``kernels.pallas_prefill``): in every aligned block of
+    ``block_q`` rows, the rows with length > 0 read one block table. The XLA path takes
+    any layout. A Mosaic GPU or jax-triton port replaces the "pallas" branch only.
     """
     _validate(q, k_pages, v_pages, block_tables, row_tables, lengths, layer, impl)
     if block_q < 16 or block_q & (block_q - 1):
@@ -139,12 +138,6 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
     if impl == "xla":
         return paged_attention_ref(q, k_pages, v_pages, block_tables, row_tables, lengths,
                                    layer=layer, scale=scale)
-    if q.dtype == jnp.float32 and not interpret:
-        # Compiled for float32 on an H200 the prefill kernel missed the reference (unresolved,
-        # docs/performance.md; interpret mode is exact); float32 prefill reads through the
-        # per-row kernel instead.
-        return paged_attention(q, k_pages, v_pages, block_tables, row_tables, lengths, layer=layer,
-                               impl="pallas", interpret=interpret, scale=scale)
     from kernels.pallas_prefill import paged_prefill_attention_pallas
     return paged_prefill_attention_pallas(q, k_pages, v_pages, block_tables, row_tables, lengths,
                                           layer=layer, scale=scale, block_q=block_q, interpret=interpret)

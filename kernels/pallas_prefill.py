@@ -21,9 +21,6 @@ layout is loud, never silently wrong. Rows with length 0 get zeros.
 
 Addressing and head_dim chunking as in `kernels.pallas_triton` (int64 strides for
 pools beyond 2**31 elements; page ids past the needed pages replaced by page 0).
-Compiled: bfloat16/float16 only. For float32 on an H200 the compiled kernel missed the
-reference (cause not found yet; interpret mode is exact), so the validated entry point
-sends compiled float32 to the per-row kernel.
 """
 from __future__ import annotations
 
@@ -115,9 +112,6 @@ def paged_prefill_attention_pallas(q, k_pages, v_pages, block_tables, row_tables
     n, num_heads, head_dim = q.shape
     _, num_kv, _, page_size, _ = k_pages.shape
     pages_per_table = block_tables.shape[1]
-    if q.dtype not in (jnp.bfloat16, jnp.float16) and not interpret:
-        raise ValueError(f"the prefill kernel takes bfloat16/float16 (float32 goes through the per-row "
-                         f"kernel, see kernels.paged_attention), got {q.dtype}")
     if pages_per_block is None:
         pages_per_block = max(1, TARGET_BLOCK_K // page_size, 16 // page_size)
     if num_stages is None:

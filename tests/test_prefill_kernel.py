@@ -3,6 +3,7 @@ prefill batches: chunks of consecutive positions, each starting at a block_q-ali
 padding rows (length 0) in between; a broken layout is loud (NaN), never silently wrong."""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -91,14 +92,6 @@ def test_broken_layout_is_nan_not_wrong():
     np.testing.assert_allclose(out[:8], ref[:8], atol=2e-5, rtol=2e-5)
 
 
-def test_compiled_float32_is_refused_by_the_kernel():
-    rng = np.random.default_rng(6)
-    case = prefill_batch(rng, [(0, 0, 4)], num_kv=1, group=1, page_size=8, head_dim=64, dtype=jnp.float32)
-    from kernels.pallas_prefill import paged_prefill_attention_pallas
-    with pytest.raises(ValueError, match="bfloat16/float16"):
-        paged_prefill_attention_pallas(*case)
-
-
 def test_block_q_validation():
     rng = np.random.default_rng(5)
     case = prefill_batch(rng, [(0, 0, 4)], num_kv=1, group=1, page_size=8, head_dim=64, dtype=jnp.float32)
@@ -110,8 +103,7 @@ def test_block_q_validation():
 @pytest.mark.parametrize("dtype,block_q", [(jnp.bfloat16, 16), (jnp.bfloat16, 32), (jnp.bfloat16, 64),
                                            (jnp.float16, 32), (jnp.float32, 32)])
 def test_prefill_kernel_compiled_on_gpu(dtype, block_q):
-    """Compiled (not interpreted) on the GPU at Ouro-like head sizes, GQA 2, page 16. float32
-    goes through the per-row kernel (the compiled float32 prefill kernel is disabled)."""
+    """Compiled (not interpreted) on the GPU at Ouro-like head sizes, GQA 2, page 16."""
     rng = np.random.default_rng(7)
     num_pages = 200
     k = jnp.asarray(rng.standard_normal((4, num_pages, 16, 128)), dtype)
@@ -125,6 +117,7 @@ def test_prefill_kernel_compiled_on_gpu(dtype, block_q):
     q = jnp.asarray(rng.standard_normal((len(lengths), 8, 128)), dtype)
     case = (q, k, v, tables, jnp.asarray(row_tables, jnp.int32), jnp.asarray(lengths, jnp.int32))
     out = paged_prefill_attention(*case, impl="pallas", block_q=block_q)
-    ref = paged_attention_ref(*case)
-    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
-                               atol=TOL[dtype], rtol=TOL[dtype])
+    with jax.default_matmul_precision("highest"):     # XLA's GPU default for float32 is TF32
+        ref = paged_attention_ref(*case)
+    tol = 2e-2 if dtype == jnp.bfloat16 else 1e-4        # as the decode kernel's GPU test
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=tol, rtol=tol)

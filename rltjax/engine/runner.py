@@ -194,9 +194,7 @@ class ModelRunner:
         probe = jax.ShapeDtypeStruct((1, self.cfg.num_heads, self.cfg.head_dim), kv.k.dtype)
         uses_kernel = attn_impl == "pallas" or (attn_impl == "auto" and jax.default_backend() == "gpu"
                                                 and kernel_unsupported(probe, kv.k) is None)
-        # compiled float32 prefill reads through the per-row kernel (kernels.paged_attention)
-        prefill_kernel = uses_kernel and (kv.k.dtype != jnp.float32 or interpret)
-        self.prefill_alignment = PREFILL_BLOCK_Q if chunked_prefill and prefill_kernel else 1
+        self.prefill_alignment = PREFILL_BLOCK_Q if chunked_prefill and uses_kernel else 1
         self.prefill_backend = (dataclasses.replace(self.backend, prefill_block_q=PREFILL_BLOCK_Q)
                                 if self.prefill_alignment > 1 else self.backend)
         self.max_num_seqs = max_num_seqs

@@ -30,6 +30,7 @@ import numpy as np
 
 from rltjax.cache.paged_kv import PagedKV, PagedMeta
 from rltjax.engine.exit_policy import EXIT_RULES
+from rltjax.engine_config import DEFAULT_DECODE_WINDOW, EngineConfigError
 from rltjax.sampling import sample_tokens, token_logprobs
 
 WINDOW_MODES = ("ouro", "ouro_delayed", "random_lookahead", "fixed", "trace")
@@ -178,6 +179,20 @@ def decode_window(params, kv: PagedKV, slot_state, rows: WindowRows, block_table
     return kv, slot_state, rows, out
 
 
+def resolve_window_passes(asked: int | None, scheduler_config, exit_mode: str, arch: str, has_boundary: bool) -> int:
+    """K of an engine's decode windows: as asked (ExecutionConfig.decode_window), or, when None,
+    DEFAULT_DECODE_WINDOW where windows can run and 0 elsewhere."""
+    possible = not has_boundary and exit_mode in WINDOW_MODES
+    if asked is None:
+        return DEFAULT_DECODE_WINDOW if (possible and scheduler_config.mode == "refill"
+                                         and scheduler_config.min_coda_batch_size == 1) else 0
+    if asked and not possible:
+        raise EngineConfigError(
+            f"ExecutionConfig.decode_window={asked}: decode windows run models without boundary KV and exit "
+            f"modes {WINDOW_MODES}; this engine has {arch} with exit mode {exit_mode!r} (use decode_window=0)")
+    return asked
+
+
 def stop_id_matrix(stop_sets: list[tuple[int, ...]]) -> np.ndarray:
     """[rows, STOP_ID_WIDTH] int32 token-stop ids per row, padded with -1. Ids past the width
     stop the request on the host only (the device then runs on until the window ends and the
@@ -197,3 +212,26 @@ def idle_window_rows(n: int, num_planes: int, num_passes: int) -> WindowRows:
                       threshold=z(np.float32), temperature=z(np.float32), top_k=z(), top_p=np.ones(n, np.float32),
                       seed_hi=z(np.uint32), seed_lo=z(np.uint32), tables=np.zeros((n, num_planes), np.int32),
                       stop_ids=np.full((n, STOP_ID_WIDTH), -1, np.int32), trace=np.zeros((n, num_passes), np.int32))
+
+
+def window_rows(requests, num_passes: int, plane_tables: list[int], stop_sets: list[tuple[int, ...]]) -> WindowRows:
+    """The WindowRows of decoding requests (host numpy). plane_tables: each request's block
+    table per plane, flattened request-major; stop_sets: each request's token-stop ids."""
+    from rltjax.sampling import split_seed
+    n = len(requests)
+    arr = lambda f, dtype=np.int32: np.array([f(r) for r in requests], dtype)
+    seeds = np.array([split_seed(r.seed) for r in requests], np.uint32).reshape(n, 2)
+    # trace mode: the recorded depth of each output this window can make (past the end: max_loops)
+    trace = np.array([((list(r.trace_depths[len(r.output_token_ids):]) if r.trace_depths else [])
+                       + [r.max_loops] * num_passes)[:num_passes] for r in requests], np.int32)
+    return WindowRows(
+        slots=arr(lambda r: r.slot), tokens=arr(lambda r: r.output_token_ids[-1]),
+        positions=arr(lambda r: r.decode_position), loops_done=arr(lambda r: r.loops_done),
+        remaining=arr(lambda r: r.exit_remaining, np.float32), triggered=arr(lambda r: r.exit_triggered, bool),
+        active=np.ones(n, bool), num_out=arr(lambda r: len(r.output_token_ids)),
+        max_tokens=arr(lambda r: r.params.max_tokens), min_loops=arr(lambda r: r.min_loops),
+        max_loops=arr(lambda r: r.max_loops), threshold=arr(lambda r: r.params.exit_threshold, np.float32),
+        temperature=arr(lambda r: r.params.temperature, np.float32), top_k=arr(lambda r: r.params.top_k),
+        top_p=arr(lambda r: r.params.top_p, np.float32), seed_hi=seeds[:, 0], seed_lo=seeds[:, 1],
+        tables=np.asarray(plane_tables, np.int32).reshape(n, -1), stop_ids=stop_id_matrix(stop_sets),
+        trace=trace)

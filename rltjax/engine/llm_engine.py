@@ -18,24 +18,19 @@ import numpy as np
 
 from rltjax.cache.kv_update import exit_copy_slots
 from rltjax.cache.paged_kv import PagedKV
-from rltjax.engine.decode_window import WINDOW_MODES, WindowRows, stop_id_matrix
+from rltjax.engine.decode_window import resolve_window_passes, window_rows
 from rltjax.engine.exit_policy import ExitPolicy
 from rltjax.engine.exit_trace import model_fingerprint
 from rltjax.engine.outputs import IncrementalDetokenizer, RequestOutput, StopChecker
 from rltjax.engine.runner import BoundaryRows, ModelRunner
 from rltjax.engine.scheduler import Scheduler
-from rltjax.engine.sequence import Request, Status
-from rltjax.engine_config import (DEFAULT_DECODE_WINDOW, CacheConfig, EngineConfigError, ExecutionConfig, ExitConfig,
-                                  SchedulerConfig,
+from rltjax.engine.sequence import Request, RequestRejectedError, Status, prompt_token_ids
+from rltjax.engine_config import (CacheConfig, EngineConfigError, ExecutionConfig, ExitConfig, SchedulerConfig,
                                   check_combination, validate_trace_depths)
 from rltjax.models.base import loop_limit, signal_kind
 from rltjax.reference.exits import lookahead_weights
 from rltjax.sampling import split_seed
 from rltjax.sampling_params import SamplingParams, SamplingParamsError
-
-
-class RequestRejectedError(ValueError):
-    """A request that can never run (too long, too large for the KV cache, bad input)."""
 
 
 def check_loop_cap(cache_config: CacheConfig, model) -> int:
@@ -65,8 +60,8 @@ class LLMEngine:
         self.loop_limit = loop_limit(model)
         self.num_planes = cache_config.num_planes(R)
         self.exit_policy = ExitPolicy(exit_config.mode, self.cfg.has_exit_gate, signal_kind(model))
-        self.window_passes = self._window_passes(execution_config.decode_window, scheduler_config,
-                                                 boundary_kv is not None)
+        self.window_passes = resolve_window_passes(execution_config.decode_window, scheduler_config,
+                                                   self.exit_policy.mode, self.cfg.arch, boundary_kv is not None)
         window_spec = None
         if self.window_passes:
             window_spec = dict(num_passes=self.window_passes, mode=self.exit_policy.mode, layered=self.layered,
@@ -101,19 +96,6 @@ class LLMEngine:
                 self._on_device(self.scheduler.block_tables), execution_config.show_progress,
                 None if self.scheduler.boundary_tables is None else self._on_device(self.scheduler.boundary_tables))
 
-    def _window_passes(self, asked: int | None, scheduler_config: SchedulerConfig, has_boundary: bool) -> int:
-        """K of decode windows: as asked, or DEFAULT_DECODE_WINDOW where windows can run (None)."""
-        possible = not has_boundary and self.exit_policy.mode in WINDOW_MODES
-        if asked is None:
-            return DEFAULT_DECODE_WINDOW if possible and scheduler_config.mode == "refill" and \
-                scheduler_config.min_coda_batch_size == 1 else 0
-        if asked and not possible:
-            raise EngineConfigError(
-                f"ExecutionConfig.decode_window={asked}: decode windows run models without boundary KV and "
-                f"exit modes {WINDOW_MODES}; this engine has {self.cfg.arch} with exit mode "
-                f"{self.exit_policy.mode!r} (use decode_window=0)")
-        return asked
-
     @property
     def dtype_name(self) -> str:
         return np.dtype(self.runner.params.embed.dtype).name
@@ -133,7 +115,7 @@ class LLMEngine:
         request_id = str(request_id)
         if request_id in self.requests:
             raise RequestRejectedError(f"request_id {request_id!r} is already in use")
-        text, ids = self._prompt_ids(request_id, prompt)
+        text, ids = prompt_token_ids(request_id, prompt, self.tokenizer, self.cfg.vocab_size)
         try:
             # unset max_loops means R; a request may ask for more up to the model's limit and
             # this engine's cap (CacheConfig.max_loops, which sized the KV planes)
@@ -165,27 +147,6 @@ class LLMEngine:
         if self.tokenizer is not None:
             self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, ids)
         self.scheduler.add(req)
-
-    def _prompt_ids(self, request_id: str, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, Mapping):
-            if "prompt_token_ids" not in prompt:
-                raise RequestRejectedError(f"request {request_id!r}: a dict prompt needs 'prompt_token_ids'")
-            prompt = prompt["prompt_token_ids"]
-        if not isinstance(prompt, (str, Sequence, np.ndarray)):
-            raise RequestRejectedError(f"request {request_id!r}: a prompt is a string, a list of token ids or "
-                                       f"{{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestRejectedError(f"request {request_id!r}: a text prompt needs a tokenizer")
-            text, ids = prompt, self.tokenizer.encode(prompt)
-        else:
-            text, ids = None, list(prompt)
-        if not ids:
-            raise RequestRejectedError(f"request {request_id!r}: the prompt is empty")
-        if any(not isinstance(t, (int, np.integer)) or not 0 <= t < self.cfg.vocab_size for t in ids):
-            raise RequestRejectedError(f"request {request_id!r}: prompt token ids must be integers in "
-                                       f"[0, {self.cfg.vocab_size})")
-        return text, [int(t) for t in ids]
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         req = self.requests.get(str(request_id))
@@ -362,23 +323,9 @@ class LLMEngine:
     def _window(self, rows: list[Request]) -> list[Request]:
         """Every running request is decoding: up to K passes on the device, then replay the
         outputs through the host's stop checks and take each request's state back."""
-        seeds = np.array([split_seed(r.seed) for r in rows], np.uint32).reshape(len(rows), 2)
-        k = self.window_passes
-        arr = lambda f, dtype=np.int32: np.array([f(r) for r in rows], dtype)
-        trace = np.array([(list(r.trace_depths[len(r.output_token_ids):]) + [r.max_loops] * k)[:k]
-                          if r.trace_depths else [r.max_loops] * k for r in rows], np.int32)
-        state = WindowRows(
-            slots=arr(lambda r: r.slot), tokens=arr(lambda r: r.output_token_ids[-1]),
-            positions=arr(lambda r: r.decode_position), loops_done=arr(lambda r: r.loops_done),
-            remaining=arr(lambda r: r.exit_remaining, np.float32), triggered=arr(lambda r: r.exit_triggered, bool),
-            active=np.ones(len(rows), bool), num_out=arr(lambda r: len(r.output_token_ids)),
-            max_tokens=arr(lambda r: r.params.max_tokens), min_loops=arr(lambda r: r.min_loops),
-            max_loops=arr(lambda r: r.max_loops), threshold=arr(lambda r: r.params.exit_threshold, np.float32),
-            temperature=arr(lambda r: r.params.temperature, np.float32), top_k=arr(lambda r: r.params.top_k),
-            top_p=arr(lambda r: r.params.top_p, np.float32), seed_hi=seeds[:, 0], seed_lo=seeds[:, 1],
-            tables=np.array([[r.tables[p if self.layered else 0] for p in range(self.num_planes)] for r in rows],
-                            np.int32),
-            stop_ids=stop_id_matrix([self._stops[r.request_id].token_stop_ids for r in rows]), trace=trace)
+        state = window_rows(rows, self.window_passes, [r.tables[p if self.layered else 0] for r in rows
+                                                         for p in range(self.num_planes)],
+                            [self._stops[r.request_id].token_stop_ids for r in rows])
         after, out = self.runner.window(state, self._on_device(self.scheduler.block_tables))
         self.steps_by_kind["window_passes"] = self.steps_by_kind.get("window_passes", 0) + int(out.passes)
         now = time.monotonic()

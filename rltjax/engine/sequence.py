@@ -4,10 +4,15 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
+from typing import Mapping, Sequence
 
 import numpy as np
 
 from rltjax.sampling_params import SamplingParams
+
+
+class RequestRejectedError(ValueError):
+    """A request that can never run (too long, too large for the KV cache, bad input)."""
 
 
 class Status(enum.Enum):
@@ -75,3 +80,27 @@ class Request:
         self.exit_remaining = np.float32(1.0)
         self.exit_triggered = False
         self.cohort = None
+
+
+def prompt_token_ids(request_id: str, prompt, tokenizer, vocab_size: int) -> tuple[str | None, list[int]]:
+    """(text or None, token ids) of a prompt: a string (needs a tokenizer), a list of ids or
+    {"prompt_token_ids": [...]}; RequestRejectedError names what is wrong."""
+    if isinstance(prompt, Mapping):
+        if "prompt_token_ids" not in prompt:
+            raise RequestRejectedError(f"request {request_id!r}: a dict prompt needs 'prompt_token_ids'")
+        prompt = prompt["prompt_token_ids"]
+    if not isinstance(prompt, (str, Sequence, np.ndarray)):
+        raise RequestRejectedError(f"request {request_id!r}: a prompt is a string, a list of token ids or "
+                                   f"{{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise RequestRejectedError(f"request {request_id!r}: a text prompt needs a tokenizer")
+        text, ids = prompt, tokenizer.encode(prompt)
+    else:
+        text, ids = None, list(prompt)
+    if not ids:
+        raise RequestRejectedError(f"request {request_id!r}: the prompt is empty")
+    if any(not isinstance(t, (int, np.integer)) or not 0 <= t < vocab_size for t in ids):
+        raise RequestRejectedError(f"request {request_id!r}: prompt token ids must be integers in "
+                                   f"[0, {vocab_size})")
+    return text, [int(t) for t in ids]

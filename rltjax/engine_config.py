@@ -146,12 +146,16 @@ class ExecutionConfig:
     every pass as its own engine step; None (default) picks DEFAULT_DECODE_WINDOW where the
     engine can run windows (no boundary KV, refill, min_coda_batch_size 1, not latent_diff)
     and 0 elsewhere.
+    async_scheduling: a step-by-step loop pass is launched before the previous pass's exit
+    signals are read (they arrive with ``copy_to_host_async`` and are applied one pass late);
+    needs an exit mode that decides one pass ahead (ouro_delayed, random_lookahead, trace, fixed).
     compile_ahead: compile every bucket at start-up (else on first use).
     compilation_cache_dir: XLA's persistent compilation cache (None disables it).
     """
     attn_impl: str = "auto"
     interpret: bool = False
     decode_window: int | None = None
+    async_scheduling: bool = False
     compile_ahead: bool = True
     compilation_cache_dir: str | None = dataclasses.field(default_factory=lambda: str(default_cache_dir()))
     show_progress: bool = True
@@ -182,6 +186,10 @@ COMBINATION_RULES: list[tuple[str, Callable[..., bool], str]] = [
     ("decode windows do not run latent_diff exits (Huginn has boundary KV)",
      lambda c, s, e, x: (x.decode_window or 0) > 0 and e.mode == "latent_diff",
      "use ExecutionConfig.decode_window=0"),
+    ("async scheduling reads exit signals one pass late: the same-step modes ouro and latent_diff "
+     "need each pass's signal before the next pass",
+     lambda c, s, e, x: x.async_scheduling and e.mode in ("ouro", "latent_diff"),
+     "use ExitConfig.mode='ouro_delayed' (or random_lookahead) or ExecutionConfig.async_scheduling=False"),
     ("the Pallas kernel needs page_size >= 8",
      lambda c, s, e, x: x.attn_impl == "pallas" and c.page_size < 8,
      "use CacheConfig.page_size >= 8 or ExecutionConfig.attn_impl='xla'"),

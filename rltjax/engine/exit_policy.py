@@ -55,6 +55,9 @@ EXIT_RULES: dict[str, tuple[bool, Callable]] = {
 }
 # modes that read the loop's raw signal instead of hazard / lookahead score
 RAW_SIGNAL_MODES = ("latent_diff",)
+# modes whose exit after pass r reads pass r's own signal: the host must read it before
+# launching pass r + 1, so they cannot run with async scheduling
+SAME_STEP_MODES = ("ouro", "latent_diff")
 
 
 class ExitPolicy:
@@ -101,3 +104,34 @@ class ExitPolicy:
             row.exit_remaining = F32(rem)
             row.exit_triggered = bool(trig)
         return exit_now
+
+    def count_exits(self, rows: Sequence[Request]) -> np.ndarray:
+        """Async scheduling: rows that exit after pass ``row.loops_done`` whatever its signal
+        (max_loops, or the trace's depth); signal-driven exits come from ``exit_triggered``."""
+        r = np.array([row.loops_done for row in rows])
+        if self.mode == "trace":
+            return r >= np.array([row.trace_depths[len(row.output_token_ids)] for row in rows])
+        return r >= np.array([row.max_loops for row in rows])
+
+    def read_signals(self, rows: Sequence[Request], depths: np.ndarray, hazard: np.ndarray | None,
+                     score: np.ndarray | None) -> None:
+        """Async scheduling: the signals of pass ``depths`` (each row's, read one pass late) update
+        ``exit_remaining`` and set ``exit_triggered`` (exit after pass depth + 1), exactly as
+        ``after_pass`` would have right after that pass. Delayed modes only."""
+        if self.mode in SAME_STEP_MODES:
+            raise EngineConfigError(f"exit mode {self.mode!r} decides on the pass's own signal (sync only)")
+        if self.mode in ("trace", "fixed") or not rows:
+            return
+        cumulative, rule = EXIT_RULES[self.mode]
+        lo = np.array([row.min_loops for row in rows])
+        hi = np.array([row.max_loops for row in rows])
+        q = np.array([row.params.exit_threshold for row in rows], F32)
+        remaining = np.array([row.exit_remaining for row in rows], F32)
+        if cumulative:
+            remaining = (remaining * (F32(1) - hazard.astype(F32))).astype(F32)
+        # rows still looping did not exit after pass `depth`, so exit_now there was False
+        _, trigger = rule(np.asarray(depths), lo, hi, q, (F32(1) - remaining).astype(F32),
+                          None if score is None else score.astype(F32), None, np.zeros(len(rows), bool))
+        for row, rem, trig in zip(rows, remaining, trigger):
+            row.exit_remaining = F32(rem)
+            row.exit_triggered = bool(trig)

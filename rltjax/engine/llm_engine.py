@@ -90,6 +90,9 @@ class LLMEngine:
         self.steps_by_kind: dict[str, int] = {}
         self.compile_seconds = 0.0
         self._fingerprint: str | None = None
+        self.async_scheduling = execution_config.async_scheduling
+        # async scheduling: the last launched pass's signals, tagged (request, position, depth)
+        self._pending: tuple[list[tuple[Request, int, int]], Any] | None = None
         if execution_config.compile_ahead:
             # the same (device) table arrays the steps pass: jit keys its cache on where inputs live
             self.compile_seconds = self.runner.warm_up(
@@ -265,10 +268,16 @@ class LLMEngine:
             np.array([s[0] for s in slots], np.int32), np.array([s[1] for s in slots], np.int32),
             np.array([r.tables[pl] for r, pl in zip(rows, planes)], np.int32),
             self._on_device(self.scheduler.block_tables),
-            self._boundary_rows(rows, positions) if starting.any() else None)
+            self._boundary_rows(rows, positions) if starting.any() else None, fetch=not self.async_scheduling)
         for r in rows:
             r.loops_done += 1
-        exits = self.exit_policy.after_pass(rows, signals.hazard, signals.score, signals.signal)
+        if self.async_scheduling:
+            # this pass is in flight; the previous pass's signals decide which rows exit after it
+            self._read_pending()
+            exits = self.exit_policy.count_exits(rows) | np.array([r.exit_triggered for r in rows], bool)
+            self._pending = ([(r, r.decode_position, r.loops_done) for r in rows], signals)
+        else:
+            exits = self.exit_policy.after_pass(rows, signals.hazard, signals.score, signals.signal)
         copies = []
         for r, exit_now in zip(rows, exits):
             if not exit_now:
@@ -283,6 +292,24 @@ class LLMEngine:
                     self.cache_config.page_size))
         if copies and sum(len(c[0]) for c in copies):
             self.runner.copy(*(np.concatenate(part) for part in zip(*copies)))
+
+    def _read_pending(self) -> None:
+        """Async scheduling: apply the last launched pass's signals to the rows they still belong
+        to. A row that exited, finished or was aborted since (or whose id now names another
+        request) is skipped: its token, position or depth no longer match the tag."""
+        if self._pending is None:
+            return
+        tags, pending = self._pending
+        self._pending = None
+        signals = pending.read()
+        live = [i for i, (r, pos, depth) in enumerate(tags)
+                if r.status is Status.LOOPING and self.requests.get(r.request_id) is r
+                and r.decode_position == pos and r.loops_done >= depth]
+        if live:
+            idx = np.asarray(live)
+            self.exit_policy.read_signals([tags[i][0] for i in live], np.array([tags[i][2] for i in live]),
+                                          None if signals.hazard is None else signals.hazard[idx],
+                                          None if signals.score is None else signals.score[idx])
 
     def _head(self, rows: list[Request]) -> list[Request]:
         seeds = np.array([split_seed(r.seed) for r in rows], np.uint32).reshape(len(rows), 2)
@@ -323,6 +350,7 @@ class LLMEngine:
     def _window(self, rows: list[Request]) -> list[Request]:
         """Every running request is decoding: up to K passes on the device, then replay the
         outputs through the host's stop checks and take each request's state back."""
+        self._read_pending()       # async scheduling: the window starts from up-to-date exit state
         state = window_rows(rows, self.window_passes, [r.tables[p if self.layered else 0] for r in rows
                                                          for p in range(self.num_planes)],
                             [self._stops[r.request_id].token_stop_ids for r in rows])

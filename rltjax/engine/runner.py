@@ -168,6 +168,18 @@ class LoopSignals(NamedTuple):
     signal: np.ndarray | None
 
 
+@dataclasses.dataclass
+class PendingSignals:
+    """A launched pass's signals on their way to the host (async scheduling)."""
+    arrays: tuple
+    num_rows: int
+    raw_signal: bool
+
+    def read(self) -> LoopSignals:
+        signals = [np.asarray(x)[:self.num_rows] for x in self.arrays]
+        return LoopSignals(None, None, signals[0]) if self.raw_signal else LoopSignals(*signals, None)
+
+
 class ModelRunner:
     def __init__(self, model, params, kv: PagedKV, *, max_num_seqs: int, max_num_batched_tokens: int,
                  attn_impl: str, lookahead_w: np.ndarray, max_copies: int, boundary_kv: PagedKV | None = None,
@@ -259,8 +271,9 @@ class ModelRunner:
             model=self.model, backend=self.backend)
 
     def loop(self, slots, tokens, starting, positions, write_page, write_offset, row_tables, block_tables,
-             boundary: BoundaryRows | None = None) -> LoopSignals:
-        """One loop pass. Boundary models run the prelude of the starting rows first."""
+             boundary: BoundaryRows | None = None, fetch: bool = True):
+        """One loop pass. Boundary models run the prelude of the starting rows first. Returns its
+        LoopSignals, or with fetch=False the PendingSignals (device copies under way)."""
         if self.has_boundary and np.any(starting):
             idx = np.flatnonzero(starting)
             self.embed(slots[idx], tokens[idx], positions[idx], write_offset[idx], boundary.take(idx))
@@ -275,8 +288,11 @@ class ModelRunner:
             np.pad(positions + 1, (0, pad)).astype(np.int32), block_tables, self.slot_inject,
             model=self.model, backend=self.backend, raw_signal=self.raw_signal)
         n = len(slots)
-        signals = [np.asarray(x)[:n] for x in signals]
-        return LoopSignals(None, None, signals[0]) if self.raw_signal else LoopSignals(*signals, None)
+        if not fetch:           # async scheduling: start the copies now, read them a pass later
+            for x in signals:
+                x.copy_to_host_async()
+            return PendingSignals(signals, n, self.raw_signal)
+        return PendingSignals(signals, n, self.raw_signal).read()
 
     def head(self, slots, temperature, top_k, top_p, seed_hi, seed_lo, output_index, positions=None,
              boundary: BoundaryRows | None = None):

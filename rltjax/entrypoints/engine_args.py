@@ -46,6 +46,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--decode-window", type=int, default=None, metavar="K",
                    help="decode as device-side windows of up to K loop passes (0: one pass per step; "
                         "default: 16 where windows can run)")
+    g.add_argument("--async-scheduling", action="store_true",
+                   help="launch each loop pass before reading the previous pass's exit signals "
+                        "(exit modes ouro_delayed, random_lookahead, fixed)")
     g.add_argument("--no-compile-ahead", action="store_true",
                    help="compile batch shapes on first use instead of at start-up")
     g.add_argument("--compilation-cache-dir", default=str(default_cache_dir()),
@@ -67,5 +70,5 @@ def configs_from_args(args: argparse.Namespace) -> dict:
             min_coda_batch_size=args.min_coda_batch_size, max_model_len=args.max_model_len),
         exit_config=ExitConfig(mode=args.exit_mode, lookahead_seed=args.lookahead_seed),
         execution_config=ExecutionConfig(attn_impl=args.attn_impl, compile_ahead=not args.no_compile_ahead,
-                                         decode_window=args.decode_window,
+                                         decode_window=args.decode_window, async_scheduling=args.async_scheduling,
                                          compilation_cache_dir=args.compilation_cache_dir or None))

@@ -95,10 +95,42 @@ def test_host_only_stops_cut_the_window():
         cases.append(SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop=[text_stop]))
     for params in cases:
         outs = [run_workload(make_engine(tokenizer=True, decode_window=w), [(0, "x", TOKENS[:6], params)])["x"]
-                for w in (0, 16)]
-        assert outs[0].token_ids == outs[1].token_ids and outs[0].text == outs[1].text
-        assert outs[0].finish_reason == outs[1].finish_reason == "stop"
+                for w in (0, 16, 2)]        # 2: the stop is read while the next window already runs
+        for other in outs[1:]:
+            assert outs[0].token_ids == other.token_ids and outs[0].text == other.text
+            assert other.finish_reason == "stop"
         assert len(outs[0].token_ids) < 12
+
+
+def test_continued_windows_read_one_window_late():
+    """With nothing else to schedule, each window is launched from the previous one's device
+    state before the host reads that one; outputs stay the oracle's, also when a request is
+    aborted while a window runs and when requests finish inside a window that is not read yet."""
+    engine = make_engine(exit_mode="ouro_delayed", decode_window=3, max_num_seqs=3)
+    launches = []
+    real = engine.runner.window_launch
+    engine.runner.window_launch = lambda rows, bt: launches.append(
+        not isinstance(rows.slots, np.ndarray)) or real(rows, bt)
+    params = [SamplingParams(max_tokens=n, temperature=t, seed=i, exit_threshold=0.6, ignore_eos=True, logprobs=2)
+              for i, (n, t) in enumerate([(12, 0.0), (5, 0.8), (9, 0.0)])]
+    prompts = [TOKENS[:8], TOKENS[10:15], TOKENS[30:41]]
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(f"c{i}", p, sp)
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+        if steps == 12:
+            engine.abort_request("c2")
+    assert sum(launches) >= 2, "no window was launched from the device state of the one before"
+    ref = reference_for("last_exited", "ouro_delayed")
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        out, want = engine.get_output(f"c{i}"), ref.generate(p, sp, request_id=f"c{i}")
+        if i == 2 and out.finish_reason == "abort":
+            assert out.token_ids == want.token_ids[:len(out.token_ids)]
+        else:
+            check_equal(out, want)
+    assert_all_pages_free(engine)
 
 
 def test_nanbeige_windows_match_step_engine():

@@ -8,11 +8,12 @@ copies an exiting token's KV into the deeper planes (``last_exited``), runs the
 head when any row exited (sampling with the batch-invariant per-request keys,
 logprobs), checks EOS / stop token ids / max_tokens, and feeds the sampled token
 back as the row's next looping token. It stops after K passes or when no row is
-active. The host reads the outputs ([B, K] tokens, depths, logprobs) afterwards,
-replays them through its own stop checks (stop strings are host-only: tokens a
-row made past one are dropped) and syncs each request's state, so a step-by-step
-step can follow a window at any point and the outputs are those of the
-step-by-step engine.
+active. The host reads the outputs ([B, K] tokens, depths, logprobs) one window
+late: while nothing else can be scheduled, the next window is launched from the
+device's row state before the host reads the last one. It replays them through its
+own stop checks (stop strings are host-only: tokens a row made past one are
+dropped) and syncs each request's state, so a step-by-step step can follow a
+window at any point and the outputs are those of the step-by-step engine.
 
 Pages are reserved for a request's lifetime at admission, so the device finds
 every write slot in the block tables itself. Models with boundary stages

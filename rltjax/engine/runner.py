@@ -309,16 +309,30 @@ class ModelRunner:
         return tuple(np.asarray(x)[:n] for x in out)
 
     def window(self, rows: WindowRows, block_tables) -> tuple[WindowRows, WindowOutputs]:
-        """A decode window (``decode_window``) over rows padded to a row bucket; numpy out,
-        cut back to the given rows."""
-        n = len(rows.slots)
-        pad = self._rows_bucket(n) - n
-        padded = WindowRows(**{f.name: np.pad(getattr(rows, f.name), [(0, pad)] + [(0, 0)] * (getattr(rows, f.name).ndim - 1),
-                                              constant_values=self.dummy_slot if f.name == "slots" else 0)
-                               for f in dataclasses.fields(WindowRows)})
+        """A decode window (``decode_window``) over rows padded to a row bucket, read at once:
+        numpy out, cut back to the given rows."""
+        return self.window_read(*self.window_launch(rows, block_tables), len(rows.slots))
+
+    def window_launch(self, rows: WindowRows, block_tables):
+        """Launch a window; returns its (rows after, outputs) on the device, copies to the host
+        started. ``rows``: host rows (padded here), or a previous launch's rows after (device,
+        padded), which continues those rows without the host in between."""
+        if isinstance(rows.slots, np.ndarray):
+            pad = self._rows_bucket(len(rows.slots)) - len(rows.slots)
+            rows = WindowRows(**{f.name: np.pad(getattr(rows, f.name),
+                                                [(0, pad)] + [(0, 0)] * (getattr(rows, f.name).ndim - 1),
+                                                constant_values=self.dummy_slot if f.name == "slots" else 0)
+                                 for f in dataclasses.fields(WindowRows)})
         self.kv, self.slot_state, after, out = decode_window(
-            self.params, self.kv, self.slot_state, padded, block_tables, self.lookahead_w, model=self.model,
+            self.params, self.kv, self.slot_state, rows, block_tables, self.lookahead_w, model=self.model,
             backend=self.backend, num_top=self.num_top, dummy_slot=self.dummy_slot, **self.window_spec)
+        for leaf in jax.tree.leaves((after, out)):
+            leaf.copy_to_host_async()
+        return after, out
+
+    @staticmethod
+    def window_read(after, out, n: int) -> tuple[WindowRows, WindowOutputs]:
+        """A launched window's results as numpy, cut back to its first n rows."""
         cut = lambda tree: jax.tree.map(lambda a: np.asarray(a)[:n] if np.ndim(a) else np.asarray(a), tree)
         return cut(after), cut(out)
 

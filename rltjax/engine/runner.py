@@ -1,22 +1,20 @@
-"""Device side of the engine: jitted pure functions over padded power-of-two shapes.
+"""ModelRunner: owns the device state and runs the engine's batches on it.
 
-Device state is the paged KV pool and a per-slot state buffer ``[max_num_seqs + 1,
-D]`` (the last row is the target of padded rows); both are donated to every
-call that updates them, so XLA updates them in place. Models with boundary
-stages (Huginn) add a second pool for the prelude/coda KV (one plane, P + K
-layers) and a per-slot ``inject`` buffer (the prelude output e that every loop
-reads); their prelude runs in its own call (``embed_step``) for the rows that
-start a token, and their coda writes the boundary KV in ``head_step`` (and for
-every prompt row in ``prefill_step``). Plain models pass ``None`` for all of
-it, so their compiled functions are unchanged. Row counts and token
-counts are padded to powers of two, so a handful of executables serve every
-batch; ``warm_up`` compiles all of them at start-up (XLA's persistent cache makes
-later start-ups fast) and the engine never compiles in steady state.
+Host batches (numpy) are padded to power-of-two row and token buckets and handed to
+the jitted steps of ``device_steps`` (prefill, embed, loop, head) and
+``decode_window``. Models with boundary stages (Huginn) add a second pool for the
+prelude/coda KV (one plane, P + K layers) and a per-slot ``inject`` buffer (the
+prelude output e that every loop reads); their prelude runs in its own call
+(``embed_step``) for the rows that start a token, and their coda writes the boundary
+KV in ``head_step`` (and for every prompt row in ``prefill_step``). Plain models pass
+``None`` for all of it, so their compiled functions are unchanged. A handful of
+executables serve every batch; ``warm_up`` compiles all of them at start-up (XLA's
+persistent cache makes later start-ups fast) and the engine never compiles in steady
+state.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 import sys
 import time
 from typing import NamedTuple
@@ -29,8 +27,8 @@ from kernels.paged_attention import DEFAULT_BLOCK_Q, kernel_unsupported
 from rltjax.cache.kv_update import copy_slots
 from rltjax.cache.paged_kv import PagedKV, PagedKVBackend, PagedMeta
 from rltjax.engine.decode_window import WindowOutputs, WindowRows, decode_window, idle_window_rows
+from rltjax.engine.device_steps import embed_step, head_step, loop_step, prefill_step
 from rltjax.models.base import boundary_kv_layers
-from rltjax.sampling import sample_tokens, token_logprobs
 
 NUM_TOP_LOGPROBS = 20
 MIN_TOKEN_BUCKET = 32   # prefill token counts pad to >= this: fewer executables, negligible padding
@@ -49,95 +47,6 @@ def buckets_up_to(limit: int) -> list[int]:
         out.append(b)
         b *= 2
     return out + [bucket(limit)]
-
-
-def _embed(model, backend, params, tokens, bkv, bmeta, seeds):
-    """The prelude -> (state, inject, bkv). This and ``_head`` are the one place that tells
-    plain models (embed/head read no KV: bkv is None and stays None) from models with
-    boundary stages (Huginn: the prelude/coda read and write the boundary pool ``bkv``)."""
-    if bkv is None:
-        state, inject = model.embed(params, tokens)
-        return state, inject, None
-    return model.embed(params, tokens, bkv, bmeta, backend, seeds=seeds)
-
-
-def _head(model, backend, params, state, bkv, bmeta):
-    """The coda -> (logits [N, V] f32, bkv)."""
-    if bkv is None:
-        return model.head(params, state), None
-    return model.head(params, state, bkv, bmeta, backend)
-
-
-@functools.partial(jax.jit, static_argnames=("model", "backend", "num_loops"),
-                   donate_argnames=("kv", "slot_state", "bkv"))
-def prefill_step(params, kv: PagedKV, slot_state, tokens, positions, write_page, write_offset,
-                 row_tables, lengths, block_tables, out_slots, bkv, bmeta, seeds, *, model, backend,
-                 num_loops: int):
-    """Prompt tokens [T] run all R loops; per loop d they write plane d (write_page[d],
-    row_tables[d]: [R, T]). When the engine keeps planes beyond R (a loop cap above R),
-    write_page is [cap, T] and the last loop also writes planes R..cap-1: a deeper query
-    reads a prompt token at its exit depth R. A prompt's last token leaves its state in
-    its slot. Boundary models: the prelude writes every row's boundary KV, and so does
-    the coda (later codas attend to it; its logits are unused, so XLA drops the lm_head)."""
-    x, inject, bkv = _embed(model, backend, params, tokens, bkv, bmeta, seeds)   # [T, D]
-
-    def one_loop(d, x, kv, pages):
-        meta = PagedMeta(positions, pages, write_offset, row_tables[d], lengths, block_tables)
-        x, kv, _ = model.loop(params, x, inject, kv, meta, backend, unroll=False)
-        return x, kv
-
-    # Rolled over loops and layers: T >= MIN_TOKEN_BUCKET rows make prefill compute-bound,
-    # where dynamic weight slices cost little, and one traced layer keeps compiles short
-    # (Huginn runs 32 loops here).
-    x, kv = jax.lax.fori_loop(0, num_loops - 1, lambda d, c: one_loop(d, *c, write_page[d]), (x, kv))
-    last = num_loops - 1
-    x, kv = one_loop(last, x, kv, write_page[last:] if write_page.shape[0] > num_loops else write_page[last])
-    if bkv is not None:
-        _, bkv = _head(model, backend, params, x, bkv, bmeta)
-    return kv, slot_state.at[out_slots].set(x), bkv
-
-
-@functools.partial(jax.jit, static_argnames=("model", "backend"),
-                   donate_argnames=("bkv", "slot_state", "slot_inject"))
-def embed_step(params, bkv: PagedKV, slot_state, slot_inject, slots, tokens, seeds, bmeta, *, model, backend):
-    """Boundary models: the prelude of B tokens starting their loops; writes their boundary
-    KV and puts s_0 and e (the per-loop ``inject``) in their slots."""
-    state, inject, bkv = _embed(model, backend, params, tokens, bkv, bmeta, seeds)
-    return bkv, slot_state.at[slots].set(state), slot_inject.at[slots].set(inject)
-
-
-@functools.partial(jax.jit, static_argnames=("model", "backend", "raw_signal"),
-                   donate_argnames=("kv", "slot_state"))
-def loop_step(params, kv: PagedKV, slot_state, lookahead_w, slots, tokens, starting, positions,
-              write_page, write_offset, row_tables, lengths, block_tables, slot_inject, *, model, backend,
-              raw_signal: bool):
-    """One loop pass over B rows, each at its own depth. Plain models: rows starting a
-    token embed it here; others continue from their slot state. Boundary models: every
-    row reads its slot's state and inject (``embed_step`` ran for starting rows).
-    Returns (hazard, lookahead score), or (the loop's raw signal,) when ``raw_signal``."""
-    if slot_inject is None:
-        x = jnp.where(starting[:, None], model.embed(params, tokens)[0], slot_state[slots])
-        inject = None
-    else:
-        x, inject = slot_state[slots], slot_inject[slots]
-    meta = PagedMeta(positions, write_page, write_offset, row_tables, lengths, block_tables)
-    x, kv, signal = model.loop(params, x, inject, kv, meta, backend)
-    if raw_signal:
-        signals = (signal,)
-    else:
-        signals = (jax.nn.sigmoid(signal), jax.nn.sigmoid(x.astype(jnp.float32) @ lookahead_w))
-    return kv, slot_state.at[slots].set(x), signals
-
-
-@functools.partial(jax.jit, static_argnames=("model", "backend", "num_top"), donate_argnames=("bkv",))
-def head_step(params, slot_state, slots, temperature, top_k, top_p, seed_hi, seed_lo, output_index, bkv, bmeta,
-              *, model, backend, num_top: int):
-    """Heads of B rows: logits, a sampled token per row, and its logprobs (boundary models:
-    the coda also writes each row's boundary KV)."""
-    logits, bkv = _head(model, backend, params, slot_state[slots], bkv, bmeta)   # [B, V] f32
-    tokens = sample_tokens(logits, temperature, top_k, top_p, seed_hi, seed_lo, output_index)
-    chosen, top_ids, top_lp = token_logprobs(logits, tokens, num_top)
-    return (tokens, chosen, top_ids, top_lp), bkv
 
 
 @dataclasses.dataclass

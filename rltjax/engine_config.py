@@ -144,8 +144,7 @@ class ExecutionConfig:
     decode_window: K > 0 runs decode as device-side windows of up to K loop passes
     (``rltjax.engine.decode_window``) whenever every running request is decoding; 0 runs
     every pass as its own engine step; None (default) picks DEFAULT_DECODE_WINDOW where the
-    engine can run windows (no boundary KV, refill, min_coda_batch_size 1, not latent_diff)
-    and 0 elsewhere.
+    engine can run windows (refill, min_coda_batch_size 1) and 0 elsewhere.
     async_scheduling: a step-by-step loop pass is launched before the previous pass's exit
     signals are read (they arrive with ``copy_to_host_async`` and are applied one pass late);
     needs an exit mode that decides one pass ahead (ouro_delayed, random_lookahead, trace, fixed).
@@ -183,9 +182,6 @@ COMBINATION_RULES: list[tuple[str, Callable[..., bool], str]] = [
     ("decode windows run every head at once (min_coda_batch_size must be 1)",
      lambda c, s, e, x: (x.decode_window or 0) > 0 and s.min_coda_batch_size > 1,
      "use SchedulerConfig.min_coda_batch_size=1 or ExecutionConfig.decode_window=0"),
-    ("decode windows do not run latent_diff exits (Huginn has boundary KV)",
-     lambda c, s, e, x: (x.decode_window or 0) > 0 and e.mode == "latent_diff",
-     "use ExecutionConfig.decode_window=0"),
     ("async scheduling reads exit signals one pass late: the same-step modes ouro and latent_diff "
      "need each pass's signal before the next pass",
      lambda c, s, e, x: x.async_scheduling and e.mode in ("ouro", "latent_diff"),

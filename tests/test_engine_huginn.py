@@ -64,6 +64,16 @@ def test_huginn_engine_matches_reference(kv_layout, mode, state_init):
     assert {2, 4, 7} <= depths and max(depths) > 7 and len(depths) >= 5, depths   # varied, beyond R
 
 
+@pytest.mark.parametrize("state_init", ["zero", "like-init"])
+@pytest.mark.parametrize("kv_layout", ["last_exited", "shared"])
+def test_huginn_decode_windows_match_reference(kv_layout, state_init):
+    """Windows carry the boundary pool: the prelude runs on device when a row starts a token
+    (seeded initial state), the coda in the head; latent-difference exits and mixed recurrence
+    caps decide on device."""
+    depths = run_against_reference(kv_layout, "refill", ZERO if state_init == "zero" else {}, decode_window=5)
+    assert {2, 4, 7} <= depths and max(depths) > 7, depths
+
+
 def test_huginn_greedy_equals_upstream_and_no_compilation_after_warm_up():
     """Zero initial state at R = 4 loops reproduces the upstream fixture's greedy ids, with
     every executable compiled ahead of time (boundary embed/head included)."""

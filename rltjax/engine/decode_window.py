@@ -16,9 +16,10 @@ dropped) and syncs each request's state, so a step-by-step step can follow a
 window at any point and the outputs are those of the step-by-step engine.
 
 Pages are reserved for a request's lifetime at admission, so the device finds
-every write slot in the block tables itself. Models with boundary stages
-(Huginn) do not run in windows (their prelude/coda KV would need the boundary
-pool threaded through); neither do no_refill cohorts or min_coda_batch_size > 1.
+every write slot in the block tables itself. Models with boundary stages (Huginn)
+carry their boundary pool through the loop: the prelude runs (under a cond) when
+a row starts a token, the coda in the head. no_refill cohorts and
+min_coda_batch_size > 1 do not run in windows.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ from rltjax.engine.exit_policy import EXIT_RULES
 from rltjax.engine_config import DEFAULT_DECODE_WINDOW, EngineConfigError
 from rltjax.sampling import sample_tokens, token_logprobs
 
-WINDOW_MODES = ("ouro", "ouro_delayed", "random_lookahead", "fixed", "trace")
+WINDOW_MODES = ("ouro", "ouro_delayed", "random_lookahead", "fixed", "trace", "latent_diff")
 STOP_ID_WIDTH = 8   # token-stop ids checked on the device per row (more are checked by the host only)
 
 
@@ -60,6 +61,7 @@ class WindowRows:
     seed_hi: jax.Array        # uint32
     seed_lo: jax.Array        # uint32
     tables: jax.Array         # [B, planes] int32 block table of each plane
+    btables: jax.Array        # int32 boundary-pool block table (models with boundary KV; else 0)
     stop_ids: jax.Array       # [B, STOP_ID_WIDTH] int32 ids that end the request (-1: none)
     trace: jax.Array          # [B, K] int32 trace mode: exit depth of the window's k-th output
 
@@ -100,34 +102,57 @@ def _copy(kv: PagedKV, src_page, src_offset, dst_page, dst_offset) -> PagedKV:
 
 @functools.partial(jax.jit, static_argnames=("model", "backend", "num_passes", "mode", "num_top", "layered",
                                              "num_planes", "dummy_slot"),
-                   donate_argnames=("kv", "slot_state"))
-def decode_window(params, kv: PagedKV, slot_state, rows: WindowRows, block_tables, lookahead_w, *, model,
-                  backend, num_passes: int, mode: str, num_top: int, layered: bool, num_planes: int,
-                  dummy_slot: int):
-    """Up to ``num_passes`` loop passes over the rows -> (kv, slot_state, rows, WindowOutputs)."""
+                   donate_argnames=("kv", "slot_state", "bkv", "slot_inject"))
+def decode_window(params, kv: PagedKV, slot_state, rows: WindowRows, block_tables, lookahead_w, bkv, slot_inject,
+                  boundary_tables, *, model, backend, num_passes: int, mode: str, num_top: int, layered: bool,
+                  num_planes: int, dummy_slot: int):
+    """Up to ``num_passes`` loop passes over the rows -> (kv, slot_state, bkv, slot_inject, rows,
+    WindowOutputs). Models with boundary stages (Huginn) pass their boundary pool ``bkv``, the
+    per-slot ``slot_inject`` and the boundary block tables: a row starting a token runs the
+    prelude (writing its boundary KV) and an exiting row's head runs the coda; others pass None."""
     b, k_max = rows.slots.shape[0], num_passes
     page_size = kv.page_size
     first_out = rows.num_out
     idx = jnp.arange(b)
+    seeds = jnp.stack([rows.seed_hi, rows.seed_lo], axis=1)
     out = WindowOutputs(tokens=jnp.zeros((b, k_max), jnp.int32), depths=jnp.zeros((b, k_max), jnp.int32),
                         chosen=jnp.zeros((b, k_max), jnp.float32),
                         top_ids=jnp.zeros((b, k_max, num_top), jnp.int32),
                         top_lp=jnp.zeros((b, k_max, num_top), jnp.float32),
                         count=jnp.zeros((b,), jnp.int32), passes=jnp.zeros((), jnp.int32))
 
+    def boundary_meta(rows, pos, mask):
+        """Boundary-pool meta of the masked rows at their position (others: scratch, length 0)."""
+        page = boundary_tables[rows.btables, jnp.maximum(pos, 0) // page_size]
+        return PagedMeta(pos, jnp.where(mask, page, 0), jnp.where(mask, pos % page_size, 0),
+                         jnp.where(mask, rows.btables, 0), jnp.where(mask, pos + 1, 0), boundary_tables)
+
     def one_pass(carry):
-        kv, slot_state, rows, out = carry
+        kv, slot_state, bkv, slot_inject, rows, out = carry
         act = rows.active
         plane = rows.loops_done if layered else jnp.zeros_like(rows.loops_done)
         table = jnp.where(act, jnp.take_along_axis(rows.tables, plane[:, None], axis=1)[:, 0], 0)
         pos = jnp.where(act, rows.positions, -1)
         write_page = jnp.where(act, block_tables[table, jnp.maximum(pos, 0) // page_size], 0)
         slots = jnp.where(act, rows.slots, dummy_slot)
-        # inactive rows re-embed token 0 into the dummy slot (it feeds only the scratch page)
-        starting = (rows.loops_done == 0) | ~act
-        x = jnp.where(starting[:, None], model.embed(params, jnp.where(act, rows.tokens, 0))[0], slot_state[slots])
+        tokens = jnp.where(act, rows.tokens, 0)
+        if bkv is None:
+            # inactive rows re-embed token 0 into the dummy slot (it feeds only the scratch page)
+            starting = (rows.loops_done == 0) | ~act
+            x, inject = jnp.where(starting[:, None], model.embed(params, tokens)[0], slot_state[slots]), None
+        else:
+            starting = (rows.loops_done == 0) & act
+
+            def prelude(bkv):
+                return model.embed(params, tokens, bkv, boundary_meta(rows, pos, starting), backend, seeds=seeds)
+
+            zeros = jnp.zeros_like(slot_state[slots])
+            s0, e, bkv = jax.lax.cond(jnp.any(starting), prelude, lambda bkv: (zeros, zeros, bkv), bkv)
+            x = jnp.where(starting[:, None], s0, slot_state[slots])
+            inject = jnp.where(starting[:, None], e, slot_inject[slots])
+            slot_inject = slot_inject.at[slots].set(inject)
         meta = PagedMeta(pos, write_page, jnp.where(act, pos % page_size, 0), table, pos + 1, block_tables)
-        x, kv, signal = model.loop(params, x, None, kv, meta, backend)
+        x, kv, signal = model.loop(params, x, inject, kv, meta, backend)
         slot_state = slot_state.at[slots].set(x)
 
         r = rows.loops_done + 1
@@ -145,17 +170,20 @@ def decode_window(params, kv: PagedKV, slot_state, rows: WindowRows, block_table
         if layered and num_planes > 1:
             kv = _copy(kv, *_exit_copies(rows, exit_now, r, block_tables, page_size, num_planes))
 
-        def head(_):
-            logits = model.head(params, slot_state[slots])                      # [B, V] f32
+        def head(bkv):
+            if bkv is None:
+                logits = model.head(params, slot_state[slots])                  # [B, V] f32
+            else:    # the coda writes the exiting rows' boundary KV
+                logits, bkv = model.head(params, slot_state[slots], bkv, boundary_meta(rows, pos, exit_now), backend)
             tok = sample_tokens(logits, rows.temperature, rows.top_k, rows.top_p, rows.seed_hi, rows.seed_lo,
                                 rows.num_out)
-            return (tok,) + token_logprobs(logits, tok, num_top)
+            return (tok,) + token_logprobs(logits, tok, num_top) + (bkv,)
 
-        def no_head(_):
+        def no_head(bkv):
             return (jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.float32),
-                    jnp.zeros((b, num_top), jnp.int32), jnp.zeros((b, num_top), jnp.float32))
+                    jnp.zeros((b, num_top), jnp.int32), jnp.zeros((b, num_top), jnp.float32), bkv)
 
-        tok, chosen, top_ids, top_lp = jax.lax.cond(jnp.any(exit_now), head, no_head, None)
+        tok, chosen, top_ids, top_lp, bkv = jax.lax.cond(jnp.any(exit_now), head, no_head, bkv)
         k = jnp.where(exit_now, rows.num_out - first_out, k_max)          # k_max: out of range, dropped
         out = WindowOutputs(
             tokens=out.tokens.at[idx, k].set(tok, mode="drop"), depths=out.depths.at[idx, k].set(r, mode="drop"),
@@ -171,26 +199,25 @@ def decode_window(params, kv: PagedKV, slot_state, rows: WindowRows, block_table
             remaining=jnp.where(exit_now, jnp.float32(1.0), jnp.where(act, remaining, rows.remaining)),
             triggered=jnp.where(act & ~exit_now, trigger, False), active=act & ~(exit_now & stops),
             num_out=num_out)
-        return kv, slot_state, rows, out
+        return kv, slot_state, bkv, slot_inject, rows, out
 
     def cond(carry):
-        return (carry[3].passes < k_max) & jnp.any(carry[2].active)
+        return (carry[5].passes < k_max) & jnp.any(carry[4].active)
 
-    kv, slot_state, rows, out = jax.lax.while_loop(cond, one_pass, (kv, slot_state, rows, out))
-    return kv, slot_state, rows, out
+    return jax.lax.while_loop(cond, one_pass, (kv, slot_state, bkv, slot_inject, rows, out))
 
 
-def resolve_window_passes(asked: int | None, scheduler_config, exit_mode: str, arch: str, has_boundary: bool) -> int:
+def resolve_window_passes(asked: int | None, scheduler_config, exit_mode: str, arch: str) -> int:
     """K of an engine's decode windows: as asked (ExecutionConfig.decode_window), or, when None,
     DEFAULT_DECODE_WINDOW where windows can run and 0 elsewhere."""
-    possible = not has_boundary and exit_mode in WINDOW_MODES
+    possible = exit_mode in WINDOW_MODES
     if asked is None:
         return DEFAULT_DECODE_WINDOW if (possible and scheduler_config.mode == "refill"
                                          and scheduler_config.min_coda_batch_size == 1) else 0
     if asked and not possible:
         raise EngineConfigError(
-            f"ExecutionConfig.decode_window={asked}: decode windows run models without boundary KV and exit "
-            f"modes {WINDOW_MODES}; this engine has {arch} with exit mode {exit_mode!r} (use decode_window=0)")
+            f"ExecutionConfig.decode_window={asked}: decode windows run exit modes {WINDOW_MODES}; this "
+            f"engine has {arch} with exit mode {exit_mode!r} (use decode_window=0)")
     return asked
 
 
@@ -211,7 +238,7 @@ def idle_window_rows(n: int, num_planes: int, num_passes: int) -> WindowRows:
     return WindowRows(slots=z(), tokens=z(), positions=z(), loops_done=z(), remaining=np.ones(n, np.float32),
                       triggered=z(bool), active=z(bool), num_out=z(), max_tokens=z(), min_loops=z(), max_loops=z(),
                       threshold=z(np.float32), temperature=z(np.float32), top_k=z(), top_p=np.ones(n, np.float32),
-                      seed_hi=z(np.uint32), seed_lo=z(np.uint32), tables=np.zeros((n, num_planes), np.int32),
+                      seed_hi=z(np.uint32), seed_lo=z(np.uint32), tables=np.zeros((n, num_planes), np.int32), btables=z(),
                       stop_ids=np.full((n, STOP_ID_WIDTH), -1, np.int32), trace=np.zeros((n, num_passes), np.int32))
 
 
@@ -234,5 +261,7 @@ def window_rows(requests, num_passes: int, plane_tables: list[int], stop_sets: l
         max_loops=arr(lambda r: r.max_loops), threshold=arr(lambda r: r.params.exit_threshold, np.float32),
         temperature=arr(lambda r: r.params.temperature, np.float32), top_k=arr(lambda r: r.params.top_k),
         top_p=arr(lambda r: r.params.top_p, np.float32), seed_hi=seeds[:, 0], seed_lo=seeds[:, 1],
-        tables=np.asarray(plane_tables, np.int32).reshape(n, -1), stop_ids=stop_id_matrix(stop_sets),
+        tables=np.asarray(plane_tables, np.int32).reshape(n, -1),
+        btables=arr(lambda r: r.boundary_table if r.boundary_table is not None else 0),
+        stop_ids=stop_id_matrix(stop_sets),
         trace=trace)

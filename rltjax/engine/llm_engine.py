@@ -61,7 +61,7 @@ class LLMEngine:
         self.num_planes = cache_config.num_planes(R)
         self.exit_policy = ExitPolicy(exit_config.mode, self.cfg.has_exit_gate, signal_kind(model))
         self.window_passes = resolve_window_passes(execution_config.decode_window, scheduler_config,
-                                                   self.exit_policy.mode, self.cfg.arch, boundary_kv is not None)
+                                                   self.exit_policy.mode, self.cfg.arch)
         window_spec = None
         if self.window_passes:
             window_spec = dict(num_passes=self.window_passes, mode=self.exit_policy.mode, layered=self.layered,
@@ -358,14 +358,16 @@ class LLMEngine:
         then applies the previous window's outputs while the new one runs."""
         self._read_pending()       # async scheduling: the window starts from up-to-date exit state
         block_tables = self._on_device(self.scheduler.block_tables)
+        btables = self.scheduler.boundary_tables
+        boundary_tables = None if btables is None else self._on_device(btables)
         if self._inflight is not None:
             previous, after, out = self._inflight
-            self._inflight = (previous,) + self.runner.window_launch(after, block_tables)
+            self._inflight = (previous,) + self.runner.window_launch(after, block_tables, boundary_tables)
             return self._apply_window(previous, after, out)
         state = window_rows(rows, self.window_passes, [r.tables[p if self.layered else 0] for r in rows
                                                          for p in range(self.num_planes)],
                             [self._stops[r.request_id].token_stop_ids for r in rows])
-        self._inflight = (list(rows),) + self.runner.window_launch(state, block_tables)
+        self._inflight = (list(rows),) + self.runner.window_launch(state, block_tables, boundary_tables)
         return []
 
     def _can_continue_window(self) -> bool:

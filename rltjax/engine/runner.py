@@ -217,24 +217,26 @@ class ModelRunner:
         n = len(slots)
         return tuple(np.asarray(x)[:n] for x in out)
 
-    def window(self, rows: WindowRows, block_tables) -> tuple[WindowRows, WindowOutputs]:
+    def window(self, rows: WindowRows, block_tables, boundary_tables=None) -> tuple[WindowRows, WindowOutputs]:
         """A decode window (``decode_window``) over rows padded to a row bucket, read at once:
         numpy out, cut back to the given rows."""
-        return self.window_read(*self.window_launch(rows, block_tables), len(rows.slots))
+        return self.window_read(*self.window_launch(rows, block_tables, boundary_tables), len(rows.slots))
 
-    def window_launch(self, rows: WindowRows, block_tables):
+    def window_launch(self, rows: WindowRows, block_tables, boundary_tables=None):
         """Launch a window; returns its (rows after, outputs) on the device, copies to the host
         started. ``rows``: host rows (padded here), or a previous launch's rows after (device,
-        padded), which continues those rows without the host in between."""
+        padded), which continues those rows without the host in between. boundary_tables: the
+        boundary pool's block tables (models with boundary stages only)."""
         if isinstance(rows.slots, np.ndarray):
             pad = self._rows_bucket(len(rows.slots)) - len(rows.slots)
             rows = WindowRows(**{f.name: np.pad(getattr(rows, f.name),
                                                 [(0, pad)] + [(0, 0)] * (getattr(rows, f.name).ndim - 1),
                                                 constant_values=self.dummy_slot if f.name == "slots" else 0)
                                  for f in dataclasses.fields(WindowRows)})
-        self.kv, self.slot_state, after, out = decode_window(
-            self.params, self.kv, self.slot_state, rows, block_tables, self.lookahead_w, model=self.model,
-            backend=self.backend, num_top=self.num_top, dummy_slot=self.dummy_slot, **self.window_spec)
+        self.kv, self.slot_state, self.bkv, self.slot_inject, after, out = decode_window(
+            self.params, self.kv, self.slot_state, rows, block_tables, self.lookahead_w, self.bkv,
+            self.slot_inject, boundary_tables, model=self.model, backend=self.backend, num_top=self.num_top,
+            dummy_slot=self.dummy_slot, **self.window_spec)
         for leaf in jax.tree.leaves((after, out)):
             leaf.copy_to_host_async()
         return after, out
@@ -278,7 +280,7 @@ class ModelRunner:
                 self._warm_loop(n, block_tables)
             elif kind == "window":
                 self.window(idle_window_rows(n, self.window_spec["num_planes"], self.window_spec["num_passes"]),
-                            block_tables)
+                            block_tables, boundary_block_tables)
             elif kind == "embed":
                 self.embed(np.full(n, self.dummy_slot, np.int32), zeros(n), zeros(n) - 1, zeros(n), pad_rows(n))
             elif kind == "head":

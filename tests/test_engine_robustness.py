@@ -197,7 +197,9 @@ def test_head_failure_after_some_rows_finished_keeps_their_finish(monkeypatch):
     def boom(*args, **kwargs):
         raise ValueError("stop checker failed")
 
-    monkeypatch.setattr(engine._stops["bad"], "check", boom)   # the host part of the head step fails
+    accept = engine.outputs.accept     # the host part of the head step fails for "bad" only
+    monkeypatch.setattr(engine.outputs, "accept",
+                        lambda r, *a, **kw: boom() if r.request_id == "bad" else accept(r, *a, **kw))
     _, _, returned = drive(engine, [])
     outputs = {rid: engine.get_output(rid) for _, rid, _, _ in arrivals}
     failed_step = next(outs for outs in returned if outs)       # the head batch reports both rows

@@ -21,7 +21,8 @@ from rltjax.cache.paged_kv import PagedKV
 from rltjax.engine.decode_window import resolve_window_passes, window_rows
 from rltjax.engine.exit_policy import ExitPolicy
 from rltjax.engine.exit_trace import model_fingerprint
-from rltjax.engine.outputs import IncrementalDetokenizer, RequestOutput, StopChecker
+from rltjax.engine.output_processor import OutputProcessor
+from rltjax.engine.outputs import RequestOutput
 from rltjax.engine.runner import BoundaryRows, ModelRunner
 from rltjax.engine.scheduler import Scheduler
 from rltjax.engine.sequence import Request, RequestRejectedError, Status, prompt_token_ids
@@ -83,9 +84,7 @@ class LLMEngine:
         self.eos_token_ids = tuple(tokenizer.eos_token_ids if tokenizer is not None else self.cfg.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._device_tables: dict[int, tuple[int, jax.Array]] = {}
-        self._detok: dict[str, Any] = {}
-        self._stops: dict[str, StopChecker] = {}
-        self._texts: dict[str, str] = {}
+        self.outputs = OutputProcessor(tokenizer, self.eos_token_ids)
         self._arrivals = itertools.count()
         self.steps_by_kind: dict[str, int] = {}
         self.compile_seconds = 0.0
@@ -146,10 +145,7 @@ class LLMEngine:
         if why:
             raise RequestRejectedError(f"request {request_id!r} can never run: {why}")
         self.requests[request_id] = req
-        self._texts[request_id] = ""
-        self._stops[request_id] = StopChecker(params, self.eos_token_ids)
-        if self.tokenizer is not None:
-            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, ids)
+        self.outputs.add(req)
         self.scheduler.add(req)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -168,8 +164,8 @@ class LLMEngine:
 
     def forget(self, request_id: str) -> None:
         """Drop a finished request's bookkeeping (callers that stream outputs)."""
-        for table in (self.requests, self._detok, self._stops, self._texts):
-            table.pop(str(request_id), None)
+        self.requests.pop(str(request_id), None)
+        self.outputs.forget(str(request_id))
 
     # -- one step -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -332,16 +328,7 @@ class LLMEngine:
 
     def _accept_token(self, r: Request, token: int, chosen, top_ids, top_lp, now: float) -> bool:
         """A sampled token joins the request's output; stop checks. Returns whether it finished."""
-        r.output_token_ids.append(token)
-        r.first_token_time = r.first_token_time or now
-        if r.params.logprobs is not None:
-            entry = {int(t): float(lp) for t, lp in zip(top_ids[:r.params.logprobs], top_lp[:r.params.logprobs])}
-            entry[token] = float(chosen)
-            r.logprobs = (r.logprobs or []) + [entry]
-        delta = self._detok[r.request_id].add_token(token) if r.request_id in self._detok else ""
-        text = self._texts[r.request_id] + delta
-        finished, reason, stop_reason, text = self._stops[r.request_id].check(token, text, delta)
-        self._texts[r.request_id] = text
+        finished, reason, stop_reason = self.outputs.accept(r, token, chosen, top_ids, top_lp, now)
         if finished:
             r.stop_reason = stop_reason
             self._finish(r, reason)
@@ -366,7 +353,7 @@ class LLMEngine:
             return self._apply_window(previous, after, out)
         state = window_rows(rows, self.window_passes, [r.tables[p if self.layered else 0] for r in rows
                                                          for p in range(self.num_planes)],
-                            [self._stops[r.request_id].token_stop_ids for r in rows])
+                            [self.outputs.token_stop_ids(r.request_id) for r in rows])
         self._inflight = (list(rows),) + self.runner.window_launch(state, block_tables, boundary_tables)
         return []
 
@@ -415,16 +402,7 @@ class LLMEngine:
         req.status = Status.FINISHED
         req.finished_time = time.monotonic()
         self.scheduler.release(req)
-        detok = self._detok.get(req.request_id)
-        if detok is not None and reason in ("length", "abort", "error"):
-            self._texts[req.request_id] += detok.flush()
+        self.outputs.finish(req, reason)
 
     def _output(self, req: Request) -> RequestOutput:
-        return RequestOutput(
-            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=list(req.prompt_token_ids),
-            token_ids=list(req.output_token_ids), text=self._texts.get(req.request_id, ""),
-            exit_depths=list(req.exit_depths[:len(req.output_token_ids)]),
-            finish_reason=req.finish_reason, logprobs=req.logprobs, finished=req.finished,
-            stop_reason=req.stop_reason, error=req.error,
-            metrics=dict(arrival_time=req.arrival_time, first_token_time=req.first_token_time,
-                         finished_time=req.finished_time))
+        return self.outputs.output(req)

@@ -1,10 +1,12 @@
 """LLMEngine: the streaming interface (add_request / step / abort_request).
 
-Each ``step`` asks the scheduler for one batch, runs it on the device through
-the runner, and applies the results on the host: exit decisions and
-copy-on-exit after a loop pass, sampled tokens and stop checks after a head.
-This is the synchronous engine: it reads each pass's exit signals before
-launching the next (the async pipeline and device-side windows build on it).
+Each ``step`` asks the scheduler for one batch, has ``BatchBuilder`` turn it into
+arrays, runs it on the device through the runner, and applies the results on the
+host: exit decisions and copy-on-exit after a loop pass, sampled tokens and stop
+checks (``OutputProcessor``) after a head. When every running request is decoding,
+a step is a device-side decode window (``decode_window``), read one window late.
+Step-by-step passes read their exit signals before the next pass, or, with
+``ExecutionConfig.async_scheduling``, one pass late.
 """
 from __future__ import annotations
 
@@ -13,17 +15,17 @@ import secrets
 import time
 from typing import Any, Mapping, Sequence
 
-import jax
 import numpy as np
 
 from rltjax.cache.kv_update import exit_copy_slots
 from rltjax.cache.paged_kv import PagedKV
+from rltjax.engine.batch_builder import BatchBuilder
 from rltjax.engine.decode_window import resolve_window_passes, window_rows
 from rltjax.engine.exit_policy import ExitPolicy
 from rltjax.engine.exit_trace import model_fingerprint
 from rltjax.engine.output_processor import OutputProcessor
 from rltjax.engine.outputs import RequestOutput
-from rltjax.engine.runner import BoundaryRows, ModelRunner
+from rltjax.engine.runner import ModelRunner
 from rltjax.engine.scheduler import Scheduler
 from rltjax.engine.sequence import Request, RequestRejectedError, Status, prompt_token_ids
 from rltjax.engine_config import (CacheConfig, EngineConfigError, ExecutionConfig, ExitConfig, SchedulerConfig,
@@ -83,7 +85,9 @@ class LLMEngine:
                                    prefill_alignment=self.runner.prefill_alignment)
         self.eos_token_ids = tuple(tokenizer.eos_token_ids if tokenizer is not None else self.cfg.eos_token_ids)
         self.requests: dict[str, Request] = {}
-        self._device_tables: dict[int, tuple[int, jax.Array]] = {}
+        self.batches = BatchBuilder(self.scheduler, page_size=cache_config.page_size, num_loops=R,
+                                    num_planes=self.num_planes, layered=self.layered,
+                                    prefill_alignment=self.runner.prefill_alignment, dummy_slot=self.runner.dummy_slot)
         self.outputs = OutputProcessor(tokenizer, self.eos_token_ids)
         self._arrivals = itertools.count()
         self.steps_by_kind: dict[str, int] = {}
@@ -96,8 +100,8 @@ class LLMEngine:
         if execution_config.compile_ahead:
             # the same (device) table arrays the steps pass: jit keys its cache on where inputs live
             self.compile_seconds = self.runner.warm_up(
-                self._on_device(self.scheduler.block_tables), execution_config.show_progress,
-                None if self.scheduler.boundary_tables is None else self._on_device(self.scheduler.boundary_tables))
+                self.batches.block_tables(), execution_config.show_progress,
+                self.batches.boundary_tables())
 
     @property
     def dtype_name(self) -> str:
@@ -203,54 +207,9 @@ class LLMEngine:
             return [self._output(r) for r in affected]
         return []
 
-    def _slot(self, req: Request, plane: int, position: int) -> tuple[int, int]:
-        return self.scheduler.block_tables.slot_for(req.tables[plane], position, self.cache_config.page_size)
-
-    def _on_device(self, tables) -> jax.Array:
-        """The block tables on the device, uploaded again only after they changed: the array is
-        [max_tables, pages_per_table] (megabytes at long max_model_len), its changes are rare."""
-        version, array = self._device_tables.get(id(tables), (None, None))
-        if version != tables.version:
-            array = jax.device_put(tables.array.copy())   # a copy: the host array mutates in place
-            self._device_tables[id(tables)] = (tables.version, array)
-        return array
-
-    def _boundary_rows(self, reqs: Sequence[Request], positions: np.ndarray) -> BoundaryRows | None:
-        """Boundary-pool pages, tables and seeds of rows (None when the model has no boundary stages)."""
-        tables = self.scheduler.boundary_tables
-        if tables is None:
-            return None
-        page_size = self.cache_config.page_size
-        return BoundaryRows(
-            write_page=np.array([tables.slot_for(r.boundary_table, int(p), page_size)[0]
-                                 for r, p in zip(reqs, positions)], np.int32),
-            row_tables=np.array([r.boundary_table for r in reqs], np.int32),
-            seeds=np.array([split_seed(r.seed) for r in reqs], np.uint32).reshape(len(reqs), 2),
-            block_tables=self._on_device(tables))
-
     def _prefill(self, chunks) -> None:
         R = self.cfg.num_loops
-        align = self.runner.prefill_alignment
-        rows: list[tuple[Request, int] | None] = []          # None: padding up to the next chunk's start
-        for req, start, n in chunks:
-            rows += [None] * (-len(rows) % align) + [(req, p) for p in range(start, start + n)]
-        live = [r for r in rows if r is not None]
-        pick = lambda f, pad: [f(*r) if r is not None else pad for r in rows]
-        tokens = np.array(pick(lambda req, p: req.prompt_token_ids[p], 0), np.int32)
-        positions = np.array(pick(lambda req, p: p, -1), np.int32)          # -1: length 0, reads nothing
-        # loop d writes plane d; the last loop also fills planes R..cap-1 (min(d, e) with e = R)
-        planes = [d if self.layered else 0 for d in range(max(R, self.num_planes))]
-        slots = [pick(lambda req, p: self._slot(req, pl, p), (0, 0)) for pl in planes]   # padding: scratch
-        write_page = np.array([[s[0] for s in per_d] for per_d in slots], np.int32)
-        write_offset = np.array([s[1] for s in slots[0]], np.int32)
-        row_tables = np.array([pick(lambda req, p: req.tables[pl], 0) for pl in planes[:R]], np.int32)
-        out_slots = np.array(pick(lambda req, p: req.slot if p == req.prompt_len - 1 else self.runner.dummy_slot,
-                                  self.runner.dummy_slot), np.int32)
-        boundary = self._boundary_rows([r for r, _ in live], np.array([p for _, p in live], np.int32))
-        if boundary is not None and len(live) < len(rows):
-            boundary = boundary.scatter(np.array([r is not None for r in rows]))
-        self.runner.prefill(tokens, positions, write_page, write_offset, row_tables, out_slots,
-                            self._on_device(self.scheduler.block_tables), boundary)
+        self.runner.prefill(*self.batches.prefill(chunks))
         for req, start, n in chunks:
             req.num_prefilled = start + n
             if req.num_prefilled == req.prompt_len:
@@ -258,17 +217,7 @@ class LLMEngine:
                 req.exit_depths = [R]
 
     def _loop(self, rows: list[Request]) -> None:
-        planes = [r.loops_done if self.layered else 0 for r in rows]
-        positions = np.array([r.decode_position for r in rows], np.int32)
-        slots = [self._slot(r, pl, int(p)) for r, pl, p in zip(rows, planes, positions)]
-        starting = np.array([r.loops_done == 0 for r in rows])
-        signals = self.runner.loop(
-            np.array([r.slot for r in rows], np.int32), np.array([r.output_token_ids[-1] for r in rows], np.int32),
-            starting, positions,
-            np.array([s[0] for s in slots], np.int32), np.array([s[1] for s in slots], np.int32),
-            np.array([r.tables[pl] for r, pl in zip(rows, planes)], np.int32),
-            self._on_device(self.scheduler.block_tables),
-            self._boundary_rows(rows, positions) if starting.any() else None, fetch=not self.async_scheduling)
+        signals = self.runner.loop(*self.batches.loop(rows), fetch=not self.async_scheduling)
         for r in rows:
             r.loops_done += 1
         if self.async_scheduling:
@@ -320,7 +269,7 @@ class LLMEngine:
             np.array([r.params.top_k for r in rows], np.int32),
             np.array([r.params.top_p for r in rows], np.float32), seeds[:, 0], seeds[:, 1],
             np.array([len(r.output_token_ids) for r in rows], np.int32), positions,
-            self._boundary_rows(rows, positions))
+            self.batches.boundary_rows(rows, positions))
         now = time.monotonic()
         for i, r in enumerate(rows):
             self._accept_token(r, int(tokens[i]), chosen[i], top_ids[i], top_lp[i], now)
@@ -344,9 +293,8 @@ class LLMEngine:
         rows, nothing else to schedule) launches the next window from the device's row state,
         then applies the previous window's outputs while the new one runs."""
         self._read_pending()       # async scheduling: the window starts from up-to-date exit state
-        block_tables = self._on_device(self.scheduler.block_tables)
-        btables = self.scheduler.boundary_tables
-        boundary_tables = None if btables is None else self._on_device(btables)
+        block_tables = self.batches.block_tables()
+        boundary_tables = self.batches.boundary_tables()
         if self._inflight is not None:
             previous, after, out = self._inflight
             self._inflight = (previous,) + self.runner.window_launch(after, block_tables, boundary_tables)

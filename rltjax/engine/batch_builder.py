@@ -1,0 +1,98 @@
+"""Host batches for the runner: requests -> the padded-free numpy arrays of one device call.
+
+Owns the translation from request state (positions, planes, block tables) to the
+arrays ``ModelRunner`` takes, and the device copies of the block tables (uploaded
+again only when the scheduler changed them). Prefill batches start every chunk at a
+multiple of the runner's ``prefill_alignment`` (the prefill kernel's query blocks);
+the rows in between are padding: position -1 (they read nothing) and the scratch page.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from rltjax.engine.runner import BoundaryRows
+from rltjax.engine.scheduler import Scheduler
+from rltjax.engine.sequence import Request
+from rltjax.sampling import split_seed
+
+
+class BatchBuilder:
+    def __init__(self, scheduler: Scheduler, *, page_size: int, num_loops: int, num_planes: int, layered: bool,
+                 prefill_alignment: int, dummy_slot: int):
+        self.scheduler = scheduler
+        self.page_size = page_size
+        self.num_loops = num_loops
+        self.num_planes = num_planes
+        self.layered = layered
+        self.prefill_alignment = prefill_alignment
+        self.dummy_slot = dummy_slot
+        self._device_tables: dict[int, tuple[int, jax.Array]] = {}
+
+    def on_device(self, tables) -> jax.Array:
+        """Block tables on the device, uploaded again only after they changed: the array is
+        [max_tables, pages_per_table] (megabytes at long max_model_len), its changes are rare."""
+        version, array = self._device_tables.get(id(tables), (None, None))
+        if version != tables.version:
+            array = jax.device_put(tables.array.copy())   # a copy: the host array mutates in place
+            self._device_tables[id(tables)] = (tables.version, array)
+        return array
+
+    def block_tables(self) -> jax.Array:
+        return self.on_device(self.scheduler.block_tables)
+
+    def boundary_tables(self) -> jax.Array | None:
+        tables = self.scheduler.boundary_tables
+        return None if tables is None else self.on_device(tables)
+
+    def slot(self, req: Request, plane: int, position: int) -> tuple[int, int]:
+        return self.scheduler.block_tables.slot_for(req.tables[plane], position, self.page_size)
+
+    def boundary_rows(self, reqs: Sequence[Request], positions: np.ndarray) -> BoundaryRows | None:
+        """Boundary-pool pages, tables and seeds of rows (None when the model has no boundary stages)."""
+        tables = self.scheduler.boundary_tables
+        if tables is None:
+            return None
+        return BoundaryRows(
+            write_page=np.array([tables.slot_for(r.boundary_table, int(p), self.page_size)[0]
+                                 for r, p in zip(reqs, positions)], np.int32),
+            row_tables=np.array([r.boundary_table for r in reqs], np.int32),
+            seeds=np.array([split_seed(r.seed) for r in reqs], np.uint32).reshape(len(reqs), 2),
+            block_tables=self.on_device(tables))
+
+    def prefill(self, chunks: list[tuple[Request, int, int]]) -> tuple:
+        """Arguments of ``ModelRunner.prefill`` for chunks (request, start, length)."""
+        R, align = self.num_loops, self.prefill_alignment
+        rows: list[tuple[Request, int] | None] = []          # None: padding up to the next chunk's start
+        for req, start, n in chunks:
+            rows += [None] * (-len(rows) % align) + [(req, p) for p in range(start, start + n)]
+        live = [r for r in rows if r is not None]
+        pick = lambda f, pad: [f(*r) if r is not None else pad for r in rows]
+        tokens = np.array(pick(lambda req, p: req.prompt_token_ids[p], 0), np.int32)
+        positions = np.array(pick(lambda req, p: p, -1), np.int32)          # -1: length 0, reads nothing
+        # loop d writes plane d; the last loop also fills planes R..cap-1 (min(d, e) with e = R)
+        planes = [d if self.layered else 0 for d in range(max(R, self.num_planes))]
+        slots = [pick(lambda req, p: self.slot(req, pl, p), (0, 0)) for pl in planes]   # padding: scratch
+        write_page = np.array([[s[0] for s in per_d] for per_d in slots], np.int32)
+        write_offset = np.array([s[1] for s in slots[0]], np.int32)
+        row_tables = np.array([pick(lambda req, p: req.tables[pl], 0) for pl in planes[:R]], np.int32)
+        out_slots = np.array(pick(lambda req, p: req.slot if p == req.prompt_len - 1 else self.dummy_slot,
+                                  self.dummy_slot), np.int32)
+        boundary = self.boundary_rows([r for r, _ in live], np.array([p for _, p in live], np.int32))
+        if boundary is not None and len(live) < len(rows):
+            boundary = boundary.scatter(np.array([r is not None for r in rows]))
+        return (tokens, positions, write_page, write_offset, row_tables, out_slots, self.block_tables(), boundary)
+
+    def loop(self, rows: list[Request]) -> tuple:
+        """Arguments of ``ModelRunner.loop`` for one pass over rows at their own depths."""
+        planes = [r.loops_done if self.layered else 0 for r in rows]
+        positions = np.array([r.decode_position for r in rows], np.int32)
+        slots = [self.slot(r, pl, int(p)) for r, pl, p in zip(rows, planes, positions)]
+        starting = np.array([r.loops_done == 0 for r in rows])
+        return (np.array([r.slot for r in rows], np.int32), np.array([r.output_token_ids[-1] for r in rows], np.int32),
+                starting, positions, np.array([s[0] for s in slots], np.int32),
+                np.array([s[1] for s in slots], np.int32),
+                np.array([r.tables[pl] for r, pl in zip(rows, planes)], np.int32), self.block_tables(),
+                self.boundary_rows(rows, positions) if starting.any() else None)

@@ -32,7 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels.paged_attention import DEFAULT_BLOCK_Q
-from kernels.pallas_triton import head_dim_chunks
+from kernels.pallas_triton import head_dim_chunks, stacked_pool
 
 NEG_INF = float("-inf")
 TARGET_BLOCK_K = 64          # keys per inner iteration
@@ -106,9 +106,7 @@ def paged_prefill_attention_pallas(q, k_pages, v_pages, block_tables, row_tables
                                    num_stages: int | None = None, interpret: bool = False):
     """The kernel; callers go through `kernels.paged_attention.paged_prefill_attention`.
     N need not be a multiple of block_q (rows are padded with length 0 here)."""
-    if k_pages.ndim == 4:
-        k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
-    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    k_pages, v_pages, layer = stacked_pool(k_pages, v_pages, layer)
     n, num_heads, head_dim = q.shape
     _, num_kv, _, page_size, _ = k_pages.shape
     pages_per_table = block_tables.shape[1]

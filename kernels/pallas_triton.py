@@ -99,6 +99,14 @@ def head_dim_chunks(head_dim: int) -> tuple[tuple[int, int], ...]:
     return tuple(chunks)
 
 
+def stacked_pool(k_pages, v_pages, layer):
+    """Both kernels read the stacked [L, Hkv, P, S, Dh] pool at a layer index ([1] int32, may
+    be traced); a single layer's [Hkv, P, S, Dh] pool becomes L = 1, layer 0."""
+    if k_pages.ndim == 4:
+        k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
+    return k_pages, v_pages, jnp.asarray(layer, jnp.int32).reshape(1)
+
+
 def _cdiv(a, b: int):
     return jax.lax.div(a + (b - 1), b)        # a >= 0: truncating division is floor division
 
@@ -214,9 +222,7 @@ def paged_attention_pallas(q, k_pages, v_pages, block_tables, row_tables, length
     (a traced int32 scalar): the kernel then reads that layer in place, so a layer
     scan passes the whole pool without an XLA slice copy.
     """
-    if k_pages.ndim == 4:
-        k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
-    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    k_pages, v_pages, layer = stacked_pool(k_pages, v_pages, layer)
     n, num_heads, head_dim = q.shape
     _, num_kv, _, page_size, _ = k_pages.shape
     pages_per_table = block_tables.shape[1]

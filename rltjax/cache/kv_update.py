@@ -22,7 +22,6 @@ copies never do: distinct tokens own distinct slots).
 """
 from __future__ import annotations
 
-import functools
 from typing import Callable, Sequence
 
 import jax
@@ -44,17 +43,20 @@ def write_kv(kv, layer, k: jax.Array, v: jax.Array, write_page: jax.Array, write
                     v=kv.v.at[idx].set(v.astype(kv.v.dtype)))
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
-def copy_slots(kv, src_page: jax.Array, src_offset: jax.Array, dst_page: jax.Array,
-               dst_offset: jax.Array):
+def copy_kv_slots(kv, src_page: jax.Array, src_offset: jax.Array, dst_page: jax.Array,
+                  dst_offset: jax.Array):
     """Copy M slots src -> dst over all layers and heads at once; [M] int32 each.
 
-    Padding entries are (0, 0) -> (0, 0). The pool is donated: the update is
-    in place, the caller must use the returned kv.
+    Padding entries are (0, 0) -> (0, 0). Traceable: decode windows call it inside
+    their loop; ``copy_slots`` is the same copy as its own jitted call.
     """
     src = (slice(None), slice(None), src_page, src_offset)   # gathered block [L, Hkv, M, Dh]
     dst = (slice(None), slice(None), dst_page, dst_offset)
     return type(kv)(k=kv.k.at[dst].set(kv.k[src]), v=kv.v.at[dst].set(kv.v[src]))
+
+
+# The pool is donated: the update is in place, the caller must use the returned kv.
+copy_slots = jax.jit(copy_kv_slots, donate_argnums=(0,))
 
 
 def _table(table_of_plane, seq: int, plane: int) -> int:

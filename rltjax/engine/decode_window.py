@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rltjax.cache.kv_update import copy_kv_slots
 from rltjax.cache.paged_kv import PagedKV, PagedMeta
 from rltjax.engine.exit_policy import EXIT_RULES
 from rltjax.engine_config import DEFAULT_DECODE_WINDOW, EngineConfigError
@@ -92,12 +93,6 @@ def _exit_copies(rows: WindowRows, exit_now, depth, block_tables, page_size: int
     flat = lambda a: a.reshape(-1)
     return (flat(jnp.where(valid, src_page[:, None], zero)), flat(jnp.where(valid, off[:, None], zero)),
             flat(jnp.where(valid, dst_page, zero)), flat(jnp.where(valid, off[:, None], zero)))
-
-
-def _copy(kv: PagedKV, src_page, src_offset, dst_page, dst_offset) -> PagedKV:
-    src = (slice(None), slice(None), src_page, src_offset)
-    dst = (slice(None), slice(None), dst_page, dst_offset)
-    return PagedKV(k=kv.k.at[dst].set(kv.k[src]), v=kv.v.at[dst].set(kv.v[src]))
 
 
 @functools.partial(jax.jit, static_argnames=("model", "backend", "num_passes", "mode", "num_top", "layered",
@@ -168,7 +163,7 @@ def decode_window(params, kv: PagedKV, slot_state, rows: WindowRows, block_table
                                      (1.0 - remaining).astype(jnp.float32), score, signal, rows.triggered)
         exit_now = exit_now & act
         if layered and num_planes > 1:
-            kv = _copy(kv, *_exit_copies(rows, exit_now, r, block_tables, page_size, num_planes))
+            kv = copy_kv_slots(kv, *_exit_copies(rows, exit_now, r, block_tables, page_size, num_planes))
 
         def head(bkv):
             if bkv is None:

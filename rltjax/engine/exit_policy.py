@@ -60,6 +60,11 @@ RAW_SIGNAL_MODES = ("latent_diff",)
 SAME_STEP_MODES = ("ouro", "latent_diff")
 
 
+def _trace_depths(rows: Sequence[Request]) -> np.ndarray:
+    """Trace mode: each row's recorded depth for the token now looping."""
+    return np.array([row.trace_depths[len(row.output_token_ids)] for row in rows])
+
+
 class ExitPolicy:
     """Applies one exit mode to the rows of each loop pass."""
 
@@ -87,8 +92,13 @@ class ExitPolicy:
         signal: the loop's raw signal (only when ``raw_signal``)."""
         r = np.array([row.loops_done for row in rows])
         if self.mode == "trace":
-            trace = np.array([row.trace_depths[len(row.output_token_ids)] for row in rows])
-            return r >= trace
+            return r >= _trace_depths(rows)
+        triggered = np.array([row.exit_triggered for row in rows], bool)
+        return self._apply_rule(rows, r, hazard, score, signal, triggered)
+
+    def _apply_rule(self, rows, r, hazard, score, signal, triggered) -> np.ndarray:
+        """The mode's rule at pass r (per row): stores exit_remaining and exit_triggered on the
+        rows, returns exit_now."""
         cumulative, rule = EXIT_RULES[self.mode]
         lo = np.array([row.min_loops for row in rows])
         hi = np.array([row.max_loops for row in rows])
@@ -96,8 +106,7 @@ class ExitPolicy:
         remaining = np.array([row.exit_remaining for row in rows], F32)
         if cumulative:
             remaining = (remaining * (F32(1) - hazard.astype(F32))).astype(F32)
-        triggered = np.array([row.exit_triggered for row in rows], bool)
-        exit_now, trigger = rule(r, lo, hi, q, (F32(1) - remaining).astype(F32),
+        exit_now, trigger = rule(np.asarray(r), lo, hi, q, (F32(1) - remaining).astype(F32),
                                  None if score is None else score.astype(F32),
                                  None if signal is None else signal.astype(F32), triggered)
         for row, rem, trig in zip(rows, remaining, trigger):
@@ -110,7 +119,7 @@ class ExitPolicy:
         (max_loops, or the trace's depth); signal-driven exits come from ``exit_triggered``."""
         r = np.array([row.loops_done for row in rows])
         if self.mode == "trace":
-            return r >= np.array([row.trace_depths[len(row.output_token_ids)] for row in rows])
+            return r >= _trace_depths(rows)
         return r >= np.array([row.max_loops for row in rows])
 
     def read_signals(self, rows: Sequence[Request], depths: np.ndarray, hazard: np.ndarray | None,
@@ -122,16 +131,5 @@ class ExitPolicy:
             raise EngineConfigError(f"exit mode {self.mode!r} decides on the pass's own signal (sync only)")
         if self.mode in ("trace", "fixed") or not rows:
             return
-        cumulative, rule = EXIT_RULES[self.mode]
-        lo = np.array([row.min_loops for row in rows])
-        hi = np.array([row.max_loops for row in rows])
-        q = np.array([row.params.exit_threshold for row in rows], F32)
-        remaining = np.array([row.exit_remaining for row in rows], F32)
-        if cumulative:
-            remaining = (remaining * (F32(1) - hazard.astype(F32))).astype(F32)
         # rows still looping did not exit after pass `depth`, so exit_now there was False
-        _, trigger = rule(np.asarray(depths), lo, hi, q, (F32(1) - remaining).astype(F32),
-                          None if score is None else score.astype(F32), None, np.zeros(len(rows), bool))
-        for row, rem, trig in zip(rows, remaining, trigger):
-            row.exit_remaining = F32(rem)
-            row.exit_triggered = bool(trig)
+        self._apply_rule(rows, depths, hazard, score, None, np.zeros(len(rows), bool))

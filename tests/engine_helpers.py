@@ -52,6 +52,24 @@ def run_workload(engine, arrivals, max_steps=10_000):
     return {rid: engine.get_output(rid) for _, rid, _, _ in arrivals}
 
 
+def run_with_abort(engine, arrivals, abort_at, victim, max_steps=5000):
+    """run_workload that, at step ``abort_at``, aborts the request ``victim(engine)`` names
+    (None: nobody yet, try the next step). Returns the aborted request's id (or None)."""
+    pending, step, aborted = sorted(arrivals, key=lambda a: a[0]), 0, None
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0][0] <= step:
+            _, rid, prompt, params = pending.pop(0)
+            engine.add_request(rid, prompt, params)
+        if abort_at is not None and step >= abort_at and aborted is None:
+            aborted = victim(engine)
+            if aborted is not None:
+                engine.abort_request(aborted)
+        engine.step()
+        step += 1
+        assert step < max_steps, "workload did not finish"
+    return aborted
+
+
 def assert_all_pages_free(engine):
     for alloc in (engine.scheduler.allocator, engine.scheduler.boundary_allocator):
         if alloc is None:      # no boundary pool (models without prelude/coda KV)

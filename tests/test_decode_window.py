@@ -9,7 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import reference_npz
-from engine_helpers import assert_all_pages_free, check_equal, make_engine, reference_for, run_workload
+from engine_helpers import (assert_all_pages_free, check_equal, make_engine, reference_for, run_with_abort,
+                            run_workload)
 from rltjax.engine.decode_window import STOP_ID_WIDTH
 from rltjax.engine_config import EngineConfigError
 from rltjax.sampling_params import SamplingParams
@@ -40,19 +41,8 @@ def test_windows_match_reference(kv_layout, exit_mode, window, max_num_seqs, req
         params = SamplingParams(max_tokens=max_tokens, temperature=temp, seed=seed, exit_threshold=q,
                                 min_loops=lo, max_loops=hi, logprobs=lp, ignore_eos=True)
         arrivals.append((step, f"r{i}", TOKENS[start:start + length], params))
-    pending, step, aborted = sorted(arrivals, key=lambda a: a[0]), 0, None
-    while pending or engine.has_unfinished_requests():
-        while pending and pending[0][0] <= step:
-            _, rid, prompt, params = pending.pop(0)
-            engine.add_request(rid, prompt, params)
-        if step == abort_at and aborted is None:
-            running = [r.request_id for r in engine.scheduler.running]
-            if running:
-                aborted = running[-1]
-                engine.abort_request(aborted)
-        engine.step()
-        step += 1
-        assert step < 5000
+    aborted = run_with_abort(engine, arrivals, abort_at,
+                             lambda e: e.scheduler.running[-1].request_id if e.scheduler.running else None)
     ref = reference_for(kv_layout, exit_mode, lookahead_seed=3)
     for _, rid, prompt, params in arrivals:
         out = engine.get_output(rid)

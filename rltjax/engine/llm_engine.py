@@ -4,7 +4,8 @@ Each ``step`` asks the scheduler for one batch, has ``BatchBuilder`` turn it int
 arrays, runs it on the device through the runner, and applies the results on the
 host: exit decisions and copy-on-exit after a loop pass, sampled tokens and stop
 checks (``OutputProcessor``) after a head. When every running request is decoding,
-a step is a device-side decode window (``decode_window``), read one window late.
+a step is a device-side decode window (``window_driver`` / ``decode_window``), read
+one window late.
 Step-by-step passes read their exit signals before the next pass, or, with
 ``ExecutionConfig.async_scheduling``, one pass late.
 """
@@ -20,7 +21,8 @@ import numpy as np
 from rltjax.cache.kv_update import exit_copy_slots
 from rltjax.cache.paged_kv import PagedKV
 from rltjax.engine.batch_builder import BatchBuilder
-from rltjax.engine.decode_window import resolve_window_passes, window_rows
+from rltjax.engine.decode_window import resolve_window_passes
+from rltjax.engine.window_driver import WindowDriver
 from rltjax.engine.exit_policy import ExitPolicy
 from rltjax.engine.exit_trace import model_fingerprint
 from rltjax.engine.output_processor import OutputProcessor
@@ -96,7 +98,11 @@ class LLMEngine:
         self.async_scheduling = execution_config.async_scheduling
         # async scheduling: the last launched pass's signals, tagged (request, position, depth)
         self._pending: tuple[list[tuple[Request, int, int]], Any] | None = None
-        self._inflight: tuple[list[Request], Any, Any] | None = None    # a launched window, not yet read
+        self.windows = None if not self.window_passes else WindowDriver(
+            self.runner, self.batches, num_passes=self.window_passes, layered=self.layered,
+            num_planes=self.num_planes, trace_mode=self.exit_policy.mode == "trace",
+            token_stop_ids=self.outputs.token_stop_ids, accept_token=self._accept_token,
+            steps_by_kind=self.steps_by_kind)
         if execution_config.compile_ahead:
             # the same (device) table arrays the steps pass: jit keys its cache on where inputs live
             self.compile_seconds = self.runner.warm_up(
@@ -173,12 +179,12 @@ class LLMEngine:
 
     # -- one step -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        if self._inflight is not None and not self._can_continue_window():
+        if self.windows is not None and self.windows.inflight and not self.windows.can_continue(self.scheduler):
             self.steps_by_kind["window_read"] = self.steps_by_kind.get("window_read", 0) + 1
-            return [self._output(r) for r in self._drain_window()]      # the host catches up first
+            return [self._output(r) for r in self.windows.drain()]      # the host catches up first
         plan = self.scheduler.schedule()
         # a loop plan over every running request runs as a decode window when windows are on
-        window = plan.kind == "loop" and self.window_passes > 0 and len(plan.rows) == len(self.scheduler.running)
+        window = plan.kind == "loop" and self.windows is not None and len(plan.rows) == len(self.scheduler.running)
         kind = "window" if window else plan.kind
         self.steps_by_kind[kind] = self.steps_by_kind.get(kind, 0) + 1
         if plan.kind == "idle" and self.scheduler.waiting and not self.scheduler.running:
@@ -189,7 +195,8 @@ class LLMEngine:
             if plan.kind == "prefill":
                 self._prefill(plan.chunks)
             elif window:
-                return [self._output(r) for r in self._window(plan.rows)]
+                self._read_pending()       # async scheduling: the window starts from up-to-date exit state
+                return [self._output(r) for r in self.windows.run(plan.rows)]
             elif plan.kind == "loop":
                 self._loop(plan.rows)
             elif plan.kind == "head":
@@ -286,63 +293,6 @@ class LLMEngine:
         else:
             r.start_token()
         return r.finished
-
-    def _window(self, rows: list[Request]) -> list[Request]:
-        """Every running request is decoding: launch up to K passes on the device. The host
-        reads a window one window late: the first launch returns nothing; a continuation (same
-        rows, nothing else to schedule) launches the next window from the device's row state,
-        then applies the previous window's outputs while the new one runs."""
-        self._read_pending()       # async scheduling: the window starts from up-to-date exit state
-        block_tables = self.batches.block_tables()
-        boundary_tables = self.batches.boundary_tables()
-        if self._inflight is not None:
-            previous, after, out = self._inflight
-            self._inflight = (previous,) + self.runner.window_launch(after, block_tables, boundary_tables)
-            return self._apply_window(previous, after, out)
-        state = window_rows(rows, self.window_passes, [r.tables[p if self.layered else 0] for r in rows
-                                                         for p in range(self.num_planes)],
-                            [self.outputs.token_stop_ids(r.request_id) for r in rows])
-        self._inflight = (list(rows),) + self.runner.window_launch(state, block_tables, boundary_tables)
-        return []
-
-    def _can_continue_window(self) -> bool:
-        """Whether the next step may launch a window from the in-flight one's device state: the
-        same requests, all still decoding, and no admission possible (trace windows re-pack:
-        their depths are sliced per window on the host)."""
-        rows, running = self._inflight[0], self.scheduler.running
-        return (self.exit_policy.mode != "trace" and len(rows) == len(running)
-                and {id(r) for r in rows} == {id(r) for r in running}
-                and all(r.status is Status.LOOPING for r in running)
-                and (not self.scheduler.waiting or not self.scheduler.free_slots))
-
-    def _drain_window(self) -> list[Request]:
-        rows, after, out = self._inflight
-        self._inflight = None
-        return self._apply_window(rows, after, out)
-
-    def _apply_window(self, rows: list[Request], after_dev, out_dev) -> list[Request]:
-        """Replay a window's outputs through the host's stop checks; take each request's state
-        back. Returns the requests it changed (not those that had finished before)."""
-        after, out = self.runner.window_read(after_dev, out_dev, len(rows))
-        self.steps_by_kind["window_passes"] = self.steps_by_kind.get("window_passes", 0) + int(out.passes)
-        now = time.monotonic()
-        changed = []
-        for i, r in enumerate(rows):
-            if r.finished:     # aborted, or a host-only stop in the window before this one
-                continue
-            changed.append(r)
-            for j in range(int(out.count[i])):
-                r.exit_depths.append(int(out.depths[i, j]))
-                if self._accept_token(r, int(out.tokens[i, j]), out.chosen[i, j], out.top_ids[i, j],
-                                      out.top_lp[i, j], now):
-                    break          # a host-only stop (stop string, or a stop id past the device's width)
-            if not r.finished:
-                if not after.active[i]:
-                    raise RuntimeError(f"request {r.request_id!r}: the decode window finished it but the host "
-                                       f"stop checks did not (this is a bug)")
-                r.status, r.loops_done = Status.LOOPING, int(after.loops_done[i])
-                r.exit_remaining, r.exit_triggered = np.float32(after.remaining[i]), bool(after.triggered[i])
-        return changed
 
     def _finish(self, req: Request, reason: str) -> None:
         if req.finish_reason is None:

@@ -76,5 +76,18 @@ def test_every_subcommand_documents_the_engine_flags():
         assert res.returncode == 0
         for flag in ("--max-num-seqs", "--max-num-batched-tokens", "--kv-layout", "--exit-mode",
                      "--prefill-chunk-size", "--scheduler-mode", "--dtype", "--num-pages",
-                     "--gpu-memory-utilization"):
+                     "--gpu-memory-utilization", "--decode-window", "--async-scheduling"):
             assert flag in res.stdout, (cmd, flag)
+
+
+def test_execution_flags_reach_the_engine_config():
+    import argparse
+
+    from rltjax.entrypoints.engine_args import add_engine_arguments, configs_from_args
+    p = argparse.ArgumentParser()
+    add_engine_arguments(p)
+    default = configs_from_args(p.parse_args([]))["execution_config"]
+    assert default.decode_window is None and default.async_scheduling is False
+    ex = configs_from_args(p.parse_args(["--decode-window", "4", "--async-scheduling",
+                                         "--exit-mode", "ouro_delayed"]))["execution_config"]
+    assert ex.decode_window == 4 and ex.async_scheduling is True

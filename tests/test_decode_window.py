@@ -147,3 +147,25 @@ def test_nanbeige_windows_match_step_engine():
 def test_window_combinations_rejected(kwargs, match):
     with pytest.raises(EngineConfigError, match=match):
         make_engine(decode_window=4, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, expected", [
+    (dict(), 16),                                   # None: DEFAULT_DECODE_WINDOW where windows can run
+    (dict(mode="no_refill"), 0),                    # ... and off where they cannot, without an error
+    (dict(min_coda_batch_size=2), 0),
+    (dict(decode_window=0), 0),
+    (dict(decode_window=7), 7),
+])
+def test_window_default_resolution(kwargs, expected):
+    from rltjax.engine_config import DEFAULT_DECODE_WINDOW
+    kwargs = {"decode_window": None, **kwargs}
+    engine = make_engine(**kwargs)
+    assert engine.window_passes == (DEFAULT_DECODE_WINDOW if expected == 16 else expected)
+    assert (engine.windows is None) == (engine.window_passes == 0)
+
+
+@pytest.mark.parametrize("value", [-1, 1025, True, 2.0])
+def test_decode_window_values_are_checked(value):
+    from rltjax.engine_config import ExecutionConfig
+    with pytest.raises(EngineConfigError, match="decode_window"):
+        ExecutionConfig(decode_window=value)

@@ -181,3 +181,26 @@ def test_min_coda_batch_size_on_a_random_workload():
     assert deferred > 0
     check_against_reference(outputs, arrivals, reference_for("last_exited"))
     assert_all_pages_free(engine)
+
+
+@pytest.mark.parametrize("budget, align, prompts, expected", [
+    # every chunk's padded size counts; a chunk whose padding would overrun is cut to a multiple
+    (80, 32, [20, 20, 20], [20, 20]),               # 32 + 32 = 64, then 16 left < 32: stop
+    (80, 32, [50, 40], [50]),                       # 64 used, 16 left: a padded 32-row chunk would overrun
+    (20, 32, [50, 7], [20]),                        # budget < alignment: the first chunk still runs
+    (64, 1, [30, 30, 30], [30, 30, 4]),             # no alignment: the plain token budget
+])
+def test_prefill_budget_counts_alignment_padding(budget, align, prompts, expected):
+    from rltjax.engine.scheduler import Scheduler
+    from rltjax.engine.sequence import Request
+    from rltjax.engine_config import SchedulerConfig
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget, prefill_chunk_size=min(budget, 64))
+    sched = Scheduler(cfg, num_pages=200, page_size=8, num_planes=1, max_model_len=128,
+                      position_sequential_prefill=False, prefill_alignment=align)
+    for i, n in enumerate(prompts):
+        sched.add(Request(f"p{i}", list(range(3, 3 + n)), SamplingParams(max_tokens=2), i, i, 1, 4))
+    plan = sched.schedule()
+    assert plan.kind == "prefill"
+    assert [n for _, _, n in plan.chunks] == expected
+    padded = sum(-(-n // align) * align for n in expected)
+    assert padded <= max(budget, align)

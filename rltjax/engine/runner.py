@@ -41,12 +41,14 @@ def bucket(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def buckets_up_to(limit: int) -> list[int]:
+def buckets_up_to(limit: int, smallest: int = 1) -> list[int]:
+    """Powers of two from ``smallest`` (capped at bucket(limit)) up to bucket(limit)."""
     out, b = [], 1
     while b < limit:
         out.append(b)
         b *= 2
-    return out + [bucket(limit)]
+    top = bucket(limit)
+    return [x for x in out if x >= min(smallest, top)] + [top]
 
 
 @dataclasses.dataclass
@@ -133,14 +135,17 @@ class ModelRunner:
         self.prefill_write_planes = prefill_write_planes or self.cfg.num_loops
         self.raw_signal = raw_signal
         self.window_spec = window_spec
-        self.row_buckets = [b for b in buckets_up_to(max_num_seqs) if b >= min(MIN_ROW_BUCKET, bucket(max_num_seqs))]
+        self.row_buckets = buckets_up_to(max_num_seqs, MIN_ROW_BUCKET)
         # aligned prefill batches stay within the budget, except one chunk when budget < alignment
         most_tokens = max(max_num_batched_tokens, self.prefill_alignment)
-        self.token_buckets = [t for t in buckets_up_to(most_tokens) if t >= min(MIN_TOKEN_BUCKET, bucket(most_tokens))]
+        self.token_buckets = buckets_up_to(most_tokens, MIN_TOKEN_BUCKET)
         self.copy_buckets = buckets_up_to(max(1, max_copies))
 
     def _rows_bucket(self, n: int) -> int:
         return max(bucket(n), self.row_buckets[0])
+
+    def _tokens_bucket(self, n: int) -> int:
+        return max(bucket(n), self.token_buckets[0])
 
     def device_state_lost(self) -> bool:
         """Whether a failed call consumed (donated) a KV pool: nothing on the device is usable."""
@@ -158,7 +163,7 @@ class ModelRunner:
     # -- calls (numpy in, numpy out) ------------------------------------------------
     def prefill(self, tokens, positions, write_page, write_offset, row_tables, out_slots, block_tables,
                 boundary: BoundaryRows | None = None):
-        t = max(bucket(len(tokens)), self.token_buckets[0])
+        t = self._tokens_bucket(len(tokens))
         pad = t - len(tokens)
         lengths = np.pad(positions + 1, (0, pad))
         bmeta, seeds = self._bmeta(boundary, positions, write_offset, pad)

@@ -30,8 +30,9 @@ from rltjax.models.base import get_model  # noqa: E402
 from rltjax.presets import preset_config  # noqa: E402
 
 
-def build_pass(model, params, cfg, batch, context, page_size, attn):
-    """A compiled one-pass function (KV donated) and its arguments: B rows at context L."""
+def build_pass(model, params, cfg, batch, context, page_size, attn, compiler_options=None):
+    """A compiled one-pass function (KV donated) and its arguments: B rows at context L.
+    ``compiler_options``: XLA debug options for this executable only (e.g. command buffers)."""
     pages_per_seq = -(-(context + 1) // page_size)
     num_pages = batch * pages_per_seq + 1
     kv = allocate_paged_kv(cfg, num_pages, page_size, params.embed.dtype)
@@ -50,7 +51,8 @@ def build_pass(model, params, cfg, batch, context, page_size, attn):
         return model.loop(params, state, None, kv, meta, backend)
 
     state = jax.random.normal(jax.random.key(1), (batch, cfg.hidden_size), params.embed.dtype)
-    compiled = jax.jit(one_pass, donate_argnums=(2,)).lower(params, state, kv, meta).compile()
+    compiled = jax.jit(one_pass, donate_argnums=(2,)).lower(params, state, kv, meta).compile(
+        compiler_options=compiler_options)
     return compiled, (params, state, kv, meta)
 
 

@@ -1,12 +1,18 @@
 """Where does a loop pass's time go? Times variants and takes differences.
 
     python scripts/profile_loop_pass.py --batch 8 --context 450 --hlo-out pass.hlo.txt
+    python scripts/profile_loop_pass.py --batch 1 --trace-dir /tmp/tr \
+        --options default "graphs:xla_gpu_graph_min_graph_size=1"
 
 Variants over the same random bf16 weights (preset shapes):
   full        model.loop over paged KV (what the engine runs)
   matmuls     only the 7 projections of every layer, in the same lax.scan
   unrolled    the same matmuls in a Python loop over static layer slices
+  fused       the unrolled matmuls with q|k|v and gate|up concatenated (4 GEMMs a layer)
   weights_rd  a plain reduction over every core weight (the bandwidth floor)
+``--options NAME:key=value;key=value`` times `full` once per set of XLA compiler
+options (per executable, no environment variables); ``--trace-dir`` profiles each
+set's `full` pass and prints its kernel summary (scripts/trace_summary.py).
 The optimized HLO of `full` is written out to look for copies of weights or KV.
 """
 from __future__ import annotations
@@ -27,6 +33,7 @@ from checkpoints.random_init import random_checkpoint  # noqa: E402
 from rltjax.models.base import get_model  # noqa: E402
 from rltjax.presets import preset_config  # noqa: E402
 from bench_loop_pass import build_pass  # noqa: E402
+from trace_summary import device_kernels, format_summary, load_events, summarise  # noqa: E402
 
 
 def timed(fn, *args, iters=30):
@@ -49,7 +56,7 @@ def timed_donating(compiled, params, state, kv, meta, iters=30):
         jax.block_until_ready(gate)
         if i >= 3:
             times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    return statistics.median(times) * 1e3, (params, state, kv, meta)
 
 
 def matmul_layer(x, lp):
@@ -61,6 +68,41 @@ def matmul_layer(x, lp):
     return x + (h @ lp.w_down) + (k + v).sum() * 0
 
 
+def fused_layer(x, lp):
+    qkv = x @ lp["wqkv"]
+    q = qkv[:, : lp["wo"].shape[0]]
+    a = q @ lp["wo"] + (qkv[:, lp["wo"].shape[0]:]).sum() * 0
+    gu = a @ lp["w_gateup"]
+    f = gu.shape[1] // 2
+    return x + (jax.nn.silu(gu[:, :f]) * gu[:, f:]) @ lp["w_down"]
+
+
+def parse_option_set(text):
+    """"name:key=value;key=value" -> (name, {key: int | bool | str}); "default" -> no options."""
+    name, _, body = text.partition(":")
+    options = {}
+    for item in filter(None, body.split(";")):
+        key, _, value = item.partition("=")
+        if value.lstrip("-").isdigit():
+            options[key] = int(value)
+        elif value.lower() in ("true", "false"):
+            options[key] = value.lower() == "true"
+        else:
+            options[key] = value
+    return name, options
+
+
+def traced_passes(compiled, params, state, kv, meta, trace_dir, passes=20):
+    for _ in range(3):
+        state, kv, gate = compiled(params, state, kv, meta)
+    jax.block_until_ready(gate)
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        for _ in range(passes):
+            state, kv, gate = compiled(params, state, kv, meta)
+        jax.block_until_ready(gate)
+    return format_summary(summarise(device_kernels(load_events(trace_dir)), per=passes))
+
+
 def run(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="ouro-1.4b")
@@ -68,6 +110,10 @@ def run(argv=None):
     p.add_argument("--context", type=int, default=450)
     p.add_argument("--attn", default="pallas", choices=["pallas", "xla"])
     p.add_argument("--hlo-out")
+    p.add_argument("--options", nargs="+", default=["default"],
+                   help='option sets for the full pass, "name:key=value;key=value"')
+    p.add_argument("--trace-dir", help="profile each option set's full pass here")
+    p.add_argument("--skip-micro", action="store_true", help="only the full pass")
     args = p.parse_args(argv)
     cfg = preset_config(args.preset)
     params = random_checkpoint(cfg, seed=0, dtype="bfloat16")
@@ -87,9 +133,30 @@ def run(argv=None):
     def weights_rd(params):
         return sum(jnp.sum(a, dtype=jnp.float32) for a in jax.tree.leaves(params.layers))
 
-    compiled, pass_args = build_pass(get_model(cfg), params, cfg, args.batch, args.context, 16, args.attn)
-    rows = {"full": timed_donating(compiled, *pass_args), "matmuls": timed(scanned, params, x),
-            "unrolled": timed(unrolled, params, x), "weights_rd": timed(weights_rd, params)}
+    @jax.jit
+    def fused(fused_layers, x):
+        for lp in fused_layers:
+            x = fused_layer(x, lp)
+        return x
+
+    for text in args.options:
+        name, options = parse_option_set(text)
+        t0 = time.perf_counter()
+        compiled, pass_args = build_pass(get_model(cfg), params, cfg, args.batch, args.context, 16,
+                                         args.attn, compiler_options=options or None)
+        compile_s = time.perf_counter() - t0
+        ms, pass_args = timed_donating(compiled, *pass_args)
+        print(f"full[{name}] {ms:8.3f} ms  (compile {compile_s:.1f} s)", flush=True)
+        if args.trace_dir:
+            print(traced_passes(compiled, *pass_args, os.path.join(args.trace_dir, name)), flush=True)
+    if args.skip_micro:
+        return 0
+    lay = params.layers
+    fused_layers = [dict(wqkv=jnp.concatenate([lay.wq[i], lay.wk[i], lay.wv[i]], axis=1), wo=lay.wo[i],
+                         w_gateup=jnp.concatenate([lay.w_gate[i], lay.w_up[i]], axis=1),
+                         w_down=lay.w_down[i]) for i in range(cfg.num_layers)]
+    rows = {"matmuls": timed(scanned, params, x), "unrolled": timed(unrolled, params, x),
+            "fused": timed(fused, fused_layers, x), "weights_rd": timed(weights_rd, params)}
     for name, ms in rows.items():
         print(f"{name:11s} {ms:8.3f} ms")
     if args.hlo_out:

@@ -1,0 +1,83 @@
+"""Summarise the GPU kernels of a `jax.profiler` perfetto trace.
+
+    python scripts/trace_summary.py TRACE_DIR --per 20      # 20 passes were traced
+
+Prints, per traced unit of work (``--per``): the kernel count, the time the GPU
+was busy (union of kernel intervals), the span from first kernel start to last
+kernel end, and the top kernels by total time. Busy much smaller than span means
+the GPU waited for launches (host or launch overhead); busy close to span means
+the kernels themselves are the cost.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import sys
+
+
+def load_events(trace_dir: str) -> list[dict]:
+    paths = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True))
+    if not paths:
+        raise FileNotFoundError(f"no perfetto_trace.json.gz under {trace_dir}")
+    with gzip.open(paths[-1]) as f:
+        data = json.load(f)
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def device_kernels(events: list[dict]) -> list[dict]:
+    """Complete ('X') events on device processes (names like '/device:GPU:0')."""
+    device_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+                   and "device" in str(e.get("args", {}).get("name", "")).lower()}
+    return [e for e in events if e.get("ph") == "X" and e.get("pid") in device_pids and e.get("dur") is not None]
+
+
+def busy_time(kernels: list[dict]) -> float:
+    """Union length of [ts, ts + dur) intervals (microseconds)."""
+    total, end = 0.0, float("-inf")
+    for e in sorted(kernels, key=lambda e: e["ts"]):
+        start, stop = e["ts"], e["ts"] + e["dur"]
+        if start > end:
+            total += stop - start
+            end = stop
+        elif stop > end:
+            total += stop - end
+            end = stop
+    return total
+
+
+def summarise(kernels: list[dict], per: int = 1, top: int = 15) -> dict:
+    if not kernels:
+        return dict(kernels=0, busy_us=0.0, span_us=0.0, top=[])
+    span = max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)
+    by_name: dict[str, list[float]] = collections.defaultdict(list)
+    for e in kernels:
+        by_name[e["name"]].append(e["dur"])
+    ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return dict(kernels=len(kernels) / per, busy_us=busy_time(kernels) / per, span_us=span / per,
+                top=[dict(name=name[:90], count=len(d) / per, total_us=sum(d) / per,
+                          mean_us=sum(d) / len(d)) for name, d in ranked])
+
+
+def format_summary(s: dict) -> str:
+    lines = [f"kernels {s['kernels']:.0f}  busy {s['busy_us']:.0f} us  span {s['span_us']:.0f} us"]
+    lines += [f"  {t['total_us']:8.1f} us  x{t['count']:<5.0f} ({t['mean_us']:6.2f} us)  {t['name']}"
+              for t in s["top"]]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("trace_dir")
+    p.add_argument("--per", type=int, default=1, help="divide counts and times by this many units")
+    p.add_argument("--top", type=int, default=15)
+    args = p.parse_args(argv)
+    print(format_summary(summarise(device_kernels(load_events(args.trace_dir)), args.per, args.top)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -68,7 +68,8 @@ def per_request(timings: Sequence[metrics.RequestTiming]) -> list[dict]:
     """One row per request (seconds) for the JSON file."""
     return [dict(prompt_tokens=t.prompt_tokens, output_tokens=t.output_tokens, ok=t.ok, error=t.error,
                  ttft_s=metrics.ttft(t) if t.ok else None, tpot_s=metrics.tpot(t) if t.ok else None,
-                 e2e_s=metrics.e2e(t) if t.ok else None, chunks=len(t.arrivals)) for t in timings]
+                 e2e_s=metrics.e2e(t) if t.ok else None, chunks=len(t.arrivals),
+                 exit_depths=t.exit_depths) for t in timings]
 
 
 def summary_line(run: dict) -> str:

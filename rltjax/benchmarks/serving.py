@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from rltjax.benchmarks import clients, metrics, report, roofline, startup, workload
+from rltjax.benchmarks import clients, depth_trace, metrics, report, roofline, startup, workload
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ready-timeout", type=float, default=1800.0, help="seconds to wait for /health")
     g = p.add_argument_group("in-process mode")
     g.add_argument("--skip-startup", action="store_true", help="do not time cold/warm start-up")
+    startup.add_trace_argument(g)
     startup.add_model_arguments(p)
     workload.add_workload_arguments(p)
     return p
@@ -78,6 +79,9 @@ def _model_dir(path: str | None) -> str | None:
 
 def run_benchmark(args, argv: list[str]) -> dict:
     per_run_counts(args)   # bad flags fail before anything starts
+    if args.trace_depth_probs and not args.in_process:
+        raise ValueError("--trace-depth-probs replays a drawn exit trace in the in-process engine; a server "
+                         "decides depths itself (use --in-process)")
     base_url = (args.base_url or "").rstrip("/")
     server_model, engine, build = {}, None, None
     if base_url:
@@ -96,6 +100,11 @@ def run_benchmark(args, argv: list[str]) -> dict:
     report.print_header(env, config, {"tokenizer": tok.describe(), "dataset": data_info})
     result = dict(kind="serving", config=config, environment=env, tokenizer=tok.describe(), dataset=data_info,
                   model_bytes=vars(mb), startup=None, runs=[])
+    exit_config = None
+    if args.trace_depth_probs:
+        exit_config, result["exit_trace"] = _drawn_trace(args, cfg, requests)
+        print(f"[bench] exit trace: depths drawn from {args.trace_depth_probs}, mean "
+              f"{result['exit_trace']['mean_depth']:.3f} over {result['exit_trace']['decode_tokens']} decode tokens", flush=True)
     with tempfile.TemporaryDirectory(prefix="rltjax-bench-xla-") as cache_dir:
         if args.in_process:
             child_argv = [*argv, "--max-num-seqs", str(max(args.concurrency)), "--max-model-len", str(max_model_len)]
@@ -108,7 +117,7 @@ def run_benchmark(args, argv: list[str]) -> dict:
                       f"{s['warm']['process_wall_s']:.1f}s", flush=True)
             engine, build = startup.build_engine_from_args(
                 args, max_num_seqs=max(args.concurrency), max_model_len=max_model_len,
-                cache_dir=None if args.skip_startup else cache_dir)
+                cache_dir=None if args.skip_startup else cache_dir, exit_config=exit_config)
             result["main_build"] = build
             env.update(report.jax_devices())
             print(f"[bench] jax devices: {env['jax_devices']}; engine: {build['engine']}", flush=True)
@@ -141,6 +150,17 @@ def run_benchmark(args, argv: list[str]) -> dict:
             if mismatches:
                 print(f"      WARNING: {mismatches} request(s) did not generate their target length", flush=True)
     return _write(args, result, timings_by_run)
+
+
+def _drawn_trace(args, cfg, requests):
+    """ExitConfig(mode="trace") with depths drawn for every request id the runs will use."""
+    from rltjax.engine_config import ExitConfig
+    runs = [(f"c{c}", [r.output_len for r in requests[:n]]) for c, n in zip(args.concurrency, per_run_counts(args))]
+    runs.append(("warmup", [4] * min(args.warmup_requests, len(requests))))
+    depths = depth_trace.draw_depths(depth_trace.workload_ids(runs), args.trace_depth_probs, cfg.num_loops,
+                                     args.seed)
+    return (ExitConfig(mode="trace", depths_by_request=depths),
+            depth_trace.describe(depths, args.trace_depth_probs, args.seed))
 
 
 def per_run_counts(args) -> list[int]:

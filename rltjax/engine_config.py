@@ -140,7 +140,10 @@ class ExecutionConfig:
     """How device work is compiled and dispatched.
 
     attn_impl: paged attention implementation (``auto`` = Pallas on GPU, XLA elsewhere).
-    interpret: run the Pallas kernels in interpret mode (CPU testing of attn_impl="pallas").
+    matmul_impl: decode projections (at most ``kernels.skinny_matmul.MAX_ROWS`` rows):
+    ``auto`` = the weight-streaming Pallas kernel on GPU, XLA's dot elsewhere; prefill
+    batches always use XLA's dot.
+    interpret: run the Pallas kernels in interpret mode (CPU testing of the "pallas" impls).
     decode_window: K > 0 runs decode as device-side windows of up to K loop passes
     (``rltjax.engine.decode_window``) whenever every running request is decoding; 0 runs
     every pass as its own engine step; None (default) picks DEFAULT_DECODE_WINDOW where the
@@ -152,6 +155,7 @@ class ExecutionConfig:
     compilation_cache_dir: XLA's persistent compilation cache (None disables it).
     """
     attn_impl: str = "auto"
+    matmul_impl: str = "auto"
     interpret: bool = False
     decode_window: int | None = None
     async_scheduling: bool = False
@@ -162,6 +166,8 @@ class ExecutionConfig:
     def __post_init__(self) -> None:
         if self.attn_impl not in ATTN_IMPLS:
             _bad("ExecutionConfig", "attn_impl", self.attn_impl, f"choose one of {ATTN_IMPLS}")
+        if self.matmul_impl not in ATTN_IMPLS:
+            _bad("ExecutionConfig", "matmul_impl", self.matmul_impl, f"choose one of {ATTN_IMPLS}")
         if self.decode_window is not None and (
                 not isinstance(self.decode_window, int) or isinstance(self.decode_window, bool)
                 or not 0 <= self.decode_window <= 1024):

@@ -30,7 +30,7 @@ from rltjax.models.base import get_model  # noqa: E402
 from rltjax.presets import preset_config  # noqa: E402
 
 
-def build_pass(model, params, cfg, batch, context, page_size, attn, compiler_options=None):
+def build_pass(model, params, cfg, batch, context, page_size, attn, compiler_options=None, matmul="xla"):
     """A compiled one-pass function (KV donated) and its arguments: B rows at context L.
     ``compiler_options``: XLA debug options for this executable only (e.g. command buffers)."""
     pages_per_seq = -(-(context + 1) // page_size)
@@ -45,7 +45,7 @@ def build_pass(model, params, cfg, batch, context, page_size, attn, compiler_opt
                      write_offset=jnp.full((batch,), context % page_size, jnp.int32),
                      row_tables=jnp.arange(batch, dtype=jnp.int32),
                      lengths=positions + 1, block_tables=tables)
-    backend = PagedKVBackend(attn_impl=attn)
+    backend = PagedKVBackend(attn_impl=attn, matmul_impl=matmul)
 
     def one_pass(params, state, kv, meta):
         return model.loop(params, state, None, kv, meta, backend)
@@ -56,9 +56,10 @@ def build_pass(model, params, cfg, batch, context, page_size, attn, compiler_opt
     return compiled, (params, state, kv, meta)
 
 
-def bench_one(model, params, cfg, batch, context, page_size, attn, iters, bandwidth):
+def bench_one(model, params, cfg, batch, context, page_size, attn, iters, bandwidth, matmul="xla"):
     t0 = time.perf_counter()
-    compiled, (params, state, kv, meta) = build_pass(model, params, cfg, batch, context, page_size, attn)
+    compiled, (params, state, kv, meta) = build_pass(model, params, cfg, batch, context, page_size, attn,
+                                                     matmul=matmul)
     compile_s = time.perf_counter() - t0
     for _ in range(3):
         state, kv, _ = compiled(params, state, kv, meta)
@@ -73,7 +74,7 @@ def bench_one(model, params, cfg, batch, context, page_size, attn, iters, bandwi
     core_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params.layers))
     kv_bytes = batch * (context + 1) * kv_bytes_per_token_per_plane(cfg, params.embed.dtype)
     bound_ms = (core_bytes + kv_bytes) / bandwidth * 1e3
-    return dict(batch=batch, context=context, attn=attn, ms=ms, bound_ms=bound_ms,
+    return dict(batch=batch, context=context, attn=attn, matmul=matmul, ms=ms, bound_ms=bound_ms,
                 fraction_of_roofline=bound_ms / ms, compile_s=compile_s)
 
 
@@ -81,6 +82,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="ouro-1.4b")
     p.add_argument("--attn", nargs="+", default=["pallas", "xla"], choices=["pallas", "xla"])
+    p.add_argument("--matmul", nargs="+", default=["xla", "pallas"], choices=["pallas", "xla"],
+                   help="decode projections: XLA's dot or the weight-streaming kernel")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--contexts", type=int, nargs="+", default=[450, 1000])
     p.add_argument("--page-size", type=int, default=16)
@@ -94,18 +97,18 @@ def main(argv=None):
                                           "hidden_size": 128, "intermediate_size": 256,
                                           "num_attention_heads": 2, "num_key_value_heads": 2,
                                           "head_dim": 64, "vocab_size": 512})
-        args.batches, args.contexts, args.attn, args.iters = [2], [40], ["xla"], 3
+        args.batches, args.contexts, args.attn, args.matmul, args.iters = [2], [40], ["xla"], ["xla"], 3
     else:
         cfg = preset_config(args.preset)
     params = random_checkpoint(cfg, seed=0, dtype="bfloat16")
     model = get_model(cfg)
     rows = []
-    for attn in args.attn:
+    for attn, matmul in [(a, m) for a in args.attn for m in args.matmul]:
         for ctx in args.contexts:
             for b in args.batches:
-                r = bench_one(model, params, cfg, b, ctx, args.page_size, attn, args.iters, args.bandwidth)
+                r = bench_one(model, params, cfg, b, ctx, args.page_size, attn, args.iters, args.bandwidth, matmul)
                 rows.append(r)
-                print(f"{args.preset} attn={attn:6s} B={b:<4d} L={ctx:<5d} pass {r['ms']:.3f} ms  "
+                print(f"{args.preset} attn={attn:6s} matmul={matmul:6s} B={b:<4d} L={ctx:<5d} pass {r['ms']:.3f} ms  "
                       f"bound {r['bound_ms']:.3f} ms  ({100 * r['fraction_of_roofline']:.0f}% of roofline; "
                       f"compile {r['compile_s']:.1f}s)", flush=True)
     info = dict(jax=jax.__version__, device=jax.devices()[0].device_kind, preset=args.preset,

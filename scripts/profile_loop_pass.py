@@ -109,6 +109,7 @@ def run(argv=None):
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--context", type=int, default=450)
     p.add_argument("--attn", default="pallas", choices=["pallas", "xla"])
+    p.add_argument("--matmul", default="xla", choices=["pallas", "xla"], help="decode projections")
     p.add_argument("--hlo-out")
     p.add_argument("--options", nargs="+", default=["default"],
                    help='option sets for the full pass, "name:key=value;key=value"')
@@ -143,7 +144,7 @@ def run(argv=None):
         name, options = parse_option_set(text)
         t0 = time.perf_counter()
         compiled, pass_args = build_pass(get_model(cfg), params, cfg, args.batch, args.context, 16,
-                                         args.attn, compiler_options=options or None)
+                                         args.attn, compiler_options=options or None, matmul=args.matmul)
         compile_s = time.perf_counter() - t0
         ms, pass_args = timed_donating(compiled, *pass_args)
         print(f"full[{name}] {ms:8.3f} ms  (compile {compile_s:.1f} s)", flush=True)

@@ -1,6 +1,7 @@
 """The engine with the Pallas kernels (interpret mode on CPU) equals the dense oracle: decode
-rows through the decode kernel, prefill chunks through the prefill kernel, laid out in aligned
-query blocks with padding rows between chunks (the layout the GPU runs)."""
+rows through the decode kernel and their projections through the weight-streaming matmul
+kernel, prefill chunks through the prefill kernel, laid out in aligned query blocks with
+padding rows between chunks (the layout the GPU runs)."""
 from __future__ import annotations
 
 import numpy as np
@@ -35,9 +36,10 @@ def test_kernel_engine_matches_reference_with_aligned_prefill(small_ouro):
         cache_config=CacheConfig(kv_layout="last_exited", page_size=8),
         scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=80, prefill_chunk_size=20),
         exit_config=ExitConfig(mode="ouro"),
-        execution_config=ExecutionConfig(attn_impl="pallas", interpret=True, compile_ahead=False,
+        execution_config=ExecutionConfig(attn_impl="pallas", matmul_impl="pallas", interpret=True,
+                                         compile_ahead=False,
                                          compilation_cache_dir=None, show_progress=False))
-    assert engine.runner.prefill_alignment == PREFILL_BLOCK_Q
+    assert engine.runner.prefill_alignment == PREFILL_BLOCK_Q and engine.runner.backend.matmul_impl == "pallas"
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (37, 5, 23, 16)]
     arrivals = [(step, f"r{i}", p, SamplingParams(max_tokens=5, temperature=t, seed=i, exit_threshold=0.5,

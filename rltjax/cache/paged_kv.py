@@ -38,6 +38,7 @@ import jax
 
 from rltjax.cache.kv_update import write_kv
 from kernels.paged_attention import paged_attention, paged_prefill_attention
+from kernels.skinny_matmul import MAX_ROWS, skinny_matmul
 
 
 @jax.tree_util.register_dataclass
@@ -75,10 +76,17 @@ class PagedKVBackend:
     interpret runs the Pallas kernels in interpret mode (CPU tests).
     prefill_block_q: > 0 reads through the prefill kernel (``paged_prefill_attention``):
     the rows must come in aligned blocks of this many rows that share a table.
+    matmul_impl: "xla" | "pallas" | "auto" for the projections of batches of at most
+    ``kernels.skinny_matmul.MAX_ROWS`` rows (decode); larger batches (prefill) use XLA's dot.
     """
     attn_impl: str = "xla"
     interpret: bool = False
     prefill_block_q: int = 0
+    matmul_impl: str = "xla"
+
+    def matmul(self, x, w, layer):
+        impl = self.matmul_impl if x.shape[0] <= MAX_ROWS else "xla"
+        return skinny_matmul(x, w, layer, impl=impl, interpret=self.interpret)
 
     def write(self, kv: PagedKV, layer, k, v, meta: PagedMeta) -> PagedKV:
         return write_kv(kv, layer, k, v, meta.write_page, meta.write_offset)

@@ -74,6 +74,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, params, kv, max_num_seqs=scheduler_config.max_num_seqs,
                                   max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
                                   attn_impl=execution_config.attn_impl,
+                                  matmul_impl=execution_config.matmul_impl,
                                   lookahead_w=lookahead_weights(exit_config.lookahead_seed, self.cfg.hidden_size,
                                                                 self.cfg.initializer_range),
                                   max_copies=scheduler_config.max_num_seqs * max(1, self.num_planes - 1),

@@ -93,7 +93,7 @@ class PendingSignals:
 
 class ModelRunner:
     def __init__(self, model, params, kv: PagedKV, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 attn_impl: str, lookahead_w: np.ndarray, max_copies: int, boundary_kv: PagedKV | None = None,
+                 attn_impl: str, matmul_impl: str = "xla", lookahead_w: np.ndarray, max_copies: int, boundary_kv: PagedKV | None = None,
                  prefill_write_planes: int | None = None, raw_signal: bool = False, interpret: bool = False,
                  chunked_prefill: bool = True, window_spec: dict | None = None):
         """boundary_kv: the boundary pool, exactly when the model has boundary stages.
@@ -113,7 +113,7 @@ class ModelRunner:
             raise ValueError(f"{self.cfg.arch}: boundary_kv must be given exactly when the model has boundary "
                              f"stages ({boundary_kv_layers(model)} boundary KV layers)")
         self.bkv = boundary_kv
-        self.backend = PagedKVBackend(attn_impl=attn_impl, interpret=interpret)
+        self.backend = PagedKVBackend(attn_impl=attn_impl, interpret=interpret, matmul_impl=matmul_impl)
         probe = jax.ShapeDtypeStruct((1, self.cfg.num_heads, self.cfg.head_dim), kv.k.dtype)
         uses_kernel = attn_impl == "pallas" or (attn_impl == "auto" and jax.default_backend() == "gpu"
                                                 and kernel_unsupported(probe, kv.k) is None)

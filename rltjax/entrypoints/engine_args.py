@@ -43,6 +43,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("execution")
     g.add_argument("--attn-impl", default="auto", choices=ATTN_IMPLS,
                    help="paged attention: auto = Pallas kernel on GPU, XLA elsewhere")
+    g.add_argument("--matmul-impl", default="auto", choices=ATTN_IMPLS,
+                   help="decode projections (<= 64 rows): auto = the weight-streaming Pallas kernel on GPU, "
+                        "XLA's dot elsewhere")
     g.add_argument("--decode-window", type=int, default=None, metavar="K",
                    help="decode as device-side windows of up to K loop passes (0: one pass per step; "
                         "default: 16 where windows can run)")
@@ -69,6 +72,6 @@ def configs_from_args(args: argparse.Namespace) -> dict:
             max_prefill_batches_before_decode=args.max_prefill_batches_before_decode,
             min_coda_batch_size=args.min_coda_batch_size, max_model_len=args.max_model_len),
         exit_config=ExitConfig(mode=args.exit_mode, lookahead_seed=args.lookahead_seed),
-        execution_config=ExecutionConfig(attn_impl=args.attn_impl, compile_ahead=not args.no_compile_ahead,
+        execution_config=ExecutionConfig(attn_impl=args.attn_impl, matmul_impl=args.matmul_impl, compile_ahead=not args.no_compile_ahead,
                                          decode_window=args.decode_window, async_scheduling=args.async_scheduling,
                                          compilation_cache_dir=args.compilation_cache_dir or None))

@@ -18,7 +18,8 @@ KVBackend, and return it updated:
     embed(params, tokens, bkv, bmeta, backend, ...) -> (state, inject, bkv)
     head(params, state, bkv, bmeta, backend)        -> (logits, bkv)
 
-The core KV (``loop``) keeps its own layer indices 0..L-1 and planes. The
+The backend also applies each layer's projections (``matmul``), so the engine can pick
+a decode-shaped kernel while the oracle keeps XLA's dot. The core KV (``loop``) keeps its own layer indices 0..L-1 and planes. The
 caller owns both pytrees and passes single-plane meta for the boundary one.
 Attention never touches a KV layout directly: it goes through a ``KVBackend``
 (dense per-request planes for the reference oracle, paged planes for the
@@ -45,6 +46,11 @@ class KVBackend(Protocol):
 
     def attend(self, kv: Any, layer: jax.Array, q: jax.Array, meta: Any) -> jax.Array:
         """q: [N, H, Dh] -> [N, H, Dh], causal within each row's sequence at its plane."""
+        ...
+
+    def matmul(self, x: jax.Array, w: jax.Array, layer: jax.Array) -> jax.Array:
+        """A layer's projection: x [N, K] @ w[layer] of a stacked [L, K, N'] weight -> [N, N'] in
+        x's dtype (float32 accumulation). Stacked in, so a kernel can read the layer in place."""
         ...
 
 

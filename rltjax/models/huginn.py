@@ -123,7 +123,8 @@ def _blocks(cfg: ModelConfig, blocks: HuginnBlocks, x, kv, meta, backend: KVBack
     def block_step(carry, xs):
         x, kv = carry
         layer, p = xs
-        q, k, v = jnp.split(rms_norm(x, p.norm_1, eps) @ p.wqkv, split, axis=-1)
+        mm = lambda a, w: backend.matmul(a, w, layer - offset)          # noqa: E731  (block index)
+        q, k, v = jnp.split(mm(rms_norm(x, p.norm_1, eps), blocks.wqkv), split, axis=-1)
         q = q.reshape(n, cfg.num_heads, cfg.head_dim)                      # [N, H, Dh]
         k = k.reshape(n, cfg.num_kv_heads, cfg.head_dim)                   # [N, Hkv, Dh]
         v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim)
@@ -132,10 +133,10 @@ def _blocks(cfg: ModelConfig, blocks: HuginnBlocks, x, kv, meta, backend: KVBack
         q = rope_interleaved(q, positions, cfg.rope_theta)
         k = rope_interleaved(k, positions, cfg.rope_theta)
         kv = backend.write(kv, layer, k, v, meta)
-        attn = backend.attend(kv, layer, q, meta).reshape(n, cfg.q_width) @ p.wo   # [N, D]
+        attn = mm(backend.attend(kv, layer, q, meta).reshape(n, cfg.q_width), blocks.wo)  # [N, D]
         x = rms_norm(attn + x, p.norm_2, eps)
-        a, b = jnp.split(rms_norm(x, p.norm_3, eps) @ p.w_fc, 2, axis=-1)  # [N, F] each
-        x = rms_norm((jax.nn.silu(a) * b) @ p.w_proj + x, p.norm_4, eps)
+        a, b = jnp.split(mm(rms_norm(x, p.norm_3, eps), blocks.w_fc), 2, axis=-1)  # [N, F] each
+        x = rms_norm(mm(jax.nn.silu(a) * b, blocks.w_proj) + x, p.norm_4, eps)
         return (x, kv), None
 
     num = blocks.norm_1.shape[0]

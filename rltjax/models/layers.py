@@ -45,9 +45,10 @@ def rope_interleaved(x: jax.Array, positions: jax.Array, theta: float) -> jax.Ar
     return out.reshape(x.shape).astype(x.dtype)
 
 
-def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
-    """[N, D] -> [N, D] with w_gate/w_up [D, F], w_down [F, D]."""
-    return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+def swiglu(x: jax.Array, matmul, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """[N, D] -> [N, D]; ``matmul(x, w)`` applies one projection (w_gate/w_up [.., D, F],
+    w_down [.., F, D]: the backend's matmul picks the layer of stacked weights)."""
+    return matmul(jax.nn.silu(matmul(x, w_gate)) * matmul(x, w_up), w_down)
 
 
 def causal_softmax_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:

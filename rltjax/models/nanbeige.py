@@ -87,20 +87,22 @@ class NanbeigeModel:
         cfg = self.cfg
         n = state.shape[0]
         positions = meta.positions                                       # [N] int32
+        lw = params.layers          # projections: stacked weights, read through backend.matmul
 
         def layer_step(carry, xs):
             x, kv = carry
             layer, p = xs
+            mm = lambda a, w: backend.matmul(a, w, layer)               # noqa: E731
             h = rms_norm(x, p.attn_norm, cfg.norm_eps)
-            q = (h @ p.wq).reshape(n, cfg.num_heads, cfg.head_dim)        # [N, H, Dh]
-            k = (h @ p.wk).reshape(n, cfg.num_kv_heads, cfg.head_dim)     # [N, Hkv, Dh]
-            v = (h @ p.wv).reshape(n, cfg.num_kv_heads, cfg.head_dim)
+            q = mm(h, lw.wq).reshape(n, cfg.num_heads, cfg.head_dim)    # [N, H, Dh]
+            k = mm(h, lw.wk).reshape(n, cfg.num_kv_heads, cfg.head_dim)  # [N, Hkv, Dh]
+            v = mm(h, lw.wv).reshape(n, cfg.num_kv_heads, cfg.head_dim)
             q = rope_rotate_half(q, positions, cfg.rope_theta)
             k = rope_rotate_half(k, positions, cfg.rope_theta)
             kv = backend.write(kv, layer, k, v, meta)
-            attn = backend.attend(kv, layer, q, meta).reshape(n, cfg.q_width) @ p.wo  # [N, D]
+            attn = mm(backend.attend(kv, layer, q, meta).reshape(n, cfg.q_width), lw.wo)  # [N, D]
             x = x + attn
-            x = x + swiglu(rms_norm(x, p.mlp_norm, cfg.norm_eps), p.w_gate, p.w_up, p.w_down)
+            x = x + swiglu(rms_norm(x, p.mlp_norm, cfg.norm_eps), mm, lw.w_gate, lw.w_up, lw.w_down)
             return (x, kv), None
 
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels.skinny_matmul import skinny_matmul_ref
 from rltjax.models.layers import causal_softmax_attention
 
 
@@ -46,6 +47,9 @@ class DenseKVBackend:
     def write(self, kv: DenseKV, layer, k, v, meta: DenseMeta) -> DenseKV:
         idx = (layer, meta.write_plane, meta.positions)
         return DenseKV(kv.k.at[idx].set(k.astype(kv.k.dtype)), kv.v.at[idx].set(v.astype(kv.v.dtype)))
+
+    def matmul(self, x, w, layer):
+        return skinny_matmul_ref(x, w, layer)
 
     def attend(self, kv: DenseKV, layer, q, meta: DenseMeta):
         capacity = kv.k.shape[2]

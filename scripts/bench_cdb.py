@@ -1,5 +1,6 @@
 """Continuous Depth Batching on one exit trace: fixed depth vs adaptive, refill vs no_refill,
-step-by-step vs device-side decode windows (random weights at a preset's shape).
+step-by-step (sync) vs async scheduling vs device-side decode windows (random weights at a
+preset's shape).
 
     python scripts/bench_cdb.py --preset ouro-1.4b --concurrency 32 --out cdb.json        # GPU
     python scripts/bench_cdb.py --quick --concurrency 4 --prompt-len 16 --output-len 16   # CPU
@@ -92,14 +93,15 @@ def main(argv=None) -> int:
     sp = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     pages = C * -(-(args.prompt_len + args.output_len) // args.page_size) * R + 1
 
-    def engine_for(exit_config, mode="refill", window=0):
+    def engine_for(exit_config, mode="refill", window=0, async_scheduling=False):
         gc.collect()
         return build_engine(None, params=params_w, cfg=cfg, cache_config=CacheConfig(page_size=args.page_size,
                                                                                       num_pages=pages),
                             scheduler_config=SchedulerConfig(max_num_seqs=C, mode=mode,
                                                              max_model_len=args.prompt_len + args.output_len),
                             exit_config=exit_config,
-                            execution_config=ExecutionConfig(decode_window=window, show_progress=False))
+                            execution_config=ExecutionConfig(decode_window=window, async_scheduling=async_scheduling,
+                                                             show_progress=False))
 
     class _Recorder:           # ExitTrace.record reads an LLM's .engine
         def __init__(self, engine):
@@ -115,11 +117,13 @@ def main(argv=None) -> int:
     dbar = trace.mean_depth
 
     configs = [("fixed", "step", "refill"), ("trace", "step", "refill"), ("trace", "step", "no_refill"),
+               ("fixed", "async", "refill"), ("trace", "async", "refill"),
                ("fixed", "window", "refill"), ("trace", "window", "refill")]
     rows = []
     for depth, executor, mode in configs:
         exit_config = trace.exit_config() if depth == "trace" else ExitConfig(mode="fixed")
-        eng = engine_for(exit_config, mode, args.decode_window if executor == "window" else 0)
+        eng = engine_for(exit_config, mode, args.decode_window if executor == "window" else 0,
+                         async_scheduling=executor == "async")
         run(eng, prompts[:2], dataclasses.replace(sp, max_tokens=3), ids[:2])       # warm
         wall, steps, outs = run(eng, prompts, sp, ids)
         if depth == "trace":
@@ -138,7 +142,7 @@ def main(argv=None) -> int:
     f0 = cfg.hidden_size * cfg.vocab_size * np.dtype(dtype if args.quick else np.float16).itemsize
     ideal = (f0 + R * fr) / (f0 + dbar * fr)
     summary = dict(mean_depth=dbar, depth_histogram=trace.depth_histogram(), ideal_speedup=ideal)
-    for executor in ("step", "window"):
+    for executor in ("step", "async", "window"):
         achieved = by[("trace", executor, "refill")] / by[("fixed", executor, "refill")]
         summary[f"{executor}_speedup"] = achieved
         summary[f"{executor}_fraction_of_ideal"] = achieved / ideal
@@ -155,7 +159,8 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"{r['depth']:<7}{r['executor']:<9}{r['scheduler']:<11}{r['output_tokens_per_s']:>10.1f}")
     print(f"ideal speed-up {ideal:.3f}; achieved: step {summary['step_speedup']:.3f} "
-          f"({summary['step_fraction_of_ideal']:.1%}), window {summary['window_speedup']:.3f} "
+          f"({summary['step_fraction_of_ideal']:.1%}), async {summary['async_speedup']:.3f} "
+          f"({summary['async_fraction_of_ideal']:.1%}), window {summary['window_speedup']:.3f} "
           f"({summary['window_fraction_of_ideal']:.1%}); no_refill {summary['no_refill_speedup']:.3f}; "
           f"back-to-back full depth vs CDB step: {summary['full_depth_overhead_step_vs_back_to_back']:+.1%}")
     return 0

@@ -44,7 +44,9 @@ def test_bench_cdb_quick(tmp_path):
     s = info["summary"]
     assert set(s["depth_histogram"]) <= {"1", "2"} and 1.0 <= s["mean_depth"] <= 2.0
     assert s["ideal_speedup"] > 1.5          # 4 loops vs <= 2: close to R / dbar for a tiny head
-    assert len(info["results"]) == 5 and all(r["output_tokens_per_s"] > 0 for r in info["results"])
+    assert len(info["results"]) == 7 and all(r["output_tokens_per_s"] > 0 for r in info["results"])
+    assert {r["executor"] for r in info["results"]} == {"step", "async", "window"}
+    assert s["async_speedup"] > 0 and s["window_fraction_of_ideal"] > 0
 
 
 def test_bench_loop_pass_quick(tmp_path):

@@ -29,6 +29,7 @@ from jax.experimental.pallas import triton as plgpu
 DEFAULT_BLOCK_N = 128
 DEFAULT_BLOCK_K = 256
 MIN_PROGRAMS = 264      # two per H200 multiprocessor: the split count is raised to reach this
+SHARED_BYTES = 200 * 1024   # pipeline stages x (x tile + w tile) must fit (H200: 227 KiB per block)
 
 
 def padded_rows(m: int) -> int:
@@ -66,7 +67,7 @@ def _kernel(layer_ref, x_ref, w_ref, o_ref, *, block_n: int, block_k: int, steps
 @functools.partial(jax.jit, static_argnames=("block_n", "block_k", "k_splits", "num_warps", "num_stages",
                                              "interpret"))
 def skinny_matmul_pallas(x, w, layer, *, block_n: int = DEFAULT_BLOCK_N, block_k: int = DEFAULT_BLOCK_K,
-                         k_splits: int | None = None, num_warps: int = 4, num_stages: int = 3,
+                         k_splits: int | None = None, num_warps: int = 4, num_stages: int | None = None,
                          interpret: bool = False):
     """The kernel; callers go through `kernels.skinny_matmul.skinny_matmul`.
     x [M, K], w [L, K, N], layer [1] int32 -> [M, N] in x's dtype."""
@@ -76,6 +77,9 @@ def skinny_matmul_pallas(x, w, layer, *, block_n: int = DEFAULT_BLOCK_N, block_k
         k_splits = choose_splits(k, n, block_n, block_k)
     steps = k // block_k // k_splits
     rows = padded_rows(m)
+    if num_stages is None:   # a 64-row tile at three stages overflowed shared memory on an H200
+        stage_bytes = (rows + block_n) * block_k * w.dtype.itemsize
+        num_stages = max(1, min(3, SHARED_BYTES // stage_bytes))
     xp = jnp.pad(x, ((0, rows - m), (0, 0))).astype(w.dtype)
     whole = lambda shape: pl.BlockSpec(shape, lambda j, s: (0,) * len(shape))
     partial = pl.pallas_call(

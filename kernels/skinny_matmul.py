@@ -5,8 +5,11 @@
 Semantics: x @ w[layer] with float32 accumulation (`skinny_matmul_ref`). impl:
   "xla"    the reference, XLA's own dot (any backend, any shape);
   "pallas" the weight-streaming Pallas Triton kernel (`kernels.pallas_skinny`);
-           interpret=True runs it on CPU;
-  "auto"   pallas on GPU when the shapes are kernel-supported, xla otherwise.
+           interpret=True runs it on CPU.
+There is no "auto": on an H200 at Ouro-1.4B shapes the kernel beat XLA only at M = 1
+(2x on one projection, 10% on a whole loop pass) and lost at the engine's decode buckets
+(M >= 8: a pass took 3.9 ms against XLA's 2.6 ms at M = 8; docs/performance.md), so XLA
+is the default and the kernel is opt-in until it is tuned.
 Kernel-supported: M <= MAX_ROWS, K and N multiples of 16 (blocks are the largest powers
 of two up to the requested block_k / block_n that divide them), bfloat16 / float16 /
 float32 weights. A Mosaic GPU or jax-triton port replaces the
@@ -21,7 +24,7 @@ from kernels.pallas_skinny import DEFAULT_BLOCK_K, DEFAULT_BLOCK_N, skinny_matmu
 
 MAX_ROWS = 64           # beyond this XLA's tiled GEMMs fill the GPU by themselves
 KERNEL_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
-IMPLS = ("auto", "xla", "pallas")
+IMPLS = ("xla", "pallas")
 
 
 def skinny_matmul_ref(x: jax.Array, w: jax.Array, layer=None) -> jax.Array:
@@ -53,7 +56,7 @@ def kernel_unsupported(x, w, block_n: int = DEFAULT_BLOCK_N, block_k: int = DEFA
     return None
 
 
-def skinny_matmul(x: jax.Array, w: jax.Array, layer=None, *, impl: str = "auto", interpret: bool = False,
+def skinny_matmul(x: jax.Array, w: jax.Array, layer=None, *, impl: str = "xla", interpret: bool = False,
                   block_n: int = DEFAULT_BLOCK_N, block_k: int = DEFAULT_BLOCK_K,
                   k_splits: int | None = None) -> jax.Array:
     """x [M, K] @ w [K, N] (or w[layer] of a stacked [L, K, N]; layer an int32 scalar, may be
@@ -69,8 +72,6 @@ def skinny_matmul(x: jax.Array, w: jax.Array, layer=None, *, impl: str = "auto",
     why_not = kernel_unsupported(x, w, block_n, block_k)
     if impl == "pallas" and why_not:
         raise ValueError(f"skinny_matmul: {why_not}")
-    if impl == "auto":
-        impl = "pallas" if jax.default_backend() == "gpu" and not why_not else "xla"
     if impl == "xla":
         return skinny_matmul_ref(x, w, layer)
     if w.ndim == 2:

@@ -16,6 +16,7 @@ EXIT_MODES = ("ouro", "ouro_delayed", "random_lookahead", "trace", "fixed", "lat
 KV_LAYOUTS = ("last_exited", "shared")
 SCHEDULER_MODES = ("refill", "no_refill")
 ATTN_IMPLS = ("auto", "xla", "pallas")
+MATMUL_IMPLS = ("xla", "pallas")
 # K of decode windows when ExecutionConfig.decode_window is None and windows can run. On an
 # H200 (Ouro-1.4B shapes) K=16 beat step-by-step at 1, 8 and 32 streams (docs/performance.md).
 DEFAULT_DECODE_WINDOW = 16
@@ -140,9 +141,9 @@ class ExecutionConfig:
     """How device work is compiled and dispatched.
 
     attn_impl: paged attention implementation (``auto`` = Pallas on GPU, XLA elsewhere).
-    matmul_impl: decode projections (at most ``kernels.skinny_matmul.MAX_ROWS`` rows):
-    ``auto`` = the weight-streaming Pallas kernel on GPU, XLA's dot elsewhere; prefill
-    batches always use XLA's dot.
+    matmul_impl: decode projections (at most ``kernels.skinny_matmul.MAX_ROWS`` rows): ``xla``
+    (XLA's dot, the default: faster at the engine's decode buckets on an H200) or ``pallas``
+    (the weight-streaming kernel, opt-in); prefill batches always use XLA's dot.
     interpret: run the Pallas kernels in interpret mode (CPU testing of the "pallas" impls).
     decode_window: K > 0 runs decode as device-side windows of up to K loop passes
     (``rltjax.engine.decode_window``) whenever every running request is decoding; 0 runs
@@ -155,7 +156,7 @@ class ExecutionConfig:
     compilation_cache_dir: XLA's persistent compilation cache (None disables it).
     """
     attn_impl: str = "auto"
-    matmul_impl: str = "auto"
+    matmul_impl: str = "xla"
     interpret: bool = False
     decode_window: int | None = None
     async_scheduling: bool = False
@@ -166,8 +167,8 @@ class ExecutionConfig:
     def __post_init__(self) -> None:
         if self.attn_impl not in ATTN_IMPLS:
             _bad("ExecutionConfig", "attn_impl", self.attn_impl, f"choose one of {ATTN_IMPLS}")
-        if self.matmul_impl not in ATTN_IMPLS:
-            _bad("ExecutionConfig", "matmul_impl", self.matmul_impl, f"choose one of {ATTN_IMPLS}")
+        if self.matmul_impl not in MATMUL_IMPLS:
+            _bad("ExecutionConfig", "matmul_impl", self.matmul_impl, f"choose one of {MATMUL_IMPLS}")
         if self.decode_window is not None and (
                 not isinstance(self.decode_window, int) or isinstance(self.decode_window, bool)
                 or not 0 <= self.decode_window <= 1024):

@@ -12,7 +12,7 @@ Variants over the same random bf16 weights (preset shapes):
   weights_rd  a plain reduction over every core weight (the bandwidth floor)
 ``--options NAME:key=value;key=value`` times `full` once per set of XLA compiler
 options (per executable, no environment variables); ``--trace-dir`` profiles each
-set's `full` pass and prints its kernel summary (scripts/trace_summary.py).
+set's `full` pass and prints its kernel summary (rltjax/benchmarks/kernel_trace.py).
 The optimized HLO of `full` is written out to look for copies of weights or KV.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ from checkpoints.random_init import random_checkpoint  # noqa: E402
 from rltjax.models.base import get_model  # noqa: E402
 from rltjax.presets import preset_config  # noqa: E402
 from bench_loop_pass import build_pass  # noqa: E402
-from trace_summary import device_kernels, format_summary, load_events, summarise  # noqa: E402
+from rltjax.benchmarks.kernel_trace import device_kernels, format_summary, load_events, summarise  # noqa: E402
 
 
 def timed(fn, *args, iters=30):

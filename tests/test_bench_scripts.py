@@ -59,10 +59,12 @@ def test_bench_loop_pass_quick(tmp_path):
 def test_bench_throughput_quick(tmp_path):
     out = tmp_path / "thr.json"
     run_script("bench_throughput.py", "--quick", "--concurrency", "1", "4", "--prompt-len", "16",
-               "--output-len", "8", "--no-compile-ahead", "--compilation-cache-dir", "", "--out", str(out))
+               "--output-len", "8", "--no-compile-ahead", "--compilation-cache-dir", "", "--out", str(out),
+               "--trace-dir", str(tmp_path / "trace"), "--trace-tokens", "4")
     info = json.loads(out.read_text())
     rows = info["results"]
     assert [r["concurrency"] for r in rows] == [1, 4]
+    assert all(r["kernels_per_pass"]["passes"] >= 3 * 4 for r in rows)   # the profiled loop ran (no GPU kernels here)
     for r in rows:
         assert r["output_tokens"] == r["requests"] * info["output_len"]
         # fixed depth: every output token but each request's first costs R loop passes at most

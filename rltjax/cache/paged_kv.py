@@ -76,7 +76,7 @@ class PagedKVBackend:
     interpret runs the Pallas kernels in interpret mode (CPU tests).
     prefill_block_q: > 0 reads through the prefill kernel (``paged_prefill_attention``):
     the rows must come in aligned blocks of this many rows that share a table.
-    matmul_impl: "xla" | "pallas" | "auto" for the projections of batches of at most
+    matmul_impl: "xla" | "pallas" for the projections of batches of at most
     ``kernels.skinny_matmul.MAX_ROWS`` rows (decode); larger batches (prefill) use XLA's dot.
     """
     attn_impl: str = "xla"

@@ -35,6 +35,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--exit-threshold", type=float, default=1.0, help="1 = fixed depth R")
     p.add_argument("--out", help="write results as JSON here")
+    p.add_argument("--trace-dir", help="after each measured run, profile one more closed loop of C requests "
+                                       "(--trace-tokens outputs each) here and print its GPU kernels per loop pass")
+    p.add_argument("--trace-tokens", type=int, default=64)
     add_engine_arguments(p)
 
 
@@ -63,8 +66,33 @@ def measure(engine, concurrency: int, args, params) -> dict:
     jax.block_until_ready(engine.runner.kv.k)
     wall = time.perf_counter() - t0
     tokens = n * params.max_tokens
-    return dict(concurrency=concurrency, requests=n, output_tokens=tokens, seconds=wall,
-                output_tokens_per_s=tokens / wall, steps=dict(engine.steps_by_kind))
+    row = dict(concurrency=concurrency, requests=n, output_tokens=tokens, seconds=wall,
+               output_tokens_per_s=tokens / wall, steps=dict(engine.steps_by_kind))
+    if args.trace_dir:
+        row["kernels_per_pass"] = profile_run(engine, concurrency, args, params, rng)
+    return row
+
+
+def profile_run(engine, concurrency: int, args, params, rng) -> dict:
+    """One more closed loop under the profiler; GPU kernel time per loop pass (prefill included)."""
+    import os
+
+    import jax
+
+    from rltjax.benchmarks.kernel_trace import device_kernels, format_summary, load_events, summarise
+    trace_dir = os.path.join(args.trace_dir, f"c{concurrency}")
+    engine.steps_by_kind.clear()
+    short = dataclasses.replace(params, max_tokens=min(args.trace_tokens, params.max_tokens))
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        t0 = time.perf_counter()
+        run_closed_loop(engine, concurrency, concurrency, args.prompt_len, short, rng, f"trace{concurrency}")
+        jax.block_until_ready(engine.runner.kv.k)
+        wall = time.perf_counter() - t0
+    passes = engine.steps_by_kind.get("window_passes", 0) + engine.steps_by_kind.get("loop", 0)
+    summary = summarise(device_kernels(load_events(trace_dir)), per=max(passes, 1), top=25)
+    print(f"[trace C={concurrency}] {passes} loop passes in {wall * 1e3:.0f} ms (profiled): per pass "
+          + format_summary(summary), flush=True)
+    return dict(summary, passes=passes, wall_ms_per_pass=wall * 1e3 / max(passes, 1))
 
 
 def run_bench(args: argparse.Namespace) -> int:

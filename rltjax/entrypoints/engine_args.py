@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from rltjax.engine_config import (ATTN_IMPLS, EXIT_MODES, KV_LAYOUTS, SCHEDULER_MODES, CacheConfig,
+from rltjax.engine_config import (ATTN_IMPLS, EXIT_MODES, MATMUL_IMPLS, KV_LAYOUTS, SCHEDULER_MODES, CacheConfig,
                                   ExecutionConfig, ExitConfig, SchedulerConfig, default_cache_dir)
 
 
@@ -43,9 +43,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("execution")
     g.add_argument("--attn-impl", default="auto", choices=ATTN_IMPLS,
                    help="paged attention: auto = Pallas kernel on GPU, XLA elsewhere")
-    g.add_argument("--matmul-impl", default="auto", choices=ATTN_IMPLS,
-                   help="decode projections (<= 64 rows): auto = the weight-streaming Pallas kernel on GPU, "
-                        "XLA's dot elsewhere")
+    g.add_argument("--matmul-impl", default="xla", choices=MATMUL_IMPLS,
+                   help="decode projections (<= 64 rows): XLA's dot, or the weight-streaming Pallas kernel "
+                        "(opt-in: slower than XLA at decode batches >= 8 on an H200)")
     g.add_argument("--decode-window", type=int, default=None, metavar="K",
                    help="decode as device-side windows of up to K loop passes (0: one pass per step; "
                         "default: 16 where windows can run)")

@@ -1,6 +1,6 @@
 """Summarise the GPU kernels of a `jax.profiler` perfetto trace.
 
-    python scripts/trace_summary.py TRACE_DIR --per 20      # 20 passes were traced
+    python -m rltjax.benchmarks.kernel_trace TRACE_DIR --per 20      # 20 passes were traced
 
 Prints, per traced unit of work (``--per``): the kernel count, the time the GPU
 was busy (union of kernel intervals), the span from first kernel start to last

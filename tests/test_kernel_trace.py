@@ -1,0 +1,38 @@
+"""The profiler-trace summary: device kernels only, busy time as the union of intervals,
+counts and times per unit of work."""
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from rltjax.benchmarks.kernel_trace import busy_time, device_kernels, load_events, summarise
+
+
+def write_trace(tmp_path, events):
+    run = tmp_path / "plugins" / "profile" / "run1"
+    run.mkdir(parents=True)
+    with gzip.open(run / "perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+
+
+def test_summary_of_a_known_trace(tmp_path):
+    meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
+            {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/device:GPU:0"}}]
+    kernels = [dict(ph="X", pid=2, tid=1, ts=0.0, dur=10.0, name="gemm"),
+               dict(ph="X", pid=2, tid=2, ts=5.0, dur=10.0, name="attn"),      # overlaps gemm: 0..15 busy
+               dict(ph="X", pid=2, tid=1, ts=30.0, dur=10.0, name="gemm"),     # gap 15..30
+               dict(ph="X", pid=1, tid=1, ts=0.0, dur=100.0, name="host_dispatch")]
+    write_trace(tmp_path, meta + kernels)
+    found = device_kernels(load_events(str(tmp_path)))
+    assert [e["name"] for e in found] == ["gemm", "attn", "gemm"]
+    assert busy_time(found) == 25.0
+    s = summarise(found, per=2)
+    assert s["kernels"] == 1.5 and s["busy_us"] == 12.5 and s["span_us"] == 20.0
+    assert s["top"][0] == dict(name="gemm", count=1.0, total_us=10.0, mean_us=10.0)
+
+
+def test_missing_trace_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no perfetto_trace.json.gz"):
+        load_events(str(tmp_path))

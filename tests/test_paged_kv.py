@@ -343,3 +343,23 @@ def test_sizing():
 def test_sizing_on_cpu_asks_for_explicit_num_pages():
     with pytest.raises(KVSizingError, match="explicit num_pages"):
         num_pages_for_memory(checkpoint().cfg, 16, jnp.float32, 0.9)
+
+
+def test_copies_land_beside_dropped_padding():
+    """With padding entries (0, 0) -> (0, 0) dropped rather than written, the real copies still
+    land, also one that reads out of page 0, and no other slot changes."""
+    rng = np.random.default_rng(3)
+    shape = (2, 2, 4, 4, 8)                                   # [L, Hkv, P, S, Dh]
+    kv = PagedKV(k=jnp.asarray(rng.standard_normal(shape), jnp.float32),
+                 v=jnp.asarray(rng.standard_normal(shape), jnp.float32))
+    before = jax.tree.map(np.asarray, kv)
+    src_p, src_o = np.array([0, 2, 0, 0], np.int32), np.array([3, 1, 0, 0], np.int32)
+    dst_p, dst_o = np.array([3, 1, 0, 0], np.int32), np.array([0, 2, 0, 0], np.int32)
+    out = jax.tree.map(np.asarray, copy_slots(kv, *map(jnp.asarray, (src_p, src_o, dst_p, dst_o))))
+    for name in ("k", "v"):
+        b, o = getattr(before, name), getattr(out, name)
+        np.testing.assert_array_equal(o[:, :, 3, 0], b[:, :, 0, 3])   # copied out of page 0
+        np.testing.assert_array_equal(o[:, :, 1, 2], b[:, :, 2, 1])
+        expect = b.copy()
+        expect[:, :, 3, 0], expect[:, :, 1, 2] = b[:, :, 0, 3], b[:, :, 2, 1]
+        np.testing.assert_array_equal(o, expect)                      # nothing else changed, page 0 too

@@ -168,7 +168,7 @@ def decode_window(params, kv: PagedKV, slot_state, rows: WindowRows, block_table
             exit_now, trigger = rule(r, rows.min_loops, rows.max_loops, rows.threshold,
                                      (1.0 - remaining).astype(jnp.float32), score, signal, rows.triggered)
         exit_now = exit_now & act
-        if layered and num_planes > 1:
+        if layered and num_planes > 1:   # non-copies (most entries) are dropped, not written
             kv = copy_kv_slots(kv, *_exit_copies(rows, exit_now, r, block_tables, page_size, num_planes))
 
         def head(bkv):

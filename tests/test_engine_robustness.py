@@ -275,3 +275,23 @@ def test_first_steps_after_warm_up_do_not_compile():
                 engine.step()
     assert events == []
     assert_all_pages_free(engine)
+
+
+@pytest.mark.parametrize("exit_mode", ["ouro", "fixed"])
+def test_continued_windows_after_warm_up_do_not_compile(exit_mode):
+    """Windows launched from the previous window's device rows reuse the warm-up executable:
+    host rows are committed to the device like those device rows (an uncommitted first
+    variant made the first continued window of each row bucket compile inside the run)."""
+    engine = make_engine(compile_ahead=True, max_num_seqs=2, decode_window=3, exit_mode=exit_mode)
+    launches = []
+    real = engine.runner.window_launch
+    engine.runner.window_launch = lambda rows, *rest: launches.append(
+        not isinstance(rows.slots, np.ndarray)) or real(rows, *rest)
+    with compile_events() as events:
+        for i in range(2):
+            engine.add_request(f"c{i}", TOKENS[:5 + i], greedy(10))
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert sum(launches) >= 2, "no window continued from device rows"
+    assert events == []
+    assert_all_pages_free(engine)

@@ -127,7 +127,7 @@ class ModelRunner:
         # Commit every array that calls replace with their outputs to one device now: jit keys
         # its cache on placement, and outputs are committed, so an uncommitted first input would
         # make the warm-up compile a variant that steady state never uses.
-        device = jax.devices()[0]
+        self.device = device = jax.devices()[0]
         self.kv, self.slot_state, self.slot_inject, self.bkv = jax.device_put(
             (self.kv, self.slot_state, self.slot_inject, self.bkv), device)
         self.lookahead_w = jnp.asarray(lookahead_w, jnp.float32)
@@ -238,6 +238,10 @@ class ModelRunner:
                                                 [(0, pad)] + [(0, 0)] * (getattr(rows, f.name).ndim - 1),
                                                 constant_values=self.dummy_slot if f.name == "slots" else 0)
                                  for f in dataclasses.fields(WindowRows)})
+            # committed, like the device rows a continued window gets: one executable for both
+            # (uncommitted host rows compiled a second variant at the first continued window,
+            # tens of seconds inside a run on the H200)
+            rows = jax.device_put(rows, self.device)
         self.kv, self.slot_state, self.bkv, self.slot_inject, after, out = decode_window(
             self.params, self.kv, self.slot_state, rows, block_tables, self.lookahead_w, self.bkv,
             self.slot_inject, boundary_tables, model=self.model, backend=self.backend, num_top=self.num_top,

@@ -51,21 +51,25 @@ def parse(argv):
     return p.parse_args(argv)
 
 
-def run(engine, prompts, params, ids) -> tuple[float, dict, list]:
-    """All requests at once (closed loop of size = concurrency); seconds, steps, outputs."""
+def run(engine, prompts, params, ids) -> tuple[float, dict, list, dict]:
+    """All requests at once (closed loop of size = concurrency); seconds, steps, outputs and
+    the executables compiled inside the run (any is a stall the numbers include)."""
     import jax
+
+    from rltjax.benchmarks.compile_watch import CompileWatch
     engine.steps_by_kind.clear()
-    t0 = time.perf_counter()
-    for rid, prompt in zip(ids, prompts):
-        engine.add_request(rid, prompt, params)
-    while engine.has_unfinished_requests():
-        engine.step()
-    jax.block_until_ready(engine.runner.kv.k)
-    wall = time.perf_counter() - t0
+    with CompileWatch() as compiles:
+        t0 = time.perf_counter()
+        for rid, prompt in zip(ids, prompts):
+            engine.add_request(rid, prompt, params)
+        while engine.has_unfinished_requests():
+            engine.step()
+        jax.block_until_ready(engine.runner.kv.k)
+        wall = time.perf_counter() - t0
     outs = [engine.get_output(rid) for rid in ids]
     for rid in ids:
         engine.forget(rid)
-    return wall, dict(engine.steps_by_kind), outs
+    return wall, dict(engine.steps_by_kind), outs, compiles.report()
 
 
 def main(argv=None) -> int:
@@ -109,7 +113,7 @@ def main(argv=None) -> int:
 
     eng = engine_for(ExitConfig(mode="trace", depths_by_request=drawn))
     run(eng, prompts[:1], dataclasses.replace(sp, max_tokens=4), ids[:1])          # warm
-    _, _, outs = run(eng, prompts, sp, ids)
+    _, _, outs, _ = run(eng, prompts, sp, ids)
     trace = ExitTrace.record(_Recorder(eng), prompts, outs, sp)
     for rec, rid in zip(trace.records, ids):
         rec["request_id"] = rid
@@ -125,12 +129,16 @@ def main(argv=None) -> int:
         eng = engine_for(exit_config, mode, args.decode_window if executor == "window" else 0,
                          async_scheduling=executor == "async")
         run(eng, prompts[:2], dataclasses.replace(sp, max_tokens=3), ids[:2])       # warm
-        wall, steps, outs = run(eng, prompts, sp, ids)
+        wall, steps, outs, compiles = run(eng, prompts, sp, ids)
         if depth == "trace":
             trace.check_engine(eng)
             assert all(o.exit_depths == r["exit_depths"] for o, r in zip(outs, trace.records)), "trace not replayed"
         rows.append(dict(depth=depth, executor=executor, scheduler=mode, seconds=wall,
-                         output_tokens_per_s=C * args.output_len / wall, steps=steps))
+                         output_tokens_per_s=C * args.output_len / wall, steps=steps,
+                         compiles_during_run=compiles))
+        if compiles["count"]:
+            print(f"WARNING: {depth}/{executor}/{mode} compiled {compiles['count']} executable(s) inside the "
+                  f"timed run ({compiles['seconds']:.1f}s)", flush=True)
         print(json.dumps(rows[-1]), flush=True)
         del eng
 

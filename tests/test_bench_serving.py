@@ -222,6 +222,7 @@ def test_in_process_script(tmp_path):
     assert sum(1 for _ in (tmp_path / "xla").iterdir()) >= st["cache_entries"]   # kept for later runs
     assert result["main_build"]["engine"]["max_num_seqs"] == 2
     assert [r["num_requests"] for r in result["runs"]] == [3, 4]      # per-C counts: prefixes of one draw
+    assert [r["compiles_during_run"]["count"] for r in result["runs"]] == [0, 0]   # all compiled ahead
     check_run(result["runs"][0])
     check_run(result["runs"][1], result["dataset"]["workload"]["total_output_tokens"])
     assert result["dataset"]["records_parsed"] > 17_000 and len(result["plots"]) == 2

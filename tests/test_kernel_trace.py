@@ -36,3 +36,20 @@ def test_summary_of_a_known_trace(tmp_path):
 def test_missing_trace_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="no perfetto_trace.json.gz"):
         load_events(str(tmp_path))
+
+
+def test_compile_watch_counts_only_inside_the_block():
+    import jax
+    import jax.numpy as jnp
+
+    from rltjax.benchmarks.compile_watch import CompileWatch
+    x = jnp.arange(4.0)
+    warm = jax.jit(lambda a: a * 3.0)
+    warm(x)
+    with CompileWatch() as w:
+        warm(x)                                   # cached: nothing obtained
+        assert w.count == 0 and w.warning("run") is None
+        jax.jit(lambda a: a - 7.0)(x)             # a new executable
+    assert w.count == 1 and w.seconds > 0
+    jax.jit(lambda a: a + 11.0)(x)                # after the block: not counted
+    assert w.report()["count"] == 1 and "compiled 1 executable(s)" in w.warning("run")

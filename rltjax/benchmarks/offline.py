@@ -17,6 +17,7 @@ import sys
 import time
 
 from rltjax.benchmarks import clients, metrics, report, roofline, startup, workload
+from rltjax.benchmarks.compile_watch import CompileWatch
 from rltjax.entrypoints.llm import LLM
 
 
@@ -72,9 +73,10 @@ def run(args) -> dict:
         llm.generate(prompts[warm], [SamplingParams(max_tokens=4, ignore_eos=True) for _ in prompts[warm]],
                      use_tqdm=False)
     engine.steps_by_kind.clear()
-    t0 = time.monotonic()
-    outputs = llm.generate(prompts, params)
-    wall = time.monotonic() - t0
+    with CompileWatch() as compiles:
+        t0 = time.monotonic()
+        outputs = llm.generate(prompts, params)
+        wall = time.monotonic() - t0
     timings = timings_from_outputs(outputs, t0)
     summary = metrics.summarize(timings, wall)
     summary.pop("itl_ms")   # token arrivals are not observable through LLM.generate
@@ -89,9 +91,12 @@ def run(args) -> dict:
           f"{wall:.2f}s | TTFT p50 {s['ttft_ms']['p50']:.1f} ms, TPOT p50 {s['tpot_ms']['p50']:.2f} ms, "
           f"E2E p50 {s['e2e_ms']['p50']:.1f} ms", flush=True)
     print("      " + roofline.roofline_line(roof), flush=True)
+    if compiles.warning("the offline run"):
+        print("      " + compiles.warning("the offline run"), flush=True)
     result = dict(kind="offline", config=config, environment=env, tokenizer=tok.describe(), dataset=data_info,
                   model_bytes=vars(mb), build=build, summary=summary, roofline=roof,
                   output_len_mismatches=mismatches, steps=dict(engine.steps_by_kind),
+                  compiles_during_run=compiles.report(),
                   per_request=report.per_request(timings))
     out = workload.out_dir(args, "offline")
     report.write_json(out / "results.json", result)

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 from rltjax.benchmarks import clients, depth_trace, metrics, report, roofline, startup, workload
+from rltjax.benchmarks.compile_watch import CompileWatch
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -133,9 +134,11 @@ def run_benchmark(args, argv: list[str]) -> dict:
         for c, n in zip(args.concurrency, per_run_counts(args)):
             reqs = requests[:n]
             before = clients.scrape_exit_depth(base_url) if base_url else None
+            compiles = None
             if engine is not None:
-                timings, wall = clients.run_engine(engine, reqs, c, temperature=args.temperature,
-                                                   exit_threshold=args.exit_threshold, tag=f"c{c}")
+                with CompileWatch() as compiles:
+                    timings, wall = clients.run_engine(engine, reqs, c, temperature=args.temperature,
+                                                       exit_threshold=args.exit_threshold, tag=f"c{c}")
             else:
                 timings, wall = clients.run_http(base_url, reqs, c, model_name, prompt_format=args.prompt_format,
                                                  temperature=args.temperature, exit_threshold=args.exit_threshold,
@@ -148,11 +151,14 @@ def run_benchmark(args, argv: list[str]) -> dict:
                                             summary["output_throughput"], args.bandwidth)
             mismatches = sum(t.ok and t.output_tokens != r.output_len for t, r in zip(timings, reqs))
             run = dict(concurrency=c, num_requests=n, summary=summary, roofline=roof,
-                       output_len_mismatches=mismatches, per_request=report.per_request(timings))
+                       output_len_mismatches=mismatches, per_request=report.per_request(timings),
+                       compiles_during_run=compiles.report() if compiles else None)
             result["runs"].append(run)
             timings_by_run.append(timings)
             print(report.summary_line(run), flush=True)
             print("      " + roofline.roofline_line(roof), flush=True)
+            if compiles and compiles.warning(f"C={c}"):
+                print("      " + compiles.warning(f"C={c}"), flush=True)
             if mismatches:
                 print(f"      WARNING: {mismatches} request(s) did not generate their target length", flush=True)
     return _write(args, result, timings_by_run)

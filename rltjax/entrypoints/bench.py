@@ -59,15 +59,20 @@ def measure(engine, concurrency: int, args, params) -> dict:
     rng = np.random.default_rng(0)
     warm = dataclasses.replace(params, max_tokens=min(8, params.max_tokens))
     run_closed_loop(engine, concurrency, concurrency, args.prompt_len, warm, rng, f"warm{concurrency}")
+    from rltjax.benchmarks.compile_watch import CompileWatch
     engine.steps_by_kind.clear()
     n = max(concurrency, args.num_requests or concurrency)
-    t0 = time.perf_counter()
-    run_closed_loop(engine, concurrency, n, args.prompt_len, params, rng, f"c{concurrency}")
-    jax.block_until_ready(engine.runner.kv.k)
-    wall = time.perf_counter() - t0
+    with CompileWatch() as compiles:
+        t0 = time.perf_counter()
+        run_closed_loop(engine, concurrency, n, args.prompt_len, params, rng, f"c{concurrency}")
+        jax.block_until_ready(engine.runner.kv.k)
+        wall = time.perf_counter() - t0
     tokens = n * params.max_tokens
     row = dict(concurrency=concurrency, requests=n, output_tokens=tokens, seconds=wall,
-               output_tokens_per_s=tokens / wall, steps=dict(engine.steps_by_kind))
+               output_tokens_per_s=tokens / wall, steps=dict(engine.steps_by_kind),
+               compiles_during_run=compiles.report())
+    if compiles.warning(f"C={concurrency}"):
+        print(compiles.warning(f"C={concurrency}"), file=sys.stderr, flush=True)
     if args.trace_dir:
         row["kernels_per_pass"] = profile_run(engine, concurrency, args, params, rng)
     return row

@@ -5,8 +5,9 @@
 Decode runs every projection at M = 1..64 rows, where the cost is reading the
 weight once. XLA's GEMMs at these shapes launch few programs (N / tile of them)
 and read weights at ~30-40% of bandwidth on an H200 (docs/performance.md). Here
-the grid is (N / block_n, S): each program owns one column tile over 1/S of K,
-so the grid has hundreds of programs even for a 2048 x 2048 weight, and each
+the grid is (N / block_n, S): each program owns one column tile over 1/S of K
+(S is raised towards MIN_PROGRAMS programs, at most K / block_k: 128 programs for
+a 2048 x 2048 weight at the default blocks, 352 for 2048 x 5632), and each
 streams its [K/S, block_n] slab in block_k steps with a float32 accumulator. The
 S partial sums are added by XLA (tiny: S x Mp x N float32).
 
@@ -29,7 +30,6 @@ from jax.experimental.pallas import triton as plgpu
 DEFAULT_BLOCK_N = 128
 DEFAULT_BLOCK_K = 256
 MIN_PROGRAMS = 264      # two per H200 multiprocessor: the split count is raised to reach this
-SHARED_BYTES = 200 * 1024   # pipeline stages x (x tile + w tile) must fit (H200: 227 KiB per block)
 
 
 def padded_rows(m: int) -> int:
@@ -37,7 +37,8 @@ def padded_rows(m: int) -> int:
 
 
 def choose_splits(k: int, n: int, block_n: int, block_k: int, min_programs: int = MIN_PROGRAMS) -> int:
-    """The smallest divisor S of K / block_k with (N / block_n) * S >= min_programs."""
+    """The smallest divisor S of K / block_k with (N / block_n) * S >= min_programs, or
+    K / block_k (one block_k step per program) when no divisor gets there."""
     steps = k // block_k
     tiles = n // block_n
     for s in range(1, steps + 1):
@@ -77,9 +78,8 @@ def skinny_matmul_pallas(x, w, layer, *, block_n: int = DEFAULT_BLOCK_N, block_k
         k_splits = choose_splits(k, n, block_n, block_k)
     steps = k // block_k // k_splits
     rows = padded_rows(m)
-    if num_stages is None:   # a 64-row tile at three stages overflowed shared memory on an H200
-        stage_bytes = (rows + block_n) * block_k * w.dtype.itemsize
-        num_stages = max(1, min(3, SHARED_BYTES // stage_bytes))
+    if num_stages is None:   # H200: three stages of a 64-row tile overflowed shared memory
+        num_stages = 2 if rows >= 64 else 3   # (64 x 49152 lm_head, 8 K steps); <= 32 rows ran at 3
     xp = jnp.pad(x, ((0, rows - m), (0, 0))).astype(w.dtype)
     whole = lambda shape: pl.BlockSpec(shape, lambda j, s: (0,) * len(shape))
     partial = pl.pallas_call(

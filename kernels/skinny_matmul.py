@@ -6,8 +6,9 @@ Semantics: x @ w[layer] with float32 accumulation (`skinny_matmul_ref`). impl:
   "xla"    the reference, XLA's own dot (any backend, any shape);
   "pallas" the weight-streaming Pallas Triton kernel (`kernels.pallas_skinny`);
            interpret=True runs it on CPU.
-There is no "auto": on an H200 at Ouro-1.4B shapes the kernel beat XLA only at M = 1
-(2x on one projection, 10% on a whole loop pass) and lost at the engine's decode buckets
+There is no "auto": on an H200 at Ouro-1.4B shapes the kernel beat XLA over a whole loop
+pass only at M = 1 (by 10%; up to 2x on single projections at M = 1 and 8) and lost at the
+engine's decode buckets
 (M >= 8: a pass took 3.9 ms against XLA's 2.6 ms at M = 8; docs/performance.md), so XLA
 is the default and the kernel is opt-in until it is tuned.
 Kernel-supported: M <= MAX_ROWS, K and N multiples of 16 (blocks are the largest powers
@@ -49,8 +50,13 @@ def kernel_unsupported(x, w, block_n: int = DEFAULT_BLOCK_N, block_k: int = DEFA
     (m, k), n = x.shape, w.shape[-1]
     if m > MAX_ROWS:
         return f"x has {m} rows; the kernel is for at most {MAX_ROWS}"
-    if fit_block(k, block_k) is None or fit_block(n, block_n) is None:
-        return f"K={k} and N={n} must be multiples of 16"
+    for dim, size, block, flag in (("K", k, block_k, "block_k"), ("N", n, block_n, "block_n")):
+        if block < 16:
+            return f"{flag}={block}: blocks must be at least 16 (tensor-core tiles)"
+        if fit_block(size, block) is None:
+            return f"{dim}={size} must be a multiple of 16 for the kernel"
+    if x.dtype != w.dtype:
+        return f"x is {x.dtype} but w is {w.dtype}; the kernel multiplies in one dtype"
     if w.dtype not in KERNEL_DTYPES:
         return f"kernel dtypes are bfloat16/float16/float32, got {w.dtype}"
     return None

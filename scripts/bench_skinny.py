@@ -80,6 +80,9 @@ def main(argv=None):
                                    x, w, args.iters)
                 if best is None or s < best[0]:
                     best = (s, bn, bk, splits * scale)
+            if best is None:
+                raise SystemExit(f"bench_skinny: no --block-n / --block-k / --split-scale combination fits "
+                                 f"{name} (K={k}, N={n})")
             row = dict(shape=name, rows=m, xla_us=xla_s * 1e6, xla_gbs=gbs(xla_s), pallas_us=best[0] * 1e6,
                        pallas_gbs=gbs(best[0]), block_n=best[1], block_k=best[2], k_splits=best[3])
             rows_out.append(row)

@@ -346,15 +346,16 @@ def test_sizing_on_cpu_asks_for_explicit_num_pages():
 
 
 def test_copies_land_beside_dropped_padding():
-    """With padding entries (0, 0) -> (0, 0) dropped rather than written, the real copies still
-    land, also one that reads out of page 0, and no other slot changes."""
+    """Entries with destination page 0 (padding) are dropped, not written, even with a live
+    source; the real copies still land, also one that reads out of page 0, and no other slot
+    (page 0 included) changes."""
     rng = np.random.default_rng(3)
     shape = (2, 2, 4, 4, 8)                                   # [L, Hkv, P, S, Dh]
     kv = PagedKV(k=jnp.asarray(rng.standard_normal(shape), jnp.float32),
                  v=jnp.asarray(rng.standard_normal(shape), jnp.float32))
     before = jax.tree.map(np.asarray, kv)
-    src_p, src_o = np.array([0, 2, 0, 0], np.int32), np.array([3, 1, 0, 0], np.int32)
-    dst_p, dst_o = np.array([3, 1, 0, 0], np.int32), np.array([0, 2, 0, 0], np.int32)
+    src_p, src_o = np.array([0, 2, 0, 2], np.int32), np.array([3, 1, 0, 1], np.int32)
+    dst_p, dst_o = np.array([3, 1, 0, 0], np.int32), np.array([0, 2, 0, 3], np.int32)
     out = jax.tree.map(np.asarray, copy_slots(kv, *map(jnp.asarray, (src_p, src_o, dst_p, dst_o))))
     for name in ("k", "v"):
         b, o = getattr(before, name), getattr(out, name)

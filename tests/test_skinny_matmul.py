@@ -46,7 +46,7 @@ def test_default_blocks_fit_any_multiple_of_16():
     assert fit_block(5632, 256) == 256 and fit_block(2048, 128) == 128 and fit_block(96, 128) == 32
     assert fit_block(48, 256) == 16 and fit_block(40, 256) is None
     assert padded_rows(1) == 16 and padded_rows(17) == 32 and padded_rows(64) == 64
-    # enough programs to fill the GPU: Ouro's 2048 x 2048 at 128-column tiles needs 17+ splits
+    # splits rise towards MIN_PROGRAMS, capped at K / block_k (2048 x 2048 at 128 x 256: 8)
     assert choose_splits(2048, 2048, 128, 256) == 8 and choose_splits(2048, 2048, 128, 128) == 16
     assert choose_splits(5632, 2048, 128, 256) == 22 and choose_splits(2048, 49152, 128, 256) == 1
     rng = np.random.default_rng(0)
@@ -68,7 +68,9 @@ def test_default_is_xla_and_equals_the_reference():
     ((4, 48), (64, 32), None, {}, "x has K=48 but w has K=64"),
     ((4, 64, 1), (64, 32), None, {}, r"x must be \[M, K\]"),
     ((MAX_ROWS + 1, 64), (64, 32), None, dict(impl="pallas"), "at most 64"),
-    ((4, 40), (40, 32), None, dict(impl="pallas"), "multiples of 16"),
+    ((4, 40), (40, 32), None, dict(impl="pallas"), "K=40 must be a multiple of 16"),
+    ((4, 64), (64, 40), None, dict(impl="pallas"), "N=40 must be a multiple of 16"),
+    ((4, 64), (64, 32), None, dict(impl="pallas", block_k=8), "block_k=8: blocks must be at least 16"),
     ((4, 64), (64, 32), None, dict(impl="triton"), "choose one of"),
     ((4, 64), (64, 32), None, dict(impl="pallas", block_k=16, k_splits=3), "k_splits=3 must divide"),
 ])
@@ -76,6 +78,12 @@ def test_bad_calls_are_named(x_shape, w_shape, layer, kw, match):
     with pytest.raises(ValueError, match=match):
         skinny_matmul(jnp.ones(x_shape, jnp.float32), jnp.ones(w_shape, jnp.float32), layer,
                       interpret=True, **kw)
+
+
+def test_mixed_dtypes_are_refused_by_the_kernel():
+    with pytest.raises(ValueError, match="x is float32 but w is bfloat16"):
+        skinny_matmul(jnp.ones((4, 64), jnp.float32), jnp.ones((64, 32), jnp.bfloat16), impl="pallas",
+                      interpret=True)
 
 
 @pytest.mark.gpu

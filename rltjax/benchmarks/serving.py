@@ -83,6 +83,9 @@ def _model_dir(path: str | None) -> str | None:
 
 def run_benchmark(args, argv: list[str]) -> dict:
     per_run_counts(args)   # bad flags fail before anything starts
+    if args.startup_cache_dir and args.skip_startup:
+        raise ValueError("--startup-cache-dir holds the start-up measurement's cache; with --skip-startup "
+                         "there is none (use --compilation-cache-dir)")
     if args.trace_depth_probs and not args.in_process:
         raise ValueError("--trace-depth-probs replays a drawn exit trace in the in-process engine; a server "
                          "decides depths itself (use --in-process)")

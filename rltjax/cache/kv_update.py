@@ -47,10 +47,10 @@ def copy_kv_slots(kv, src_page: jax.Array, src_offset: jax.Array, dst_page: jax.
                   dst_offset: jax.Array):
     """Copy M slots src -> dst over all layers and heads at once; [M] int32 each.
 
-    Padding entries are (0, 0) -> (0, 0); their writes are dropped (page 0 is scratch).
-    Written, the padding would land on one slot many times over: XLA's scatter then
-    serialises on that slot (on an H200 a decode window of 32 rows at fixed depth spent
-    ~10 ms a pass there). Traceable: decode windows call it inside their loop;
+    Padding entries have dst page 0; their writes are dropped (page 0 is scratch, never a
+    real destination). Written, the padding would land on one slot many times over and
+    XLA's scatter serialises on it: dropping them made H200 decode windows 5-9% faster
+    (docs/performance.md). Traceable: decode windows call it inside their loop;
     ``copy_slots`` is the same copy as its own jitted call.
     """
     dst_page = jnp.where(dst_page == 0, kv.k.shape[2], dst_page)   # out of bounds: dropped

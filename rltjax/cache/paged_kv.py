@@ -5,9 +5,9 @@ Layout
                  the whole pool is one (donated) jit argument; per layer the
                  slice kv.k[layer] is exactly the layout of
                  ``kernels.paged_attention_ref`` (head-major pages).
-  page 0:        scratch. Padded rows write there and padded copy entries copy
-                 0 -> 0, so static batch shapes never touch live pages. The
-                 allocator must never hand out page 0.
+  page 0:        scratch. Padded rows write there and padded copy entries
+                 (dst page 0) are dropped, so static batch shapes never touch
+                 live pages. The allocator must never hand out page 0.
   block tables:  [num_tables, pages_per_table] int32, one table per
                  (sequence, plane). The pool itself is shared by all planes:
                  a plane is only a set of tables. ``last_exited`` keeps one plane
@@ -38,7 +38,7 @@ import jax
 
 from rltjax.cache.kv_update import write_kv
 from kernels.paged_attention import paged_attention, paged_prefill_attention
-from kernels.skinny_matmul import MAX_ROWS, skinny_matmul
+from kernels.skinny_matmul import MAX_ROWS, kernel_unsupported, skinny_matmul
 
 
 @jax.tree_util.register_dataclass
@@ -77,7 +77,8 @@ class PagedKVBackend:
     prefill_block_q: > 0 reads through the prefill kernel (``paged_prefill_attention``):
     the rows must come in aligned blocks of this many rows that share a table.
     matmul_impl: "xla" | "pallas" for the projections of batches of at most
-    ``kernels.skinny_matmul.MAX_ROWS`` rows (decode); larger batches (prefill) use XLA's dot.
+    ``kernels.skinny_matmul.MAX_ROWS`` rows; larger batches use XLA's dot. (The engine's
+    prefill backend always says "xla".)
     """
     attn_impl: str = "xla"
     interpret: bool = False
@@ -86,6 +87,9 @@ class PagedKVBackend:
 
     def matmul(self, x, w, layer):
         impl = self.matmul_impl if x.shape[0] <= MAX_ROWS else "xla"
+        if impl == "pallas" and (why_not := kernel_unsupported(x, w)):
+            raise ValueError(f"ExecutionConfig.matmul_impl='pallas': a [{x.shape[1]}, {w.shape[-1]}] projection "
+                             f"cannot run on the kernel: {why_not} (use matmul_impl='xla')")
         return skinny_matmul(x, w, layer, impl=impl, interpret=self.interpret)
 
     def write(self, kv: PagedKV, layer, k, v, meta: PagedMeta) -> PagedKV:

@@ -93,7 +93,8 @@ class PendingSignals:
 
 class ModelRunner:
     def __init__(self, model, params, kv: PagedKV, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 attn_impl: str, matmul_impl: str = "xla", lookahead_w: np.ndarray, max_copies: int, boundary_kv: PagedKV | None = None,
+                 attn_impl: str, lookahead_w: np.ndarray, max_copies: int, matmul_impl: str = "xla",
+                 boundary_kv: PagedKV | None = None,
                  prefill_write_planes: int | None = None, raw_signal: bool = False, interpret: bool = False,
                  chunked_prefill: bool = True, window_spec: dict | None = None):
         """boundary_kv: the boundary pool, exactly when the model has boundary stages.
@@ -118,8 +119,9 @@ class ModelRunner:
         uses_kernel = attn_impl == "pallas" or (attn_impl == "auto" and jax.default_backend() == "gpu"
                                                 and kernel_unsupported(probe, kv.k) is None)
         self.prefill_alignment = PREFILL_BLOCK_Q if chunked_prefill and uses_kernel else 1
-        self.prefill_backend = (dataclasses.replace(self.backend, prefill_block_q=PREFILL_BLOCK_Q)
-                                if self.prefill_alignment > 1 else self.backend)
+        # prefill is compute-bound: its projections stay on XLA's dot whatever matmul_impl says
+        self.prefill_backend = dataclasses.replace(self.backend, matmul_impl="xla", prefill_block_q=(
+            PREFILL_BLOCK_Q if self.prefill_alignment > 1 else 0))
         self.max_num_seqs = max_num_seqs
         self.dummy_slot = max_num_seqs
         self.slot_state = jnp.zeros((max_num_seqs + 1, self.cfg.hidden_size), params.embed.dtype)

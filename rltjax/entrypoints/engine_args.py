@@ -72,6 +72,7 @@ def configs_from_args(args: argparse.Namespace) -> dict:
             max_prefill_batches_before_decode=args.max_prefill_batches_before_decode,
             min_coda_batch_size=args.min_coda_batch_size, max_model_len=args.max_model_len),
         exit_config=ExitConfig(mode=args.exit_mode, lookahead_seed=args.lookahead_seed),
-        execution_config=ExecutionConfig(attn_impl=args.attn_impl, matmul_impl=args.matmul_impl, compile_ahead=not args.no_compile_ahead,
+        execution_config=ExecutionConfig(attn_impl=args.attn_impl, matmul_impl=args.matmul_impl,
+                                         compile_ahead=not args.no_compile_ahead,
                                          decode_window=args.decode_window, async_scheduling=args.async_scheduling,
                                          compilation_cache_dir=args.compilation_cache_dir or None))

@@ -19,8 +19,9 @@ KVBackend, and return it updated:
     head(params, state, bkv, bmeta, backend)        -> (logits, bkv)
 
 The backend also applies each layer's projections (``matmul``), so the engine can pick
-a decode-shaped kernel while the oracle keeps XLA's dot. The core KV (``loop``) keeps its own layer indices 0..L-1 and planes. The
-caller owns both pytrees and passes single-plane meta for the boundary one.
+a decode-shaped kernel while the oracle keeps XLA's dot. The core KV (``loop``) keeps
+its own layer indices 0..L-1 and planes. The caller owns both pytrees and passes
+single-plane meta for the boundary one.
 Attention never touches a KV layout directly: it goes through a ``KVBackend``
 (dense per-request planes for the reference oracle, paged planes for the
 engine). Within one layer a row's K/V is written before it attends, so a row

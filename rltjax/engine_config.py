@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 EXIT_MODES = ("ouro", "ouro_delayed", "random_lookahead", "trace", "fixed", "latent_diff")
 KV_LAYOUTS = ("last_exited", "shared")
@@ -152,6 +152,9 @@ class ExecutionConfig:
     async_scheduling: a step-by-step loop pass is launched before the previous pass's exit
     signals are read (they arrive with ``copy_to_host_async`` and are applied one pass late);
     needs an exit mode that decides one pass ahead (ouro_delayed, random_lookahead, trace, fixed).
+    xla_options: XLA compiler options for every engine executable, {name: value} (e.g.
+    {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUSTOM_CALL,WHILE,CONDITIONAL"}); an
+    unknown name fails at the first compile with XLA's message. Empty: XLA's defaults.
     compile_ahead: compile every bucket at start-up (else on first use).
     compilation_cache_dir: XLA's persistent compilation cache (None disables it).
     """
@@ -160,6 +163,7 @@ class ExecutionConfig:
     interpret: bool = False
     decode_window: int | None = None
     async_scheduling: bool = False
+    xla_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     compile_ahead: bool = True
     compilation_cache_dir: str | None = dataclasses.field(default_factory=lambda: str(default_cache_dir()))
     show_progress: bool = True
@@ -173,6 +177,11 @@ class ExecutionConfig:
                 not isinstance(self.decode_window, int) or isinstance(self.decode_window, bool)
                 or not 0 <= self.decode_window <= 1024):
             _bad("ExecutionConfig", "decode_window", self.decode_window, "must be an integer in [0, 1024]")
+        for name, value in dict(self.xla_options).items():
+            if not (isinstance(name, str) and name.startswith("xla_")):
+                _bad("ExecutionConfig", "xla_options", name, "names are XLA debug options such as 'xla_gpu_...'")
+            if not isinstance(value, (str, int, float, bool)):
+                _bad("ExecutionConfig", "xla_options", f"{name}={value!r}", "values are str, int, float or bool")
 
 
 # (description, predicate over the configs that must NOT hold, fix). One row per rule.

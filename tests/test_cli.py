@@ -5,6 +5,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from conftest import FIXTURES, reference_model
 from rltjax.entrypoints.cli import main
 from rltjax.sampling_params import SamplingParams
@@ -91,3 +93,21 @@ def test_execution_flags_reach_the_engine_config():
     ex = configs_from_args(p.parse_args(["--decode-window", "4", "--async-scheduling",
                                          "--exit-mode", "ouro_delayed"]))["execution_config"]
     assert ex.decode_window == 4 and ex.async_scheduling is True
+    assert default.matmul_impl == "xla" and dict(default.xla_options) == {}
+    ex = configs_from_args(p.parse_args([
+        "--matmul-impl", "pallas", "--xla-option", "xla_gpu_enable_command_buffer=FUSION,WHILE",
+        "--xla-option", "xla_gpu_graph_min_graph_size=1", "--xla-option", "xla_cpu_enable_fast_math=false"]))
+    assert ex["execution_config"].matmul_impl == "pallas"
+    assert dict(ex["execution_config"].xla_options) == {"xla_gpu_enable_command_buffer": "FUSION,WHILE",
+                                                        "xla_gpu_graph_min_graph_size": 1,
+                                                        "xla_cpu_enable_fast_math": False}
+    with pytest.raises(ValueError, match="expected NAME=VALUE"):
+        configs_from_args(p.parse_args(["--xla-option", "xla_gpu_graph_min_graph_size"]))
+
+
+@pytest.mark.parametrize("options, match", [({"gpu_thing": 1}, "names are XLA debug options"),
+                                            ({"xla_x": [1]}, "values are str, int, float or bool")])
+def test_xla_options_are_checked(options, match):
+    from rltjax.engine_config import EngineConfigError, ExecutionConfig
+    with pytest.raises(EngineConfigError, match=match):
+        ExecutionConfig(xla_options=options)

@@ -295,3 +295,22 @@ def test_continued_windows_after_warm_up_do_not_compile(exit_mode):
     assert sum(launches) >= 2, "no window continued from device rows"
     assert events == []
     assert_all_pages_free(engine)
+
+
+def test_xla_options_rebuild_the_engine_steps():
+    """ExecutionConfig.xla_options compiles every engine step with them (same outputs as the
+    default engine); a name XLA does not know fails at start-up, naming the setting."""
+    plain = make_engine(decode_window=3)
+    tuned = make_engine(decode_window=3, xla_options={"xla_cpu_enable_fast_math": False})
+    assert tuned.runner.steps.loop is not plain.runner.steps.loop
+    assert tuned.runner.steps.window is make_engine(xla_options={"xla_cpu_enable_fast_math": False},
+                                                    decode_window=3).runner.steps.window   # shared
+    outs = []
+    for e in (plain, tuned):
+        e.add_request("a", TOKENS[:6], greedy(5))
+        while e.has_unfinished_requests():
+            e.step()
+        outs.append(e.get_output("a"))
+    assert outs[0].token_ids == outs[1].token_ids and outs[0].exit_depths == outs[1].exit_depths
+    with pytest.raises(ValueError, match="xla_options .*xla_no_such_option.*No such compile option"):
+        make_engine(xla_options={"xla_no_such_option": 1})

@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rltjax.jit_options import engine_jit
+
 
 def write_kv(kv, layer, k: jax.Array, v: jax.Array, write_page: jax.Array, write_offset: jax.Array):
     """Scatter rows' K/V [N, Hkv, Dh] into layer ``layer`` at (write_page, write_offset).
@@ -60,7 +62,7 @@ def copy_kv_slots(kv, src_page: jax.Array, src_offset: jax.Array, dst_page: jax.
 
 
 # The pool is donated: the update is in place, the caller must use the returned kv.
-copy_slots = jax.jit(copy_kv_slots, donate_argnums=(0,))
+copy_slots = engine_jit(donate_argnums=(0,))(copy_kv_slots)
 
 
 def _table(table_of_plane, seq: int, plane: int) -> int:

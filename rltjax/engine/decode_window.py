@@ -24,7 +24,6 @@ min_coda_batch_size > 1 do not run in windows.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +33,7 @@ from rltjax.cache.kv_update import copy_kv_slots
 from rltjax.cache.paged_kv import PagedKV, PagedMeta
 from rltjax.engine.exit_policy import EXIT_RULES
 from rltjax.engine_config import DEFAULT_DECODE_WINDOW, EngineConfigError
+from rltjax.jit_options import engine_jit
 from rltjax.sampling import sample_tokens, token_logprobs
 
 WINDOW_MODES = ("ouro", "ouro_delayed", "random_lookahead", "fixed", "trace", "latent_diff")
@@ -95,7 +95,7 @@ def _exit_copies(rows: WindowRows, exit_now, depth, block_tables, page_size: int
             flat(jnp.where(valid, dst_page, zero)), flat(jnp.where(valid, off[:, None], zero)))
 
 
-@functools.partial(jax.jit, static_argnames=("model", "backend", "num_passes", "mode", "num_top", "layered",
+@engine_jit(static_argnames=("model", "backend", "num_passes", "mode", "num_top", "layered",
                                              "num_planes", "dummy_slot"),
                    donate_argnames=("kv", "slot_state", "bkv", "slot_inject"))
 def decode_window(params, kv: PagedKV, slot_state, rows: WindowRows, block_tables, lookahead_w, bkv, slot_inject,

@@ -6,16 +6,21 @@ prelude), ``loop_step`` (one loop pass over rows at mixed depths) and ``head_ste
 buffer ``[max_num_seqs + 1, D]`` whose last row is the target of padded rows, and for
 boundary models the boundary pool and per-slot ``inject``) is donated to every call
 that updates it, so XLA updates it in place. ``rltjax.engine.runner.ModelRunner``
-pads host batches and calls these; decode windows live in ``decode_window``.
+pads host batches and calls these through ``DeviceSteps`` (these, the decode window
+and the KV copy, rebuilt with the engine's XLA options); decode windows live in
+``decode_window``.
 """
 from __future__ import annotations
 
-import functools
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from rltjax.cache.kv_update import copy_slots
 from rltjax.cache.paged_kv import PagedKV, PagedMeta
+from rltjax.engine.decode_window import decode_window
+from rltjax.jit_options import check_options, engine_jit, with_options
 from rltjax.sampling import sample_tokens, token_logprobs
 
 
@@ -36,7 +41,7 @@ def _head(model, backend, params, state, bkv, bmeta):
     return model.head(params, state, bkv, bmeta, backend)
 
 
-@functools.partial(jax.jit, static_argnames=("model", "backend", "num_loops"),
+@engine_jit(static_argnames=("model", "backend", "num_loops"),
                    donate_argnames=("kv", "slot_state", "bkv"))
 def prefill_step(params, kv: PagedKV, slot_state, tokens, positions, write_page, write_offset,
                  row_tables, lengths, block_tables, out_slots, bkv, bmeta, seeds, *, model, backend,
@@ -65,7 +70,7 @@ def prefill_step(params, kv: PagedKV, slot_state, tokens, positions, write_page,
     return kv, slot_state.at[out_slots].set(x), bkv
 
 
-@functools.partial(jax.jit, static_argnames=("model", "backend"),
+@engine_jit(static_argnames=("model", "backend"),
                    donate_argnames=("bkv", "slot_state", "slot_inject"))
 def embed_step(params, bkv: PagedKV, slot_state, slot_inject, slots, tokens, seeds, bmeta, *, model, backend):
     """Boundary models: the prelude of B tokens starting their loops; writes their boundary
@@ -74,7 +79,7 @@ def embed_step(params, bkv: PagedKV, slot_state, slot_inject, slots, tokens, see
     return bkv, slot_state.at[slots].set(state), slot_inject.at[slots].set(inject)
 
 
-@functools.partial(jax.jit, static_argnames=("model", "backend", "raw_signal"),
+@engine_jit(static_argnames=("model", "backend", "raw_signal"),
                    donate_argnames=("kv", "slot_state"))
 def loop_step(params, kv: PagedKV, slot_state, lookahead_w, slots, tokens, starting, positions,
               write_page, write_offset, row_tables, lengths, block_tables, slot_inject, *, model, backend,
@@ -97,7 +102,7 @@ def loop_step(params, kv: PagedKV, slot_state, lookahead_w, slots, tokens, start
     return kv, slot_state.at[slots].set(x), signals
 
 
-@functools.partial(jax.jit, static_argnames=("model", "backend", "num_top"), donate_argnames=("bkv",))
+@engine_jit(static_argnames=("model", "backend", "num_top"), donate_argnames=("bkv",))
 def head_step(params, slot_state, slots, temperature, top_k, top_p, seed_hi, seed_lo, output_index, bkv, bmeta,
               *, model, backend, num_top: int):
     """Heads of B rows: logits, a sampled token per row, and its logprobs (boundary models:
@@ -106,3 +111,19 @@ def head_step(params, slot_state, slots, temperature, top_k, top_p, seed_hi, see
     tokens = sample_tokens(logits, temperature, top_k, top_p, seed_hi, seed_lo, output_index)
     chosen, top_ids, top_lp = token_logprobs(logits, tokens, num_top)
     return (tokens, chosen, top_ids, top_lp), bkv
+
+
+class DeviceSteps(NamedTuple):
+    """The jitted device steps of one engine (compiled with its XLA options)."""
+    prefill: Callable
+    embed: Callable
+    loop: Callable
+    head: Callable
+    window: Callable
+    copy: Callable
+
+    @classmethod
+    def build(cls, xla_options: tuple = ()) -> "DeviceSteps":
+        check_options(xla_options)
+        return cls(*(with_options(step, xla_options)
+                     for step in (prefill_step, embed_step, loop_step, head_step, decode_window, copy_slots)))

@@ -75,6 +75,7 @@ class LLMEngine:
                                   max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
                                   attn_impl=execution_config.attn_impl,
                                   matmul_impl=execution_config.matmul_impl,
+                                  xla_options=tuple(sorted(dict(execution_config.xla_options).items())),
                                   lookahead_w=lookahead_weights(exit_config.lookahead_seed, self.cfg.hidden_size,
                                                                 self.cfg.initializer_range),
                                   max_copies=scheduler_config.max_num_seqs * max(1, self.num_planes - 1),

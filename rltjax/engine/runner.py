@@ -24,10 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels.paged_attention import DEFAULT_BLOCK_Q, kernel_unsupported
-from rltjax.cache.kv_update import copy_slots
 from rltjax.cache.paged_kv import PagedKV, PagedKVBackend, PagedMeta
-from rltjax.engine.decode_window import WindowOutputs, WindowRows, decode_window, idle_window_rows
-from rltjax.engine.device_steps import embed_step, head_step, loop_step, prefill_step
+from rltjax.engine.decode_window import WindowOutputs, WindowRows, idle_window_rows
+from rltjax.engine.device_steps import DeviceSteps
 from rltjax.models.base import boundary_kv_layers
 
 NUM_TOP_LOGPROBS = 20
@@ -94,7 +93,7 @@ class PendingSignals:
 class ModelRunner:
     def __init__(self, model, params, kv: PagedKV, *, max_num_seqs: int, max_num_batched_tokens: int,
                  attn_impl: str, lookahead_w: np.ndarray, max_copies: int, matmul_impl: str = "xla",
-                 boundary_kv: PagedKV | None = None,
+                 boundary_kv: PagedKV | None = None, xla_options: tuple = (),
                  prefill_write_planes: int | None = None, raw_signal: bool = False, interpret: bool = False,
                  chunked_prefill: bool = True, window_spec: dict | None = None):
         """boundary_kv: the boundary pool, exactly when the model has boundary stages.
@@ -114,6 +113,7 @@ class ModelRunner:
             raise ValueError(f"{self.cfg.arch}: boundary_kv must be given exactly when the model has boundary "
                              f"stages ({boundary_kv_layers(model)} boundary KV layers)")
         self.bkv = boundary_kv
+        self.steps = DeviceSteps.build(xla_options)   # xla_options: (name, value) pairs
         self.backend = PagedKVBackend(attn_impl=attn_impl, interpret=interpret, matmul_impl=matmul_impl)
         probe = jax.ShapeDtypeStruct((1, self.cfg.num_heads, self.cfg.head_dim), kv.k.dtype)
         uses_kernel = attn_impl == "pallas" or (attn_impl == "auto" and jax.default_backend() == "gpu"
@@ -169,7 +169,7 @@ class ModelRunner:
         pad = t - len(tokens)
         lengths = np.pad(positions + 1, (0, pad))
         bmeta, seeds = self._bmeta(boundary, positions, write_offset, pad)
-        self.kv, self.slot_state, self.bkv = prefill_step(
+        self.kv, self.slot_state, self.bkv = self.steps.prefill(
             self.params, self.kv, self.slot_state, np.pad(tokens, (0, pad)), np.pad(positions, (0, pad)),
             np.pad(write_page, ((0, 0), (0, pad))), np.pad(write_offset, (0, pad)),
             np.pad(row_tables, ((0, 0), (0, pad))), lengths.astype(np.int32), block_tables,
@@ -181,7 +181,7 @@ class ModelRunner:
         b = self._rows_bucket(len(slots))
         pad = b - len(slots)
         bmeta, seeds = self._bmeta(boundary, positions, write_offset, pad)
-        self.bkv, self.slot_state, self.slot_inject = embed_step(
+        self.bkv, self.slot_state, self.slot_inject = self.steps.embed(
             self.params, self.bkv, self.slot_state, self.slot_inject,
             np.pad(slots, (0, pad), constant_values=self.dummy_slot), np.pad(tokens, (0, pad)), seeds, bmeta,
             model=self.model, backend=self.backend)
@@ -195,7 +195,7 @@ class ModelRunner:
             self.embed(slots[idx], tokens[idx], positions[idx], write_offset[idx], boundary.take(idx))
         b = self._rows_bucket(len(slots))
         pad = b - len(slots)
-        self.kv, self.slot_state, signals = loop_step(
+        self.kv, self.slot_state, signals = self.steps.loop(
             self.params, self.kv, self.slot_state, self.lookahead_w,
             np.pad(slots, (0, pad), constant_values=self.dummy_slot), np.pad(tokens, (0, pad)),
             # padded rows re-embed token 0 so the dummy slot's state never drifts (it feeds page 0)
@@ -216,7 +216,7 @@ class ModelRunner:
         b = self._rows_bucket(len(slots))
         pad = b - len(slots)
         bmeta, _ = self._bmeta(boundary, positions, positions % self.kv.page_size if boundary else None, pad)
-        out, self.bkv = head_step(
+        out, self.bkv = self.steps.head(
             self.params, self.slot_state, np.pad(slots, (0, pad), constant_values=self.dummy_slot),
             np.pad(temperature, (0, pad)), np.pad(top_k, (0, pad)), np.pad(top_p, (0, pad), constant_values=1.0),
             np.pad(seed_hi, (0, pad)), np.pad(seed_lo, (0, pad)), np.pad(output_index, (0, pad)), self.bkv, bmeta,
@@ -244,7 +244,7 @@ class ModelRunner:
             # (uncommitted host rows compiled a second variant at the first continued window,
             # tens of seconds inside a run on the H200)
             rows = jax.device_put(rows, self.device)
-        self.kv, self.slot_state, self.bkv, self.slot_inject, after, out = decode_window(
+        self.kv, self.slot_state, self.bkv, self.slot_inject, after, out = self.steps.window(
             self.params, self.kv, self.slot_state, rows, block_tables, self.lookahead_w, self.bkv,
             self.slot_inject, boundary_tables, model=self.model, backend=self.backend, num_top=self.num_top,
             dummy_slot=self.dummy_slot, **self.window_spec)
@@ -261,7 +261,7 @@ class ModelRunner:
     def copy(self, src_page, src_offset, dst_page, dst_offset):
         m = bucket(len(src_page))
         pad = m - len(src_page)
-        self.kv = copy_slots(self.kv, *(np.pad(a, (0, pad)).astype(np.int32)
+        self.kv = self.steps.copy(self.kv, *(np.pad(a, (0, pad)).astype(np.int32)
                                         for a in (src_page, src_offset, dst_page, dst_offset)))
 
     # -- start-up ----------------------------------------------------------------------

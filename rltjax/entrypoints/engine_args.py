@@ -46,6 +46,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--matmul-impl", default="xla", choices=MATMUL_IMPLS,
                    help="decode projections (<= 64 rows): XLA's dot, or the weight-streaming Pallas kernel "
                         "(opt-in: slower than XLA at decode batches >= 8 on an H200)")
+    g.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
+                   help="an XLA compiler option for every engine executable (repeatable), e.g. "
+                        "xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUSTOM_CALL,WHILE,CONDITIONAL")
     g.add_argument("--decode-window", type=int, default=None, metavar="K",
                    help="decode as device-side windows of up to K loop passes (0: one pass per step; "
                         "default: 16 where windows can run)")
@@ -56,6 +59,27 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="compile batch shapes on first use instead of at start-up")
     g.add_argument("--compilation-cache-dir", default=str(default_cache_dir()),
                    help="XLA persistent compilation cache ('' disables it)")
+
+
+def parse_xla_options(items: list[str]) -> dict:
+    """["name=value", ...] -> {name: int | float | bool | str}."""
+    options = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise ValueError(f"--xla-option {item!r}: expected NAME=VALUE")
+        lowered = value.lower()
+        if lowered in ("true", "false"):
+            options[name] = lowered == "true"
+        else:
+            try:
+                options[name] = int(value)
+            except ValueError:
+                try:
+                    options[name] = float(value)
+                except ValueError:
+                    options[name] = value
+    return options
 
 
 def configs_from_args(args: argparse.Namespace) -> dict:
@@ -73,6 +97,7 @@ def configs_from_args(args: argparse.Namespace) -> dict:
             min_coda_batch_size=args.min_coda_batch_size, max_model_len=args.max_model_len),
         exit_config=ExitConfig(mode=args.exit_mode, lookahead_seed=args.lookahead_seed),
         execution_config=ExecutionConfig(attn_impl=args.attn_impl, matmul_impl=args.matmul_impl,
+                                         xla_options=parse_xla_options(args.xla_option),
                                          compile_ahead=not args.no_compile_ahead,
                                          decode_window=args.decode_window, async_scheduling=args.async_scheduling,
                                          compilation_cache_dir=args.compilation_cache_dir or None))

@@ -90,6 +90,19 @@ def reference_for(kv_layout, exit_mode="ouro", depths_by_request=None, lookahead
                           exit_config=ExitConfig(mode="trace", depths_by_request=depths_by_request))
 
 
+def check_trace_replay(kv_layout, depths, arrivals, **engine_kwargs):
+    """An engine replaying ``depths`` (trace mode) loops each token exactly its recorded depth and
+    equals the oracle replaying the same trace; returns the engine for further checks."""
+    engine = make_engine(kv_layout=kv_layout, exit_mode="trace", depths_by_request=depths, **engine_kwargs)
+    outputs = run_workload(engine, arrivals)
+    ref = reference_for(kv_layout, depths_by_request=depths)
+    for _, rid, prompt, params in arrivals:
+        assert outputs[rid].exit_depths == depths[rid]
+        check_equal(outputs[rid], ref.generate(prompt, params, request_id=rid))
+    assert_all_pages_free(engine)
+    return engine
+
+
 def check_equal(out, ref):
     """An engine output equals the reference oracle's run of the same request."""
     import numpy as np

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import reference_npz
-from engine_helpers import (assert_all_pages_free, check_equal, make_engine, reference_for, run_with_abort,
-                            run_workload)
+from engine_helpers import (assert_all_pages_free, check_equal, check_trace_replay, make_engine, reference_for,
+                            run_with_abort, run_workload)
 from rltjax.engine.decode_window import STOP_ID_WIDTH
 from rltjax.engine_config import EngineConfigError
 from rltjax.sampling_params import SamplingParams
@@ -59,16 +59,10 @@ def test_windows_match_reference(kv_layout, exit_mode, window, max_num_seqs, req
 @pytest.mark.parametrize("kv_layout", ["last_exited", "shared"])
 def test_windows_replay_traces_and_run(kv_layout):
     depths = {"a": [4, 1, 3, 2, 4, 1, 2, 3, 1, 1], "b": [4, 2, 2, 3, 1, 4, 4, 2, 2, 2]}
-    engine = make_engine(kv_layout=kv_layout, exit_mode="trace", depths_by_request=depths, decode_window=5)
     arrivals = [(0, "a", TOKENS[:7], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)),
                 (0, "b", TOKENS[3:12], SamplingParams(max_tokens=10, temperature=1.0, seed=9, ignore_eos=True))]
-    outputs = run_workload(engine, arrivals)
-    ref = reference_for(kv_layout, depths_by_request=depths)
-    for _, rid, prompt, params in arrivals:
-        assert outputs[rid].exit_depths == depths[rid]
-        check_equal(outputs[rid], ref.generate(prompt, params, request_id=rid))
+    engine = check_trace_replay(kv_layout, depths, arrivals, decode_window=5)
     assert engine.steps_by_kind.get("window_passes", 0) > 0
-    assert_all_pages_free(engine)
 
 
 def test_host_only_stops_cut_the_window():

@@ -5,7 +5,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import reference_npz
-from engine_helpers import assert_all_pages_free, check_equal, make_engine, reference_for, run_workload
+from engine_helpers import (assert_all_pages_free, check_equal, check_trace_replay, make_engine, reference_for,
+                            run_workload)
 from rltjax.sampling_params import SamplingParams
 
 TOKENS = [int(t) for t in reference_npz("ouro-tiny")["p2_input_ids"]] * 3   # 120 prompt ids
@@ -49,15 +50,9 @@ def test_engine_matches_reference(kv_layout, mode, exit_mode, page_size, chunk, 
 @pytest.mark.parametrize("kv_layout", ["last_exited", "shared"])
 def test_trace_replay_matches_reference(kv_layout):
     depths = {"a": [4, 1, 3, 2, 4, 1, 2], "b": [4, 2, 2, 3, 1, 4, 4]}
-    engine = make_engine(kv_layout=kv_layout, exit_mode="trace", depths_by_request=depths)
     arrivals = [(0, "a", TOKENS[:7], SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True)),
                 (2, "b", TOKENS[3:12], SamplingParams(max_tokens=7, temperature=1.0, seed=9, ignore_eos=True))]
-    outputs = run_workload(engine, arrivals)
-    ref = reference_for(kv_layout, depths_by_request=depths)
-    for _, rid, prompt, params in arrivals:
-        assert outputs[rid].exit_depths == depths[rid]
-        check_equal(outputs[rid], ref.generate(prompt, params, request_id=rid))
-    assert_all_pages_free(engine)
+    check_trace_replay(kv_layout, depths, arrivals)
 
 
 def test_eos_and_stop_tokens_finish_like_the_reference():

@@ -314,3 +314,35 @@ def test_xla_options_rebuild_the_engine_steps():
     assert outs[0].token_ids == outs[1].token_ids and outs[0].exit_depths == outs[1].exit_depths
     with pytest.raises(ValueError, match="xla_options .*xla_no_such_option.*No such compile option"):
         make_engine(xla_options={"xla_no_such_option": 1})
+
+
+def test_window_loop_state_holds_no_weight_slices():
+    """The weights enter each window pass through an optimization barrier: XLA must not hoist
+    per-layer weight slices out of the window's while loop (they would be materialised copies,
+    and re-copied every pass under memory pressure on a GPU)."""
+    import re
+
+    import jax
+
+    engine = make_engine(decode_window=3, max_num_seqs=2)
+    seen = []
+    real = engine.runner.steps.window
+
+    def recording(*args, **kwargs):
+        seen.append((jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), args), kwargs))
+        return real(*args, **kwargs)
+
+    engine.runner.steps = engine.runner.steps._replace(window=recording)
+    engine.add_request("a", TOKENS[:5], greedy(4))
+    while engine.has_unfinished_requests():
+        engine.step()
+    args, kwargs = seen[0]
+    hlo = real.lower(*args, **kwargs).compile().as_text()
+    window_loops = [line for line in hlo.splitlines()
+                    if " while(" in line and 'op_name="jit(decode_window)/while"' in line]
+    assert window_loops, "no window while loop in the compiled HLO"
+    layers = engine.runner.params.layers
+    dims = {tuple(layers.wq.shape[1:]), tuple(layers.w_gate.shape[1:]), tuple(layers.w_down.shape[1:])}
+    state = re.findall(r"f32\[([\d,]+)\]", window_loops[0].split(" while(")[0])
+    slices = [s for s in state if tuple(int(d) for d in s.split(",") if d != "1") in dims and s.startswith("1,")]
+    assert not slices, f"weight slices carried through the window loop: {slices}"

@@ -1,0 +1,149 @@
+"""The engine's executables: nothing compiles in steady state after ``compile_ahead`` (first
+steps and continued decode windows included), ``xla_options`` rebuild every step, and the
+compiled decode window keeps per-layer weight slices out of its loop."""
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from engine_helpers import assert_all_pages_free, compile_events, make_engine, reference_for
+from engine_trace_helpers import TOKENS, PlanLog, check_against_reference, drive, greedy
+from rltjax.engine.llm_engine import RequestRejectedError
+from rltjax.engine.sequence import Status
+from rltjax.sampling_params import SamplingParams
+
+
+def varied_workload():
+    rng = np.random.default_rng(5)
+    arrivals = [(0, "solo", TOKENS[:1], greedy(3))]                     # batch size 1 first
+    lengths = [2, 5, 8, 13, 16, 17, 30, 45, 3, 9, 24, 1]
+    for i, length in enumerate(lengths):
+        start = int(rng.integers(0, 120 - length))
+        arrivals.append((6 + 2 * i, f"v{i}", TOKENS[start:start + length], SamplingParams(
+            max_tokens=int(rng.integers(1, 9)), temperature=[0.0, 1.0, 0.7][i % 3], top_k=[0, 5, 50][i % 3],
+            top_p=[1.0, 0.9, 0.5][(i // 3) % 3], seed=int(rng.integers(0, 2**62)),
+            exit_threshold=[0.3, 0.6, 1.0, 0.9][i % 4], min_loops=1 + i % 2, max_loops=[4, 3, 4, 2][i % 4],
+            logprobs=[None, 0, 5, 20][i % 4], priority=i % 2, ignore_eos=bool(i % 5), stop_token_ids=[7] * (i % 2))))
+    return arrivals
+
+
+def test_no_compilation_after_warm_up():
+    engines = [make_engine(compile_ahead=True), make_engine(compile_ahead=True, mode="no_refill", min_coda_batch_size=2,
+                                                            max_prefill_batches_before_decode=2)]
+    arrivals = varied_workload()
+    aborts = {"v3": lambda r: r.status is Status.LOOPING and r.loops_done == 1,
+              "v7": lambda r: r.status is Status.PREFILLING}
+    events, listening = [], [False]
+
+    def listener(event, duration, **kwargs):
+        if listening[0] and "compile" in event:
+            events.append((event, kwargs.get("fun_name")))
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    results, batch_sizes = [], set()
+    try:
+        listening[0] = True
+        jax.jit(lambda x: x * 3 + 1)(np.arange(7))           # positive control: a fresh compile is seen
+        assert any(event == "/jax/core/compile/jaxpr_trace_duration" for event, _ in events)
+        events.clear()
+        for engine in engines:
+            log = PlanLog(engine)
+            results.append(drive(engine, arrivals, aborts))
+            with pytest.raises(RequestRejectedError):                   # host-only path
+                engine.add_request("toolong", TOKENS[:10], greedy(510))
+            batch_sizes |= {(e["kind"], len(e["rows"])) for e in log.entries}
+    finally:
+        listening[0] = False
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert events == []
+    assert {n for k, n in batch_sizes if k == "loop"} == {1, 2, 3, 4}
+    assert {n for k, n in batch_sizes if k == "head"} >= {1, 2, 3}
+    ref = reference_for("last_exited")
+    for engine, (outputs, seen, _) in zip(engines, results):
+        assert seen.keys() == aborts.keys()
+        check_against_reference(outputs, arrivals, ref, skip=aborts)
+        assert_all_pages_free(engine)
+
+
+
+def test_first_steps_after_warm_up_do_not_compile():
+    """A fresh engine's first batches (a 1-token prefill first) reuse the warm-up executables:
+    the state arrays the steps replace are committed to the device before warm-up."""
+    engine = make_engine(compile_ahead=True, max_num_seqs=2)
+    with compile_events() as events:
+        for i, n in enumerate([1, 3, 9]):
+            engine.add_request(f"c{i}", TOKENS[:n], greedy(3))
+            while engine.has_unfinished_requests():
+                engine.step()
+    assert events == []
+    assert_all_pages_free(engine)
+
+
+@pytest.mark.parametrize("exit_mode", ["ouro", "fixed"])
+def test_continued_windows_after_warm_up_do_not_compile(exit_mode):
+    """Windows launched from the previous window's device rows reuse the warm-up executable:
+    host rows are committed to the device like those device rows (an uncommitted first
+    variant made the first continued window of each row bucket compile inside the run)."""
+    engine = make_engine(compile_ahead=True, max_num_seqs=2, decode_window=3, exit_mode=exit_mode)
+    launches = []
+    real = engine.runner.window_launch
+    engine.runner.window_launch = lambda rows, *rest: launches.append(
+        not isinstance(rows.slots, np.ndarray)) or real(rows, *rest)
+    with compile_events() as events:
+        for i in range(2):
+            engine.add_request(f"c{i}", TOKENS[:5 + i], greedy(10))
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert sum(launches) >= 2, "no window continued from device rows"
+    assert events == []
+    assert_all_pages_free(engine)
+
+
+def test_xla_options_rebuild_the_engine_steps():
+    """ExecutionConfig.xla_options compiles every engine step with them (same outputs as the
+    default engine); a name XLA does not know fails at start-up, naming the setting."""
+    plain = make_engine(decode_window=3)
+    tuned = make_engine(decode_window=3, xla_options={"xla_cpu_enable_fast_math": False})
+    assert tuned.runner.steps.loop is not plain.runner.steps.loop
+    assert tuned.runner.steps.window is make_engine(xla_options={"xla_cpu_enable_fast_math": False},
+                                                    decode_window=3).runner.steps.window   # shared
+    outs = []
+    for e in (plain, tuned):
+        e.add_request("a", TOKENS[:6], greedy(5))
+        while e.has_unfinished_requests():
+            e.step()
+        outs.append(e.get_output("a"))
+    assert outs[0].token_ids == outs[1].token_ids and outs[0].exit_depths == outs[1].exit_depths
+    with pytest.raises(ValueError, match="xla_options .*xla_no_such_option.*No such compile option"):
+        make_engine(xla_options={"xla_no_such_option": 1})
+
+
+def test_window_loop_state_holds_no_weight_slices():
+    """The weights enter each window pass through an optimization barrier: XLA must not hoist
+    per-layer weight slices out of the window's while loop (they would be materialised copies,
+    and re-copied every pass under memory pressure on a GPU)."""
+    import re
+
+    engine = make_engine(decode_window=3, max_num_seqs=2)
+    seen = []
+    real = engine.runner.steps.window
+
+    def recording(*args, **kwargs):
+        seen.append((jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), args), kwargs))
+        return real(*args, **kwargs)
+
+    engine.runner.steps = engine.runner.steps._replace(window=recording)
+    engine.add_request("a", TOKENS[:5], greedy(4))
+    while engine.has_unfinished_requests():
+        engine.step()
+    args, kwargs = seen[0]
+    hlo = real.lower(*args, **kwargs).compile().as_text()
+    window_loops = [line for line in hlo.splitlines()
+                    if " while(" in line and 'op_name="jit(decode_window)/while"' in line]
+    assert window_loops, "no window while loop in the compiled HLO"
+    layers = engine.runner.params.layers
+    dims = {tuple(layers.wq.shape[1:]), tuple(layers.w_gate.shape[1:]), tuple(layers.w_down.shape[1:])}
+    state = re.findall(r"f32\[([\d,]+)\]", window_loops[0].split(" while(")[0])
+    slices = [s for s in state if tuple(int(d) for d in s.split(",") if d != "1") in dims and s.startswith("1,")]
+    assert not slices, f"weight slices carried through the window loop: {slices}"

@@ -55,3 +55,22 @@ def test_trace_needs_the_in_process_engine():
     args = serving.build_parser().parse_args(["--base-url", "http://127.0.0.1:9", "--trace-depth-probs", "1"])
     with pytest.raises(ValueError, match="--in-process"):
         serving.run_benchmark(args, [])
+
+
+def test_startup_cache_dir_needs_the_startup_measurement():
+    from rltjax.benchmarks import serving
+    args = serving.build_parser().parse_args(["--in-process", "--skip-startup", "--startup-cache-dir", "/tmp/x"])
+    with pytest.raises(ValueError, match="--startup-cache-dir .*--skip-startup"):
+        serving.run_benchmark(args, [])
+
+
+def test_startup_child_compiles_the_trace_replay_engine(capsys):
+    """The start-up children of a trace run build the trace-replay engine (no depths needed)."""
+    import json
+
+    from rltjax.benchmarks import startup
+    assert startup.main(["--quick", "--max-num-seqs", "2", "--max-model-len", "32", "--page-size", "8",
+                         "--max-num-batched-tokens", "4", "--prefill-chunk-size", "4", "--compilation-cache-dir", "",
+                         "--trace-depth-probs", "0.25", "0.25", "0.25", "0.25"]) == 0
+    info = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert info["compile_s"] > 0 and info["engine"]["max_num_seqs"] == 2 and info["engine"]["exit_mode"] == "trace"

@@ -40,6 +40,7 @@ def test_kernel_engine_matches_reference_with_aligned_prefill(small_ouro):
                                          compile_ahead=False,
                                          compilation_cache_dir=None, show_progress=False))
     assert engine.runner.prefill_alignment == PREFILL_BLOCK_Q and engine.runner.backend.matmul_impl == "pallas"
+    assert engine.runner.prefill_backend.matmul_impl == "xla"        # prefill projections stay on XLA
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (37, 5, 23, 16)]
     arrivals = [(step, f"r{i}", p, SamplingParams(max_tokens=5, temperature=t, seed=i, exit_threshold=0.5,

@@ -95,3 +95,13 @@ def test_compiled_kernel_on_gpu(m, k, n):
     w = jnp.asarray(rng.standard_normal((3, k, n)) / np.sqrt(k), jnp.bfloat16)
     out = jax.jit(lambda x, w: skinny_matmul(x, w, 2, impl="pallas"))(x, w)
     assert rel_err(out, x, w[2]) < TOL[jnp.bfloat16]
+
+
+def test_engine_backend_names_the_setting_when_the_kernel_cannot_run():
+    from rltjax.cache.paged_kv import PagedKVBackend
+    backend = PagedKVBackend(matmul_impl="pallas", interpret=True)
+    x, w = jnp.ones((4, 40), jnp.float32), jnp.ones((2, 40, 32), jnp.float32)
+    with pytest.raises(ValueError, match=r"matmul_impl='pallas': a \[40, 32\] projection .*K=40 .*matmul_impl='xla'"):
+        backend.matmul(x, w, 1)
+    big = jnp.ones((MAX_ROWS + 1, 40), jnp.float32)          # beyond the kernel's rows: XLA's dot
+    np.testing.assert_array_equal(np.asarray(backend.matmul(big, w, 1)), np.asarray(skinny_matmul_ref(big, w, 1)))

@@ -30,6 +30,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from checkpoints.random_init import random_checkpoint  # noqa: E402
+from rltjax.entrypoints.bench import QUICK_OVERRIDES  # noqa: E402
+from rltjax.entrypoints.engine_args import parse_xla_options  # noqa: E402
 from rltjax.models.base import get_model  # noqa: E402
 from rltjax.presets import preset_config  # noqa: E402
 from bench_loop_pass import build_pass  # noqa: E402
@@ -78,18 +80,10 @@ def fused_layer(x, lp):
 
 
 def parse_option_set(text):
-    """"name:key=value;key=value" -> (name, {key: int | bool | str}); "default" -> no options."""
+    """"name:key=value;key=value" -> (name, {key: value}) with the values parsed as ``--xla-option``
+    parses them; "default" -> no options."""
     name, _, body = text.partition(":")
-    options = {}
-    for item in filter(None, body.split(";")):
-        key, _, value = item.partition("=")
-        if value.lstrip("-").isdigit():
-            options[key] = int(value)
-        elif value.lower() in ("true", "false"):
-            options[key] = value.lower() == "true"
-        else:
-            options[key] = value
-    return name, options
+    return name, parse_xla_options([item for item in body.split(";") if item])
 
 
 def traced_passes(compiled, params, state, kv, meta, trace_dir, passes=20):
@@ -115,8 +109,11 @@ def run(argv=None):
                    help='option sets for the full pass, "name:key=value;key=value"')
     p.add_argument("--trace-dir", help="profile each option set's full pass here")
     p.add_argument("--skip-micro", action="store_true", help="only the full pass")
+    p.add_argument("--quick", action="store_true", help="tiny config, XLA attention (CPU smoke run)")
     args = p.parse_args(argv)
-    cfg = preset_config(args.preset)
+    if args.quick:
+        args.attn, args.context = "xla", min(args.context, 40)
+    cfg = preset_config(args.preset, QUICK_OVERRIDES if args.quick else None)
     params = random_checkpoint(cfg, seed=0, dtype="bfloat16")
     x = jax.random.normal(jax.random.key(1), (args.batch, cfg.hidden_size), jnp.bfloat16)
 

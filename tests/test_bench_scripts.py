@@ -72,3 +72,24 @@ def test_bench_throughput_quick(tmp_path):
         # fixed depth: every output token but each request's first costs R loop passes at most
         passes = r["steps"].get("loop", 0) + r["steps"].get("window_passes", 0)
         assert passes >= (info["output_len"] - 1) * 4
+
+
+def test_bench_skinny_quick(tmp_path):
+    out = tmp_path / "skinny.json"
+    run_script("bench_skinny.py", "--quick", "--out", str(out))
+    rows = json.loads(out.read_text())["results"]
+    assert [r["rows"] for r in rows] == [1, 5]
+    assert all(r["rel_err_vs_xla"] < 1e-2 and r["pallas_us"] > 0 and r["xla_us"] > 0 for r in rows)
+    assert all(r["block_n"] in (16, 32) and r["block_k"] in (16, 32) for r in rows)
+
+
+def test_profile_loop_pass_quick(tmp_path):
+    """Each XLA option set compiles its own pass (the values parsed as --xla-option parses them);
+    a name XLA does not know fails the run."""
+    text = run_script("profile_loop_pass.py", "--quick", "--batch", "2", "--trace-dir", str(tmp_path / "tr"),
+                      "--options", "default", "nofm:xla_cpu_enable_fast_math=false")
+    assert "full[default]" in text and "full[nofm]" in text and "kernels " in text
+    assert all(name in text for name in ("matmuls", "unrolled", "fused", "weights_rd"))
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "profile_loop_pass.py"), "--quick", "--skip-micro",
+                          "--options", "bad:xla_no_such_option=1"], capture_output=True, text=True, timeout=300)
+    assert res.returncode != 0 and "No such compile option" in res.stderr

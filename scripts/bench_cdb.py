@@ -77,6 +77,7 @@ def main(argv=None) -> int:
     import jax
 
     from checkpoints.random_init import random_checkpoint
+    from rltjax.benchmarks.depth_trace import draw_depths
     from rltjax.benchmarks.roofline import model_bytes
     from rltjax.engine.exit_trace import ExitTrace
     from rltjax.engine_config import CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig
@@ -87,13 +88,14 @@ def main(argv=None) -> int:
     cfg = preset_config(args.preset, QUICK_OVERRIDES if args.quick else None)
     params_w = random_checkpoint(cfg, seed=0, dtype="float32" if args.quick else "bfloat16")
     R, C = cfg.num_loops, args.concurrency
-    probs = np.asarray(args.depth_probs, float)
-    if len(probs) != R or abs(probs.sum() - 1) > 1e-6:
-        raise SystemExit(f"--depth-probs: give {R} probabilities (depths 1..{R}) summing to 1")
     rng = np.random.default_rng(args.seed)
     prompts = [rng.integers(3, cfg.vocab_size, args.prompt_len).tolist() for _ in range(C)]
     ids = [f"t{i}" for i in range(C)]
-    drawn = {rid: [R] + (1 + rng.choice(R, args.output_len, p=probs)).tolist() for rid in ids}
+    try:   # entry 0 (the prefill token) is R; then one drawn depth per decode token
+        drawn = draw_depths({rid: args.output_len + 1 for rid in ids}, args.depth_probs, R, args.seed,
+                            flag="--depth-probs")
+    except ValueError as exc:
+        raise SystemExit(str(exc))
     sp = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     pages = C * -(-(args.prompt_len + args.output_len) // args.page_size) * R + 1
 

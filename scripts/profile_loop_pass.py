@@ -35,7 +35,7 @@ from rltjax.entrypoints.engine_args import parse_xla_options  # noqa: E402
 from rltjax.models.base import get_model  # noqa: E402
 from rltjax.presets import preset_config  # noqa: E402
 from bench_loop_pass import build_pass  # noqa: E402
-from rltjax.benchmarks.kernel_trace import device_kernels, format_summary, load_events, summarise  # noqa: E402
+from rltjax.benchmarks.kernel_trace import format_summary, summarise_dir  # noqa: E402
 
 
 def timed(fn, *args, iters=30):
@@ -94,7 +94,7 @@ def traced_passes(compiled, params, state, kv, meta, trace_dir, passes=20):
         for _ in range(passes):
             state, kv, gate = compiled(params, state, kv, meta)
         jax.block_until_ready(gate)
-    return format_summary(summarise(device_kernels(load_events(trace_dir)), per=passes))
+    return format_summary(summarise_dir(trace_dir, per=passes))
 
 
 def run(argv=None):

@@ -119,15 +119,6 @@ def check_equal(out, ref):
 @contextlib.contextmanager
 def compile_events():
     """Collects the names of JAX compile events raised inside the block."""
-    import jax
-    events = []
-
-    def listener(event, duration, **kwargs):
-        if "compile" in event:
-            events.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield events
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
+    from rltjax.benchmarks.compile_watch import CompileWatch
+    with CompileWatch() as watch:
+        yield watch.events

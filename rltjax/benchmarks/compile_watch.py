@@ -15,13 +15,17 @@ BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"   # every XLA com
 
 
 class CompileWatch:
-    """``with CompileWatch() as w: ...`` then ``w.count`` executables in ``w.seconds``."""
+    """``with CompileWatch() as w: ...`` then ``w.count`` executables in ``w.seconds``;
+    ``w.events`` lists every compile-stage event (tracing and lowering included)."""
 
     def __init__(self):
         self.count = 0
         self.seconds = 0.0
+        self.events: list[str] = []
 
     def _listener(self, event: str, duration: float, **kwargs) -> None:
+        if "compile" in event:
+            self.events.append(event)
         if event == BACKEND_COMPILE:
             self.count += 1
             self.seconds += duration

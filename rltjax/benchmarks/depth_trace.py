@@ -12,21 +12,21 @@ from typing import Sequence
 import numpy as np
 
 
-def check_probs(probs: Sequence[float], num_loops: int) -> np.ndarray:
+def check_probs(probs: Sequence[float], num_loops: int, flag: str = "--trace-depth-probs") -> np.ndarray:
     p = np.asarray(probs, np.float64)
     if p.ndim != 1 or len(p) != num_loops:
-        raise ValueError(f"--trace-depth-probs: give one probability per depth 1..{num_loops} "
+        raise ValueError(f"{flag}: give one probability per depth 1..{num_loops} "
                          f"(the model's loops), got {len(p)}")
     if (p < 0).any() or abs(p.sum() - 1.0) > 1e-6:
-        raise ValueError(f"--trace-depth-probs must be >= 0 and sum to 1, got {list(probs)} (sum {p.sum():.6g})")
+        raise ValueError(f"{flag} must be >= 0 and sum to 1, got {list(probs)} (sum {p.sum():.6g})")
     return p
 
 
 def draw_depths(output_lens: dict[str, int], probs: Sequence[float], num_loops: int,
-                seed: int) -> dict[str, list[int]]:
+                seed: int, flag: str = "--trace-depth-probs") -> dict[str, list[int]]:
     """{request id: one depth per output token}; ids in sorted order share one seeded stream.
     Entry 0 is R: the first token comes out of prefill, which always runs every loop."""
-    p = check_probs(probs, num_loops)
+    p = check_probs(probs, num_loops, flag)
     rng = np.random.default_rng(seed)
     return {rid: [num_loops] + (1 + rng.choice(num_loops, size=output_lens[rid] - 1, p=p)).tolist()
             for rid in sorted(output_lens)}

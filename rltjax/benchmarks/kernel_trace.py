@@ -62,6 +62,11 @@ def summarise(kernels: list[dict], per: int = 1, top: int = 15) -> dict:
                           mean_us=sum(d) / len(d)) for name, d in ranked])
 
 
+def summarise_dir(trace_dir: str, per: int = 1, top: int = 15) -> dict:
+    """``summarise`` of the GPU kernels in the trace written under ``trace_dir``."""
+    return summarise(device_kernels(load_events(trace_dir)), per, top)
+
+
 def format_summary(s: dict) -> str:
     lines = [f"kernels {s['kernels']:.0f}  busy {s['busy_us']:.0f} us  span {s['span_us']:.0f} us"]
     lines += [f"  {t['total_us']:8.1f} us  x{t['count']:<5.0f} ({t['mean_us']:6.2f} us)  {t['name']}"
@@ -75,7 +80,7 @@ def main(argv=None):
     p.add_argument("--per", type=int, default=1, help="divide counts and times by this many units")
     p.add_argument("--top", type=int, default=15)
     args = p.parse_args(argv)
-    print(format_summary(summarise(device_kernels(load_events(args.trace_dir)), args.per, args.top)))
+    print(format_summary(summarise_dir(args.trace_dir, args.per, args.top)))
     return 0
 
 

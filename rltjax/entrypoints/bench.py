@@ -84,7 +84,7 @@ def profile_run(engine, concurrency: int, args, params, rng) -> dict:
 
     import jax
 
-    from rltjax.benchmarks.kernel_trace import device_kernels, format_summary, load_events, summarise
+    from rltjax.benchmarks.kernel_trace import format_summary, summarise_dir
     trace_dir = os.path.join(args.trace_dir, f"c{concurrency}")
     engine.steps_by_kind.clear()
     short = dataclasses.replace(params, max_tokens=min(args.trace_tokens, params.max_tokens))
@@ -94,7 +94,7 @@ def profile_run(engine, concurrency: int, args, params, rng) -> dict:
         jax.block_until_ready(engine.runner.kv.k)
         wall = time.perf_counter() - t0
     passes = engine.steps_by_kind.get("window_passes", 0) + engine.steps_by_kind.get("loop", 0)
-    summary = summarise(device_kernels(load_events(trace_dir)), per=max(passes, 1), top=25)
+    summary = summarise_dir(trace_dir, per=max(passes, 1), top=25)
     print(f"[trace C={concurrency}] {passes} loop passes in {wall * 1e3:.0f} ms (profiled): per pass "
           + format_summary(summary), flush=True)
     return dict(summary, passes=passes, wall_ms_per_pass=wall * 1e3 / max(passes, 1))

@@ -17,6 +17,7 @@ KV_LAYOUTS = ("last_exited", "shared")
 SCHEDULER_MODES = ("refill", "no_refill")
 ATTN_IMPLS = ("auto", "xla", "pallas")
 MATMUL_IMPLS = ("xla", "pallas")
+WINDOW_TRIPS = ("early_stop", "fixed")
 # K of decode windows when ExecutionConfig.decode_window is None and windows can run. On an
 # H200 (Ouro-1.4B shapes) K=16 beat step-by-step at 1, 8 and 32 streams (docs/performance.md).
 DEFAULT_DECODE_WINDOW = 16
@@ -149,6 +150,10 @@ class ExecutionConfig:
     (``rltjax.engine.decode_window``) whenever every running request is decoding; 0 runs
     every pass as its own engine step; None (default) picks DEFAULT_DECODE_WINDOW where the
     engine can run windows (refill, min_coda_batch_size 1) and 0 elsewhere.
+    window_trip: how a decode window's loop runs: ``early_stop`` (a while loop that ends when
+    no row is active; the head runs under a cond, only on passes where a row exits) or
+    ``fixed`` (exactly K passes and a head every pass: no predicate for XLA to read back to
+    the host between passes). Same outputs either way.
     async_scheduling: a step-by-step loop pass is launched before the previous pass's exit
     signals are read (they arrive with ``copy_to_host_async`` and are applied one pass late);
     needs an exit mode that decides one pass ahead (ouro_delayed, random_lookahead, trace, fixed).
@@ -162,6 +167,7 @@ class ExecutionConfig:
     matmul_impl: str = "xla"
     interpret: bool = False
     decode_window: int | None = None
+    window_trip: str = "early_stop"
     async_scheduling: bool = False
     xla_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     compile_ahead: bool = True
@@ -177,6 +183,8 @@ class ExecutionConfig:
                 not isinstance(self.decode_window, int) or isinstance(self.decode_window, bool)
                 or not 0 <= self.decode_window <= 1024):
             _bad("ExecutionConfig", "decode_window", self.decode_window, "must be an integer in [0, 1024]")
+        if self.window_trip not in WINDOW_TRIPS:
+            _bad("ExecutionConfig", "window_trip", self.window_trip, f"choose one of {WINDOW_TRIPS}")
         for name, value in dict(self.xla_options).items():
             if not (isinstance(name, str) and name.startswith("xla_")):
                 _bad("ExecutionConfig", "xla_options", name, "names are XLA debug options such as 'xla_gpu_...'")

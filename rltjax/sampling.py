@@ -48,12 +48,15 @@ def _sample_row(logits, temperature, top_k, top_p, key):
     return jnp.where(temperature > 0, sampled, greedy)
 
 
-@jax.jit
-def sample_tokens(logits, temperature, top_k, top_p, seed_hi, seed_lo, output_index):
+@functools.partial(jax.jit, static_argnames=("greedy_shortcut",))
+def sample_tokens(logits, temperature, top_k, top_p, seed_hi, seed_lo, output_index, greedy_shortcut: bool = True):
     """Sample one token per row.
 
     logits [B, V] f32; temperature/top_p [B] f32; top_k [B] int32 (<= 0: off);
     seed_hi/seed_lo [B] uint32; output_index [B] int32 -> tokens [B] int32.
+    greedy_shortcut: an all-greedy batch skips the sort through a ``lax.cond``, whose
+    predicate XLA's GPU runtime reads on the host; False always draws (same tokens) and
+    keeps the device free of host round trips (fixed-trip decode windows).
     """
     def draw():
         keys = jax.vmap(sample_key)(seed_hi, seed_lo, output_index)
@@ -61,6 +64,8 @@ def sample_tokens(logits, temperature, top_k, top_p, seed_hi, seed_lo, output_in
 
     # An all-greedy batch skips the full-vocabulary sort; a greedy row gives the same
     # argmax on either branch, so results stay batch-invariant.
+    if not greedy_shortcut:
+        return draw()
     return jax.lax.cond(jnp.all(temperature <= 0), lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32), draw)
 
 

@@ -32,10 +32,11 @@ request = st.tuples(
 @given(kv_layout=st.sampled_from(["last_exited", "shared"]),
        exit_mode=st.sampled_from(["ouro", "ouro_delayed", "random_lookahead"]),
        window=st.sampled_from([1, 3, 8]), max_num_seqs=st.sampled_from([2, 4]),
-       requests=st.lists(request, min_size=1, max_size=5), abort_at=st.sampled_from([None, 2, 5]))
-def test_windows_match_reference(kv_layout, exit_mode, window, max_num_seqs, requests, abort_at):
+       requests=st.lists(request, min_size=1, max_size=5), abort_at=st.sampled_from([None, 2, 5]),
+       window_trip=st.sampled_from(["early_stop", "fixed"]))
+def test_windows_match_reference(kv_layout, exit_mode, window, max_num_seqs, requests, abort_at, window_trip):
     engine = make_engine(kv_layout=kv_layout, exit_mode=exit_mode, page_size=4, max_num_seqs=max_num_seqs,
-                         lookahead_seed=3, decode_window=window)
+                         lookahead_seed=3, decode_window=window, window_trip=window_trip)
     arrivals = []
     for i, (step, start, length, max_tokens, temp, seed, q, lo, hi, lp) in enumerate(requests):
         params = SamplingParams(max_tokens=max_tokens, temperature=temp, seed=seed, exit_threshold=q,
@@ -56,12 +57,13 @@ def test_windows_match_reference(kv_layout, exit_mode, window, max_num_seqs, req
     assert_all_pages_free(engine)
 
 
+@pytest.mark.parametrize("window_trip", ["early_stop", "fixed"])
 @pytest.mark.parametrize("kv_layout", ["last_exited", "shared"])
-def test_windows_replay_traces_and_run(kv_layout):
+def test_windows_replay_traces_and_run(kv_layout, window_trip):
     depths = {"a": [4, 1, 3, 2, 4, 1, 2, 3, 1, 1], "b": [4, 2, 2, 3, 1, 4, 4, 2, 2, 2]}
     arrivals = [(0, "a", TOKENS[:7], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)),
                 (0, "b", TOKENS[3:12], SamplingParams(max_tokens=10, temperature=1.0, seed=9, ignore_eos=True))]
-    engine = check_trace_replay(kv_layout, depths, arrivals, decode_window=5)
+    engine = check_trace_replay(kv_layout, depths, arrivals, decode_window=5, window_trip=window_trip)
     assert engine.steps_by_kind.get("window_passes", 0) > 0
 
 
@@ -86,11 +88,13 @@ def test_host_only_stops_cut_the_window():
         assert len(outs[0].token_ids) < 12
 
 
-def test_continued_windows_read_one_window_late():
+@pytest.mark.parametrize("window_trip", ["early_stop", "fixed"])
+def test_continued_windows_read_one_window_late(window_trip):
     """With nothing else to schedule, each window is launched from the previous one's device
     state before the host reads that one; outputs stay the oracle's, also when a request is
-    aborted while a window runs and when requests finish inside a window that is not read yet."""
-    engine = make_engine(exit_mode="ouro_delayed", decode_window=3, max_num_seqs=3)
+    aborted while a window runs and when requests finish inside a window that is not read yet
+    (a fixed-trip window then runs its remaining passes over inactive rows)."""
+    engine = make_engine(exit_mode="ouro_delayed", decode_window=3, max_num_seqs=3, window_trip=window_trip)
     launches = []
     real = engine.runner.window_launch
     engine.runner.window_launch = lambda rows, *rest: launches.append(

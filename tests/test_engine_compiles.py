@@ -119,13 +119,15 @@ def test_xla_options_rebuild_the_engine_steps():
         make_engine(xla_options={"xla_no_such_option": 1})
 
 
-def test_window_loop_state_holds_no_weight_slices():
+@pytest.mark.parametrize("window_trip", ["early_stop", "fixed"])
+def test_window_loop_state_holds_no_weight_slices(window_trip):
     """The weights enter each window pass through an optimization barrier: XLA must not hoist
     per-layer weight slices out of the window's while loop (they would be materialised copies,
-    and re-copied every pass under memory pressure on a GPU)."""
+    and re-copied every pass under memory pressure on a GPU). A fixed-trip window leaves XLA
+    nothing to read back on the host between passes: a known trip count and no conditional."""
     import re
 
-    engine = make_engine(decode_window=3, max_num_seqs=2)
+    engine = make_engine(decode_window=3, max_num_seqs=2, window_trip=window_trip)
     seen = []
     real = engine.runner.steps.window
 

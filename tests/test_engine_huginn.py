@@ -64,13 +64,16 @@ def test_huginn_engine_matches_reference(kv_layout, mode, state_init):
     assert {2, 4, 7} <= depths and max(depths) > 7 and len(depths) >= 5, depths   # varied, beyond R
 
 
-@pytest.mark.parametrize("state_init", ["zero", "like-init"])
+@pytest.mark.parametrize("state_init, window_trip", [("zero", "early_stop"), ("like-init", "early_stop"),
+                                                    ("like-init", "fixed")])
 @pytest.mark.parametrize("kv_layout", ["last_exited", "shared"])
-def test_huginn_decode_windows_match_reference(kv_layout, state_init):
+def test_huginn_decode_windows_match_reference(kv_layout, state_init, window_trip):
     """Windows carry the boundary pool: the prelude runs on device when a row starts a token
     (seeded initial state), the coda in the head; latent-difference exits and mixed recurrence
-    caps decide on device."""
-    depths = run_against_reference(kv_layout, "refill", ZERO if state_init == "zero" else {}, decode_window=5)
+    caps decide on device. Fixed-trip windows run prelude and coda every pass, writing only
+    the rows that start or exit."""
+    depths = run_against_reference(kv_layout, "refill", ZERO if state_init == "zero" else {}, decode_window=5,
+                                   window_trip=window_trip)
     assert {2, 4, 7} <= depths and max(depths) > 7, depths
 
 

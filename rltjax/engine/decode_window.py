@@ -7,8 +7,13 @@ applies the exit rule (the host's own ``EXIT_RULES`` functions, on jax arrays),
 copies an exiting token's KV into the deeper planes (``last_exited``), runs the
 head when any row exited (sampling with the batch-invariant per-request keys,
 logprobs), checks EOS / stop token ids / max_tokens, and feeds the sampled token
-back as the row's next looping token. It stops after K passes or when no row is
-active. The host reads the outputs ([B, K] tokens, depths, logprobs) one window
+back as the row's next looping token. With ``fixed_trip=False`` it stops after K passes or
+when no row is active, and runs the head (and Huginn's prelude) under a ``lax.cond``; XLA's
+GPU runtime reads each of those predicates back to the host, so the GPU drains and waits
+for the host twice a pass (three times with sampling's all-greedy shortcut).
+``fixed_trip=True`` runs exactly K passes (a known trip count: no predicate read) and
+computes the head and the full sampling path every pass, keeping what exiting rows need;
+the outputs are the same. The host reads the outputs ([B, K] tokens, depths, logprobs) one window
 late: while nothing else can be scheduled, the next window is launched from the
 device's row state before the host reads the last one. It replays them through its
 own stop checks (stop strings are host-only: tokens a row made past one are
@@ -96,15 +101,16 @@ def _exit_copies(rows: WindowRows, exit_now, depth, block_tables, page_size: int
 
 
 @engine_jit(static_argnames=("model", "backend", "num_passes", "mode", "num_top", "layered",
-                                             "num_planes", "dummy_slot"),
+                                             "num_planes", "dummy_slot", "fixed_trip"),
                    donate_argnames=("kv", "slot_state", "bkv", "slot_inject"))
 def decode_window(params, kv: PagedKV, slot_state, rows: WindowRows, block_tables, lookahead_w, bkv, slot_inject,
                   boundary_tables, *, model, backend, num_passes: int, mode: str, num_top: int, layered: bool,
-                  num_planes: int, dummy_slot: int):
-    """Up to ``num_passes`` loop passes over the rows -> (kv, slot_state, bkv, slot_inject, rows,
-    WindowOutputs). Models with boundary stages (Huginn) pass their boundary pool ``bkv``, the
-    per-slot ``slot_inject`` and the boundary block tables: a row starting a token runs the
-    prelude (writing its boundary KV) and an exiting row's head runs the coda; others pass None."""
+                  num_planes: int, dummy_slot: int, fixed_trip: bool = False):
+    """Up to ``num_passes`` loop passes (exactly that many when ``fixed_trip``) over the rows
+    -> (kv, slot_state, bkv, slot_inject, rows, WindowOutputs). Models with boundary stages
+    (Huginn) pass their boundary pool ``bkv``, the per-slot ``slot_inject`` and the boundary
+    block tables: a row starting a token runs the prelude (writing its boundary KV) and an
+    exiting row's head runs the coda; others pass None."""
     b, k_max = rows.slots.shape[0], num_passes
     page_size = kv.page_size
     first_out = rows.num_out
@@ -148,7 +154,8 @@ def decode_window(params, kv: PagedKV, slot_state, rows: WindowRows, block_table
                 return model.embed(weights, tokens, bkv, boundary_meta(rows, pos, starting), backend, seeds=seeds)
 
             zeros = jnp.zeros_like(slot_state[slots])
-            s0, e, bkv = jax.lax.cond(jnp.any(starting), prelude, lambda bkv: (zeros, zeros, bkv), bkv)
+            s0, e, bkv = (prelude(bkv) if fixed_trip else
+                          jax.lax.cond(jnp.any(starting), prelude, lambda bkv: (zeros, zeros, bkv), bkv))
             x = jnp.where(starting[:, None], s0, slot_state[slots])
             inject = jnp.where(starting[:, None], e, slot_inject[slots])
             slot_inject = slot_inject.at[slots].set(inject)
@@ -177,21 +184,24 @@ def decode_window(params, kv: PagedKV, slot_state, rows: WindowRows, block_table
             else:    # the coda writes the exiting rows' boundary KV
                 logits, bkv = model.head(weights, slot_state[slots], bkv, boundary_meta(rows, pos, exit_now), backend)
             tok = sample_tokens(logits, rows.temperature, rows.top_k, rows.top_p, rows.seed_hi, rows.seed_lo,
-                                rows.num_out)
+                                rows.num_out, greedy_shortcut=not fixed_trip)
             return (tok,) + token_logprobs(logits, tok, num_top) + (bkv,)
 
         def no_head(bkv):
             return (jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.float32),
                     jnp.zeros((b, num_top), jnp.int32), jnp.zeros((b, num_top), jnp.float32), bkv)
 
-        tok, chosen, top_ids, top_lp, bkv = jax.lax.cond(jnp.any(exit_now), head, no_head, bkv)
+        # fixed_trip: every row's head, kept where a row exits (sampling keys are per request
+        # and output index, so the kept tokens are those a head over the exiting rows makes)
+        tok, chosen, top_ids, top_lp, bkv = (head(bkv) if fixed_trip else
+                                             jax.lax.cond(jnp.any(exit_now), head, no_head, bkv))
         k = jnp.where(exit_now, rows.num_out - first_out, k_max)          # k_max: out of range, dropped
         out = WindowOutputs(
             tokens=out.tokens.at[idx, k].set(tok, mode="drop"), depths=out.depths.at[idx, k].set(r, mode="drop"),
             chosen=out.chosen.at[idx, k].set(chosen, mode="drop"),
             top_ids=out.top_ids.at[idx, k].set(top_ids, mode="drop"),
             top_lp=out.top_lp.at[idx, k].set(top_lp, mode="drop"),
-            count=out.count + exit_now, passes=out.passes + 1)
+            count=out.count + exit_now, passes=out.passes + jnp.any(act))
         num_out = rows.num_out + exit_now
         stops = jnp.any(tok[:, None] == rows.stop_ids, axis=1) | (num_out >= rows.max_tokens)
         rows = dataclasses.replace(
@@ -202,10 +212,14 @@ def decode_window(params, kv: PagedKV, slot_state, rows: WindowRows, block_table
             num_out=num_out)
         return kv, slot_state, bkv, slot_inject, rows, out
 
+    carry = (kv, slot_state, bkv, slot_inject, rows, out)
+    if fixed_trip:
+        return jax.lax.fori_loop(0, k_max, lambda _, c: one_pass(c), carry)
+
     def cond(carry):
         return (carry[5].passes < k_max) & jnp.any(carry[4].active)
 
-    return jax.lax.while_loop(cond, one_pass, (kv, slot_state, bkv, slot_inject, rows, out))
+    return jax.lax.while_loop(cond, one_pass, carry)
 
 
 def resolve_window_passes(asked: int | None, scheduler_config, exit_mode: str, arch: str) -> int:

@@ -4,8 +4,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from rltjax.engine_config import (ATTN_IMPLS, EXIT_MODES, MATMUL_IMPLS, KV_LAYOUTS, SCHEDULER_MODES, CacheConfig,
-                                  ExecutionConfig, ExitConfig, SchedulerConfig, default_cache_dir)
+from rltjax.engine_config import (ATTN_IMPLS, EXIT_MODES, MATMUL_IMPLS, KV_LAYOUTS, SCHEDULER_MODES, WINDOW_TRIPS,
+                                  CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig, default_cache_dir)
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -52,6 +52,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--decode-window", type=int, default=None, metavar="K",
                    help="decode as device-side windows of up to K loop passes (0: one pass per step; "
                         "default: 16 where windows can run)")
+    g.add_argument("--window-trip", default="early_stop", choices=WINDOW_TRIPS,
+                   help="decode windows: stop when no row is active, heads only on exit passes "
+                        "(early_stop), or run exactly K passes with a head every pass (fixed: "
+                        "nothing for the GPU to wait on the host for between passes)")
     g.add_argument("--async-scheduling", action="store_true",
                    help="launch each loop pass before reading the previous pass's exit signals "
                         "(exit modes ouro_delayed, random_lookahead, fixed)")
@@ -99,5 +103,6 @@ def configs_from_args(args: argparse.Namespace) -> dict:
         execution_config=ExecutionConfig(attn_impl=args.attn_impl, matmul_impl=args.matmul_impl,
                                          xla_options=parse_xla_options(args.xla_option),
                                          compile_ahead=not args.no_compile_ahead,
-                                         decode_window=args.decode_window, async_scheduling=args.async_scheduling,
+                                         decode_window=args.decode_window, window_trip=args.window_trip,
+                                         async_scheduling=args.async_scheduling,
                                          compilation_cache_dir=args.compilation_cache_dir or None))

@@ -67,6 +67,25 @@ def test_no_compilation_after_warm_up():
 
 
 
+@pytest.mark.parametrize("kwargs", [dict(decode_window=3), dict(name="huginn-tiny", exit_mode="latent_diff",
+                                                                    decode_window=3, max_loops=6)])
+def test_warm_up_compiles_in_parallel_then_runs_from_jit_cache(kwargs):
+    """The record pass compiles one executable per bucket job, in a thread pool; the run pass
+    that follows finds every one of them in jit's cache (ahead-of-time compiles fill it)."""
+    from rltjax.engine.warm_up import bucket_jobs
+    engine = make_engine(compile_ahead=True, max_num_seqs=2, **kwargs)
+    report = engine.warm_up
+    jobs = bucket_jobs(engine.runner)
+    assert {kind for kind, _ in jobs} >= {"prefill", "loop", "head", "copy", "window"}
+    assert report.executables == len(jobs) and report.compiled_late == 0, report
+    with compile_events() as events:     # and steady state compiles nothing either
+        engine.add_request("a", TOKENS[:6], greedy(4))
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert events == []
+    assert_all_pages_free(engine)
+
+
 def test_first_steps_after_warm_up_do_not_compile():
     """A fresh engine's first batches (a 1-token prefill first) reuse the warm-up executables:
     the state arrays the steps replace are committed to the device before warm-up."""
@@ -149,3 +168,9 @@ def test_window_loop_state_holds_no_weight_slices(window_trip):
     state = re.findall(r"f32\[([\d,]+)\]", window_loops[0].split(" while(")[0])
     slices = [s for s in state if tuple(int(d) for d in s.split(",") if d != "1") in dims and s.startswith("1,")]
     assert not slices, f"weight slices carried through the window loop: {slices}"
+    conditionals = sum(" conditional(" in line for line in hlo.splitlines())
+    trip = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', window_loops[0])
+    if window_trip == "fixed":
+        assert conditionals == 0 and trip and int(trip.group(1)) == 3, (conditionals, window_loops[0][-300:])
+    else:   # the early-stop loop: a data-dependent trip count, the head under a cond
+        assert conditionals >= 1 and trip is None

@@ -80,6 +80,8 @@ def build_engine_from_args(args, *, max_num_seqs: int, max_model_len: int, cache
     sched = engine.scheduler
     return engine, dict(ready_s=ready, compile_s=engine.compile_seconds, weights_and_setup_s=ready -
                         engine.compile_seconds, compile_ahead=configs["execution_config"].compile_ahead,
+                        executables=engine.warm_up.executables if engine.warm_up else 0,
+                        compiled_late=engine.warm_up.compiled_late if engine.warm_up else 0,
                         engine=dict(max_num_seqs=sched.config.max_num_seqs, max_model_len=sched.max_model_len,
                                     num_pages=sched.allocator.num_pages, page_size=sched.page_size,
                                     num_planes=sched.num_planes, kv_layout=engine.cache_config.kv_layout,

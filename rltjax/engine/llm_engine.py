@@ -30,6 +30,7 @@ from rltjax.engine.outputs import RequestOutput
 from rltjax.engine.runner import ModelRunner
 from rltjax.engine.scheduler import Scheduler
 from rltjax.engine.sequence import Request, RequestRejectedError, Status, prompt_token_ids
+from rltjax.engine.warm_up import WarmUp, warm_up
 from rltjax.engine_config import (CacheConfig, EngineConfigError, ExecutionConfig, ExitConfig, SchedulerConfig,
                                   check_combination, validate_trace_depths)
 from rltjax.models.base import loop_limit, signal_kind
@@ -70,7 +71,7 @@ class LLMEngine:
         window_spec = None
         if self.window_passes:
             window_spec = dict(num_passes=self.window_passes, mode=self.exit_policy.mode, layered=self.layered,
-                               num_planes=self.num_planes)
+                               num_planes=self.num_planes, fixed_trip=execution_config.window_trip == "fixed")
         self.runner = ModelRunner(model, params, kv, max_num_seqs=scheduler_config.max_num_seqs,
                                   max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
                                   attn_impl=execution_config.attn_impl,
@@ -96,6 +97,7 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self.steps_by_kind: dict[str, int] = {}
         self.compile_seconds = 0.0
+        self.warm_up: WarmUp | None = None   # what the start-up compile did (compile_ahead)
         self._fingerprint: str | None = None
         self.async_scheduling = execution_config.async_scheduling
         # async scheduling: the last launched pass's signals, tagged (request, position, depth)
@@ -107,9 +109,9 @@ class LLMEngine:
             steps_by_kind=self.steps_by_kind)
         if execution_config.compile_ahead:
             # the same (device) table arrays the steps pass: jit keys its cache on where inputs live
-            self.compile_seconds = self.runner.warm_up(
-                self.batches.block_tables(), execution_config.show_progress,
-                self.batches.boundary_tables())
+            self.warm_up = warm_up(self.runner, self.batches.block_tables(), self.batches.boundary_tables(),
+                                   show_progress=execution_config.show_progress)
+            self.compile_seconds = self.warm_up.seconds
 
     @property
     def dtype_name(self) -> str:

@@ -8,15 +8,13 @@ prelude output e that every loop reads); their prelude runs in its own call
 (``embed_step``) for the rows that start a token, and their coda writes the boundary
 KV in ``head_step`` (and for every prompt row in ``prefill_step``). Plain models pass
 ``None`` for all of it, so their compiled functions are unchanged. A handful of
-executables serve every batch; ``warm_up`` compiles all of them at start-up (XLA's
-persistent cache makes later start-ups fast) and the engine never compiles in steady
-state.
+executables serve every batch; ``rltjax.engine.warm_up`` compiles all of them at
+start-up (XLA's persistent cache makes later start-ups fast) and the engine never
+compiles in steady state.
 """
 from __future__ import annotations
 
 import dataclasses
-import sys
-import time
 from typing import NamedTuple
 
 import jax
@@ -25,7 +23,7 @@ import numpy as np
 
 from kernels.paged_attention import DEFAULT_BLOCK_Q, kernel_unsupported
 from rltjax.cache.paged_kv import PagedKV, PagedKVBackend, PagedMeta
-from rltjax.engine.decode_window import WindowOutputs, WindowRows, idle_window_rows
+from rltjax.engine.decode_window import WindowOutputs, WindowRows
 from rltjax.engine.device_steps import DeviceSteps
 from rltjax.models.base import boundary_kv_layers
 
@@ -264,49 +262,9 @@ class ModelRunner:
         self.kv = self.steps.copy(self.kv, *(np.pad(a, (0, pad)).astype(np.int32)
                                         for a in (src_page, src_offset, dst_page, dst_offset)))
 
-    # -- start-up ----------------------------------------------------------------------
-    def warm_up(self, block_tables: np.ndarray, show_progress: bool = True,
-                boundary_block_tables: np.ndarray | None = None) -> float:
-        """Compile every bucket now (all-padding inputs touch only the scratch page)."""
-        t0 = time.perf_counter()
-        jobs = ([("prefill", t) for t in self.token_buckets] + [("loop", b) for b in self.row_buckets]
-                + [("head", b) for b in self.row_buckets] + [("copy", m) for m in self.copy_buckets])
-        if self.has_boundary:
-            jobs += [("embed", b) for b in self.row_buckets]
-        if self.window_spec:
-            jobs += [("window", b) for b in self.row_buckets]
-        zeros = lambda n: np.zeros(n, np.int32)
-        pad_rows = lambda n: (BoundaryRows(zeros(n), zeros(n), np.zeros((n, 2), np.uint32), boundary_block_tables)
-                              if self.has_boundary else None)
-        for i, (kind, n) in enumerate(jobs):
-            if show_progress:
-                print(f"\r[rltjax] compiling {kind} x{n} ({i + 1}/{len(jobs)})", end="", file=sys.stderr,
-                      flush=True)
-            if kind == "prefill":
-                R = self.cfg.num_loops
-                self.prefill(zeros(n), zeros(n), np.zeros((self.prefill_write_planes, n), np.int32), zeros(n),
-                             np.zeros((R, n), np.int32), np.full(n, self.dummy_slot, np.int32), block_tables,
-                             pad_rows(n))
-            elif kind == "loop":
-                self._warm_loop(n, block_tables)
-            elif kind == "window":
-                self.window(idle_window_rows(n, self.window_spec["num_planes"], self.window_spec["num_passes"]),
-                            block_tables, boundary_block_tables)
-            elif kind == "embed":
-                self.embed(np.full(n, self.dummy_slot, np.int32), zeros(n), zeros(n) - 1, zeros(n), pad_rows(n))
-            elif kind == "head":
-                self.head(np.full(n, self.dummy_slot, np.int32), np.zeros(n, np.float32), zeros(n),
-                          np.ones(n, np.float32), np.zeros(n, np.uint32), np.zeros(n, np.uint32), zeros(n),
-                          zeros(n) - 1, pad_rows(n))
-            else:
-                self.copy(zeros(n), zeros(n), zeros(n), zeros(n))
-        jax.block_until_ready(self.kv)
-        elapsed = time.perf_counter() - t0
-        if show_progress:
-            print(f"\r[rltjax] compiled {len(jobs)} executables in {elapsed:.1f}s", file=sys.stderr)
-        return elapsed
-
-    def _warm_loop(self, n: int, block_tables: np.ndarray) -> None:
-        slots = np.full(n, self.dummy_slot, np.int32)
-        z = np.zeros(n, np.int32)
-        self.loop(slots, z, np.zeros(n, bool), z - 1, z, z, z, block_tables)
+    def padding_boundary_rows(self, n: int, boundary_block_tables) -> BoundaryRows | None:
+        """Boundary rows of n all-padding rows (warm-up calls); None for plain models."""
+        if not self.has_boundary:
+            return None
+        zeros = np.zeros(n, np.int32)
+        return BoundaryRows(zeros, zeros, np.zeros((n, 2), np.uint32), boundary_block_tables)

@@ -1,0 +1,129 @@
+"""Start-up compilation of every bucket, with XLA's compiles running in parallel.
+
+A handful of executables serve every batch (prefill token buckets; loop, head and
+window row buckets; copies). Compiled one after another they made a cold start take
+over 100 s on an H200: each compile is mostly XLA's per-shape GEMM autotuning and
+Triton compilation, which run outside Python's lock. So the warm-up goes in two
+passes over the same all-padding calls:
+
+1. record: each call runs through the runner as usual, but its device step is only
+   traced and lowered on this thread, its compile is handed to a thread pool, and it
+   returns stand-in outputs (the input arrays where shapes match, so no second KV
+   pool is allocated; zeros elsewhere). The runner's device state is restored after.
+2. run: each call runs for real, once. jit finds every executable in its cache (an
+   ahead-of-time compile fills the same cache), so this pass compiles nothing; it
+   counts what it did compile (``WarmUp.compiled_late``) so a miss cannot go unseen.
+
+All-padding inputs touch only the scratch page and the dummy slot.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections import defaultdict, deque
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rltjax.benchmarks.compile_watch import CompileWatch
+from rltjax.engine.decode_window import idle_window_rows
+
+COMPILE_THREADS = max(1, min(8, os.cpu_count() or 1))
+
+
+class WarmUp(NamedTuple):
+    seconds: float         # both passes
+    executables: int       # compiled (or loaded from the persistent cache) in the record pass
+    compiled_late: int     # compiled in the run pass: 0 unless jit's cache missed
+
+
+def warm_up(runner, block_tables: np.ndarray, boundary_block_tables: np.ndarray | None = None, *,
+            show_progress: bool = True, threads: int = COMPILE_THREADS) -> WarmUp:
+    """Compile every executable ``runner`` can call (in ``threads`` parallel compiles), then
+    run each once."""
+    t0 = time.perf_counter()
+    jobs = bucket_jobs(runner)
+    real_steps, state = runner.steps, (runner.kv, runner.slot_state, runner.bkv, runner.slot_inject)
+    futures = []
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        runner.steps = type(real_steps)(*(_recording(step, pool, futures) for step in real_steps))
+        try:
+            for kind, n in jobs:
+                run_job(runner, kind, n, block_tables, boundary_block_tables)
+        finally:
+            runner.steps = real_steps
+            runner.kv, runner.slot_state, runner.bkv, runner.slot_inject = state
+        for done, future in enumerate(as_completed(futures), 1):
+            future.result()
+            if show_progress:
+                print(f"\r[rltjax] compiling {len(futures)} executables on {threads} threads ({done} done)",
+                      end="", file=sys.stderr, flush=True)
+    with CompileWatch() as late:
+        for kind, n in jobs:
+            run_job(runner, kind, n, block_tables, boundary_block_tables)
+        jax.block_until_ready(runner.kv)
+    elapsed = time.perf_counter() - t0
+    if show_progress:
+        print(f"\r[rltjax] compiled {len(futures)} executables in {elapsed:.1f}s" + " " * 20, file=sys.stderr)
+    return WarmUp(elapsed, len(futures), late.count)
+
+
+def bucket_jobs(runner) -> list[tuple[str, int]]:
+    """(kind, bucket) of every executable the runner's engine can call."""
+    jobs = ([("prefill", t) for t in runner.token_buckets] + [("loop", b) for b in runner.row_buckets]
+            + [("head", b) for b in runner.row_buckets] + [("copy", m) for m in runner.copy_buckets])
+    if runner.has_boundary:
+        jobs += [("embed", b) for b in runner.row_buckets]
+    if runner.window_spec:
+        jobs += [("window", b) for b in runner.row_buckets]
+    return jobs
+
+
+def run_job(runner, kind: str, n: int, block_tables, boundary_block_tables) -> None:
+    """One all-padding call of ``kind`` over ``n`` rows / tokens."""
+    zeros = lambda k: np.zeros(k, np.int32)
+    dummy = np.full(n, runner.dummy_slot, np.int32)
+    pad_rows = runner.padding_boundary_rows(n, boundary_block_tables)
+    if kind == "prefill":
+        runner.prefill(zeros(n), zeros(n), np.zeros((runner.prefill_write_planes, n), np.int32), zeros(n),
+                       np.zeros((runner.cfg.num_loops, n), np.int32), dummy, block_tables, pad_rows)
+    elif kind == "loop":
+        runner.loop(dummy, zeros(n), np.zeros(n, bool), zeros(n) - 1, zeros(n), zeros(n), zeros(n), block_tables)
+    elif kind == "window":
+        spec = runner.window_spec
+        runner.window(idle_window_rows(n, spec["num_planes"], spec["num_passes"]), block_tables,
+                      boundary_block_tables)
+    elif kind == "embed":
+        runner.embed(dummy, zeros(n), zeros(n) - 1, zeros(n), pad_rows)
+    elif kind == "head":
+        runner.head(dummy, np.zeros(n, np.float32), zeros(n), np.ones(n, np.float32), np.zeros(n, np.uint32),
+                    np.zeros(n, np.uint32), zeros(n), zeros(n) - 1, pad_rows)
+    else:
+        runner.copy(zeros(n), zeros(n), zeros(n), zeros(n))
+
+
+def _recording(step, pool: ThreadPoolExecutor, futures: list):
+    """``step`` traced and lowered here, compiled in ``pool``; returns stand-in outputs."""
+    def call(*args, **kwargs):
+        lowered = step.lower(*args, **kwargs)
+        futures.append(pool.submit(lowered.compile))
+        return _stand_ins(lowered.out_info, args)
+    return call
+
+
+def _stand_ins(out_info, args):
+    """Arrays shaped like the outputs: input arrays of the same shape and dtype, taken in
+    order (the donated state comes back as itself), else zeros."""
+    spare = defaultdict(deque)
+    for leaf in jax.tree.leaves(args):
+        if isinstance(leaf, jax.Array):
+            spare[(leaf.shape, leaf.dtype)].append(leaf)
+
+    def one(info):
+        queue = spare[(tuple(info.shape), info.dtype)]
+        return queue.popleft() if queue else jnp.zeros(info.shape, info.dtype)
+    return jax.tree.map(one, out_info)

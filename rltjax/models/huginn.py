@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from rltjax.config import ModelConfig
 from rltjax.models.base import KVBackend
-from rltjax.models.layers import rms_norm, rope_interleaved
+from rltjax.models.layers import over_layers, rms_norm, rope_interleaved
 from rltjax.models.params import TensorSpec
 
 HF_IGNORED_TENSORS = ("freqs_cis",)   # RoPE table: recomputed from rope_base
@@ -139,10 +139,7 @@ def _blocks(cfg: ModelConfig, blocks: HuginnBlocks, x, kv, meta, backend: KVBack
         x = rms_norm(mm(jax.nn.silu(a) * b, blocks.w_proj) + x, p.norm_4, eps)
         return (x, kv), None
 
-    num = blocks.norm_1.shape[0]
-    layer_ids = offset + jnp.arange(num, dtype=jnp.int32)
-    (x, kv), _ = jax.lax.scan(block_step, (x, kv), (layer_ids, blocks), unroll=unroll)
-    return x, kv
+    return over_layers(block_step, (x, kv), blocks, first_layer=offset, unroll=unroll)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Nanbeige4.2 (looped Llama) as pure JAX functions.
 
-One loop = all L Llama pre-norm layers (lax.scan over stacked params), then the
+One loop = all L Llama pre-norm layers (``over_layers`` of stacked params), then the
 shared ``model.norm``. The normed state feeds the next loop and the head.
 There is no exit gate: the loop's signal is zero and depth is fixed
 (``max_loops`` of the request, default R = ``num_loops``).
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from rltjax.config import ModelConfig
 from rltjax.models.base import KVBackend
-from rltjax.models.layers import rms_norm, rope_rotate_half, swiglu
+from rltjax.models.layers import over_layers, rms_norm, rope_rotate_half, swiglu
 from rltjax.models.params import TensorSpec, llama_stack_specs
 
 
@@ -105,10 +105,8 @@ class NanbeigeModel:
             x = x + swiglu(rms_norm(x, p.mlp_norm, cfg.norm_eps), mm, lw.w_gate, lw.w_up, lw.w_down)
             return (x, kv), None
 
-        layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         # Unrolled for static layer slices of the stacked weights (see ouro.py).
-        (state, kv), _ = jax.lax.scan(layer_step, (state, kv), (layer_ids, params.layers),
-                                      unroll=unroll)
+        state, kv = over_layers(layer_step, (state, kv), params.layers, unroll=unroll)
         state = rms_norm(state, params.norm, cfg.norm_eps)
         return state, kv, jnp.zeros((n,), jnp.float32)
 

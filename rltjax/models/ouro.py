@@ -1,6 +1,6 @@
 """Ouro (1.4B / 2.6B and Thinking variants) as pure JAX functions.
 
-One loop = all L sandwich layers (lax.scan over stacked params), then the
+One loop = all L sandwich layers (``over_layers`` of stacked params), then the
 shared ``model.norm``. The normed state feeds the next loop, the exit gate
 and the head.
 
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from rltjax.config import ModelConfig
 from rltjax.models.base import KVBackend
-from rltjax.models.layers import rms_norm, rope_rotate_half, swiglu
+from rltjax.models.layers import over_layers, rms_norm, rope_rotate_half, swiglu
 from rltjax.models.params import TensorSpec, llama_stack_specs
 
 
@@ -120,12 +120,10 @@ class OuroModel:
             x = x + rms_norm(mlp, p.mlp_post_norm, cfg.norm_eps)
             return (x, kv), None
 
-        layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        # Unrolled: XLA then sees static layer slices of the stacked weights. With a
-        # rolled scan the per-layer dynamic slices made the projections ~2x slower on
-        # an H200 (docs/performance.md, "loop pass").
-        (state, kv), _ = jax.lax.scan(layer_step, (state, kv), (layer_ids, params.layers),
-                                      unroll=unroll)
+        # Unrolled: static layer slices of the stacked weights. With a rolled scan the
+        # per-layer dynamic slices made the projections ~2x slower on an H200
+        # (docs/performance.md, "loop pass").
+        state, kv = over_layers(layer_step, (state, kv), params.layers, unroll=unroll)
         state = rms_norm(state, params.norm, cfg.norm_eps)
         gate_logit = state.astype(jnp.float32) @ params.gate_w.astype(jnp.float32) \
             + params.gate_b.astype(jnp.float32)

@@ -39,6 +39,7 @@ from rltjax.cache.paged_kv import PagedKV, PagedMeta
 from rltjax.engine.exit_policy import EXIT_RULES
 from rltjax.engine_config import DEFAULT_DECODE_WINDOW, EngineConfigError
 from rltjax.jit_options import engine_jit
+from rltjax.models.layers import split_layer_stacks
 from rltjax.sampling import sample_tokens, token_logprobs
 
 WINDOW_MODES = ("ouro", "ouro_delayed", "random_lookahead", "fixed", "trace", "latent_diff")
@@ -122,6 +123,8 @@ def decode_window(params, kv: PagedKV, slot_state, rows: WindowRows, block_table
                         top_lp=jnp.zeros((b, k_max, num_top), jnp.float32),
                         count=jnp.zeros((b,), jnp.int32), passes=jnp.zeros((), jnp.int32))
 
+    layer_weights = split_layer_stacks(params)       # copies once per window, not once per pass
+
     def boundary_meta(rows, pos, mask):
         """Boundary-pool meta of the masked rows at their position (others: scratch, length 0)."""
         page = boundary_tables[rows.btables, jnp.maximum(pos, 0) // page_size]
@@ -130,12 +133,13 @@ def decode_window(params, kv: PagedKV, slot_state, rows: WindowRows, block_table
 
     def one_pass(carry):
         kv, slot_state, bkv, slot_inject, rows, out = carry
-        # The weights are loop-invariant, so XLA would hoist every layer's weight slice out of
-        # the while loop as a materialised copy (and, under memory pressure, re-copy them each
-        # pass: ~1.2 ms of copies per Ouro-1.4B pass on an H200). A barrier shared with the
-        # pass counter makes them loop-variant to XLA: the slices stay in the loop, where they
-        # fuse into the matmuls that read them.
-        weights, _ = jax.lax.optimization_barrier((params, out.passes))
+        # The weights are loop-invariant, so XLA would hoist each layer's weight slices out
+        # of the loop as materialised copies (re-copied every pass under memory pressure), and
+        # slices left inside the loop are copied before each matmul: either way ~1.2 ms of
+        # copies per Ouro-1.4B pass on an H200. So the loop reads per-layer arrays split once
+        # per window (``split_layer_stacks``), through a barrier shared with the pass counter
+        # so XLA keeps them as they are.
+        weights, _ = jax.lax.optimization_barrier((layer_weights, out.passes))
         act = rows.active
         plane = rows.loops_done if layered else jnp.zeros_like(rows.loops_done)
         table = jnp.where(act, jnp.take_along_axis(rows.tables, plane[:, None], axis=1)[:, 0], 0)

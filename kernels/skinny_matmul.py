@@ -39,9 +39,8 @@ def pick_layer(w, layer):
 def skinny_matmul_ref(x: jax.Array, w: jax.Array, layer=None) -> jax.Array:
     """x [M, K] @ w[layer] [K, N] -> [M, N] in x's dtype, float32 accumulation."""
     w, layer = pick_layer(w, layer)
-    if w.ndim == 3:   # a Python int layer is a static slice, which XLA fuses into the dot
-        w = w[layer] if isinstance(layer, int) else jax.lax.dynamic_index_in_dim(
-            w, jnp.asarray(layer, jnp.int32).reshape(()), keepdims=False)
+    if w.ndim == 3:
+        w = jax.lax.dynamic_index_in_dim(w, jnp.asarray(layer, jnp.int32).reshape(()), keepdims=False)
     return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
 

@@ -196,3 +196,26 @@ def test_window_loop_reads_per_layer_weights_without_slicing(window_trip):
         assert conditionals == 0 and trip and int(trip.group(1)) == 3, (conditionals, window_loops[0][-300:])
     else:   # the early-stop loop: a data-dependent trip count, the head under a cond
         assert conditionals >= 1 and trip is None
+
+
+def test_stacked_layers_run_as_one_scan_and_split_layers_as_their_own_arrays():
+    """A stack of layers runs as one ``lax.scan`` (unrolled for decode: XLA folds the index,
+    and every layer's matmul fusion is the same, so cold compiles autotune each shape once);
+    ``SplitLayers`` (decode windows) run layer by layer on their own arrays, no scan, no slice."""
+    import jax.numpy as jnp
+
+    from rltjax.models.layers import SplitLayers, over_layers
+    stack = {"w": jnp.arange(12.0).reshape(3, 2, 2) / 10}
+
+    def step(x, xs):
+        layer, p = xs
+        return x @ p["w"] + layer, None
+
+    x = jnp.ones((1, 2))
+    for layers, scans in ((stack, 1), (SplitLayers.split(stack), 0)):
+        jaxpr = str(jax.make_jaxpr(lambda x, layers: over_layers(step, x, layers))(x, layers))
+        assert jaxpr.count("scan[") == scans and (scans or "slice" not in jaxpr), jaxpr
+        want = x
+        for i in range(3):
+            want = want @ stack["w"][i] + i
+        np.testing.assert_allclose(over_layers(step, x, layers), want)

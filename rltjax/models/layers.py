@@ -71,30 +71,25 @@ def causal_softmax_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax
     return out.astype(q.dtype)
 
 
-def over_layers(step, carry, stacked, *, first_layer: int = 0, unroll: bool = True):
-    """``step(carry, (layer, layer_params)) -> (carry, None)`` over the leading axis of the
-    stacked per-layer params -> the final carry.
+def over_layers(step, carry, layers, *, first_layer: int = 0, unroll: bool = True):
+    """``step(carry, (layer, layer_params)) -> (carry, None)`` over the layers -> the final carry.
 
-    unroll=True: a Python loop; ``layer`` is a Python int and every per-layer weight a
-    static slice, which XLA fuses into the matmul that reads it. (A ``lax.scan`` with
-    unroll=True still indexes the stack with a traced counter: inside a decode window's
-    while loop XLA kept those dynamic slices and copied every stacked weight once a pass,
-    ~1.2 ms of copies per Ouro-1.4B pass on an H200.) unroll=False: a rolled ``lax.scan``
-    with a traced layer index (prefill: compute-bound, one traced layer compiles fast).
+    ``layers`` is a stacked per-layer params tree (leading axis L): a ``lax.scan``, unrolled
+    when ``unroll`` (XLA then folds the layer index: static slices read in place, and every
+    layer's matmul fusion is the same, so GEMM autotuning runs once per shape; a Python loop
+    with per-layer static slices made each layer's fusion distinct and tripled cold compiles
+    on an H200) or rolled (prefill: compute-bound, one traced layer compiles fast). Or it is
+    ``SplitLayers`` (decode windows): a Python loop over the per-layer trees, ``layer`` a
+    Python int.
     """
-    if isinstance(stacked, SplitLayers):
-        for i, layer_params in enumerate(stacked.layers):
+    if isinstance(layers, SplitLayers):
+        for i, layer_params in enumerate(layers.layers):
             carry, _ = step(carry, (first_layer + i, layer_params))
         return carry
-    num = jax.tree.leaves(stacked)[0].shape[0]
-    if not unroll:
-        ids = first_layer + jnp.arange(num, dtype=jnp.int32)
-        carry, _ = jax.lax.scan(step, carry, (ids, stacked))
-        return carry
-    for i in range(num):
-        carry, _ = step(carry, (first_layer + i, jax.tree.map(lambda a: a[i], stacked)))
+    num = jax.tree.leaves(layers)[0].shape[0]
+    ids = first_layer + jnp.arange(num, dtype=jnp.int32)
+    carry, _ = jax.lax.scan(step, carry, (ids, layers), unroll=unroll)
     return carry
-
 
 
 @jax.tree_util.register_pytree_node_class

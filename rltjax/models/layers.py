@@ -108,7 +108,7 @@ class SplitLayers:
         self.layers = tuple(layers)
 
     def __getattr__(self, name):
-        if name == "layers":      # not set yet (unpickling / tree rebuilds): no recursion
+        if name == "layers" or name.startswith("__"):   # not set yet / copy and pickle probes
             raise AttributeError(name)
         return tuple(getattr(layer, name) for layer in self.layers)
 

@@ -13,8 +13,8 @@ GPU runtime reads each of those predicates back to the host, so the GPU drains a
 for the host twice a pass (three times with sampling's all-greedy shortcut).
 ``fixed_trip=True`` runs exactly K passes (a known trip count: no predicate read) and
 computes the head and the full sampling path every pass, keeping what exiting rows need;
-the outputs are the same. The host reads the outputs ([B, K] tokens, depths, logprobs) one window
-late: while nothing else can be scheduled, the next window is launched from the
+the outputs are the same. The host reads the outputs ([B, K] tokens, depths, logprobs) one
+window late: while nothing else can be scheduled, the next window is launched from the
 device's row state before the host reads the last one. It replays them through its
 own stop checks (stop strings are host-only: tokens a row made past one are
 dropped) and syncs each request's state, so a step-by-step step can follow a

@@ -30,43 +30,65 @@ def sample_key(seed_hi: jax.Array, seed_lo: jax.Array, output_index: jax.Array) 
     return jax.random.fold_in(key, output_index)
 
 
-def _sample_row(logits, temperature, top_k, top_p, key):
-    """logits [V] f32 -> token id (int32)."""
+SAMPLERS = ("greedy", "draw", "truncate")
+
+
+def _sample_row(logits, temperature, top_k, top_p, key, truncate: bool):
+    """logits [V] f32 -> token id (int32). One Gumbel-max draw over the vocabulary in
+    token order, restricted to the top-k / top-p set when ``truncate``; a row whose
+    truncation keeps every token draws the same token either way."""
     vocab = logits.shape[0]
     greedy = jnp.argmax(logits).astype(jnp.int32)
     scaled = logits / jnp.where(temperature > 0, temperature, 1.0)
-    order = jnp.argsort(-scaled, stable=True)                     # [V] most likely first
-    ranked = scaled[order]
-    rank = jnp.arange(vocab)
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-    keep = rank < k
-    probs = jax.nn.softmax(jnp.where(keep, ranked, -jnp.inf))
-    mass_before = jnp.cumsum(probs) - probs
-    keep = keep & ((mass_before < top_p) | (rank == 0) | (top_p >= 1.0))
-    choice = jax.random.categorical(key, jnp.where(keep, ranked, -jnp.inf))
-    sampled = order[choice].astype(jnp.int32)
+    noisy = scaled + jax.random.gumbel(key, (vocab,), jnp.float32)
+    if truncate:
+        order = jnp.argsort(-scaled, stable=True)                     # [V] most likely first
+        ranked = scaled[order]
+        rank = jnp.arange(vocab)
+        k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+        keep = rank < k
+        probs = jax.nn.softmax(jnp.where(keep, ranked, -jnp.inf))
+        mass_before = jnp.cumsum(probs) - probs
+        keep = keep & ((mass_before < top_p) | (rank == 0) | (top_p >= 1.0))
+        noisy = jnp.where(jnp.zeros(vocab, bool).at[order].set(keep), noisy, -jnp.inf)
+    sampled = jnp.argmax(noisy).astype(jnp.int32)
     return jnp.where(temperature > 0, sampled, greedy)
 
 
-@functools.partial(jax.jit, static_argnames=("greedy_shortcut",))
-def sample_tokens(logits, temperature, top_k, top_p, seed_hi, seed_lo, output_index, greedy_shortcut: bool = True):
+def sampler_for(temperature, top_k, top_p, vocab_size: int) -> str:
+    """The cheapest of ``SAMPLERS`` that draws, for rows with these settings (host arrays),
+    exactly the tokens "truncate" draws: "greedy" when every row is greedy, "draw" when no
+    sampled row truncates (top-k off or >= vocab, top-p 1), else "truncate"."""
+    temperature, top_k, top_p = (np.asarray(a) for a in (temperature, top_k, top_p))
+    sampled = temperature > 0
+    if not np.any(sampled):
+        return "greedy"
+    truncates = ((top_k > 0) & (top_k < vocab_size)) | (top_p < 1.0)
+    return "truncate" if np.any(truncates & sampled) else "draw"
+
+
+@functools.partial(jax.jit, static_argnames=("sampler",))
+def sample_tokens(logits, temperature, top_k, top_p, seed_hi, seed_lo, output_index, sampler: str = "auto"):
     """Sample one token per row.
 
     logits [B, V] f32; temperature/top_p [B] f32; top_k [B] int32 (<= 0: off);
     seed_hi/seed_lo [B] uint32; output_index [B] int32 -> tokens [B] int32.
-    greedy_shortcut: an all-greedy batch skips the sort through a ``lax.cond``, whose
-    predicate XLA's GPU runtime reads on the host; False always draws (same tokens) and
-    keeps the device free of host round trips (fixed-trip decode windows).
+    sampler: one of ``SAMPLERS``, when the caller knows it is exact for these rows
+    (``sampler_for``): no data-dependent branch, so XLA's GPU runtime reads nothing back
+    on the host. "auto": an all-greedy batch skips the full-vocabulary sort through a
+    ``lax.cond``, whose predicate the GPU runtime reads on the host.
     """
-    def draw():
+    def draw(truncate: bool):
         keys = jax.vmap(sample_key)(seed_hi, seed_lo, output_index)
-        return jax.vmap(_sample_row)(logits, temperature, top_k, top_p, keys)
+        row = functools.partial(_sample_row, truncate=truncate)
+        return jax.vmap(row)(logits, temperature, top_k, top_p, keys)
 
-    # An all-greedy batch skips the full-vocabulary sort; a greedy row gives the same
-    # argmax on either branch, so results stay batch-invariant.
-    if not greedy_shortcut:
-        return draw()
-    return jax.lax.cond(jnp.all(temperature <= 0), lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32), draw)
+    argmax = lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if sampler == "auto":   # a greedy row gives the same argmax on either branch: batch-invariant
+        return jax.lax.cond(jnp.all(temperature <= 0), argmax, lambda: draw(True))
+    if sampler not in SAMPLERS:
+        raise ValueError(f"sampler={sampler!r}: must be 'auto' or one of {SAMPLERS}")
+    return argmax() if sampler == "greedy" else draw(sampler == "truncate")
 
 
 @functools.partial(jax.jit, static_argnames=("num_top",))

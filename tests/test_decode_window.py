@@ -22,6 +22,7 @@ request = st.tuples(
     st.integers(0, 60), st.integers(1, 14),              # prompt start, length
     st.integers(1, 9),                                   # max_tokens
     st.sampled_from([0.0, 0.9]), st.integers(0, 2**40),  # temperature, seed
+    st.sampled_from([1.0, 1.0, 0.8]),                    # top_p (picks the window's sampler)
     st.sampled_from([0.3, 0.6, 1.0]),                    # exit threshold
     st.integers(1, 2), st.integers(3, 4),                # min_loops, max_loops
     st.sampled_from([None, 3]),                          # logprobs
@@ -38,8 +39,8 @@ def test_windows_match_reference(kv_layout, exit_mode, window, max_num_seqs, req
     engine = make_engine(kv_layout=kv_layout, exit_mode=exit_mode, page_size=4, max_num_seqs=max_num_seqs,
                          lookahead_seed=3, decode_window=window, window_trip=window_trip)
     arrivals = []
-    for i, (step, start, length, max_tokens, temp, seed, q, lo, hi, lp) in enumerate(requests):
-        params = SamplingParams(max_tokens=max_tokens, temperature=temp, seed=seed, exit_threshold=q,
+    for i, (step, start, length, max_tokens, temp, seed, top_p, q, lo, hi, lp) in enumerate(requests):
+        params = SamplingParams(max_tokens=max_tokens, temperature=temp, seed=seed, top_p=top_p, exit_threshold=q,
                                 min_loops=lo, max_loops=hi, logprobs=lp, ignore_eos=True)
         arrivals.append((step, f"r{i}", TOKENS[start:start + length], params))
     aborted = run_with_abort(engine, arrivals, abort_at,
@@ -54,6 +55,26 @@ def test_windows_match_reference(kv_layout, exit_mode, window, max_num_seqs, req
             assert out.exit_depths == want.exit_depths[:len(out.exit_depths)]
         else:
             check_equal(out, want)
+    assert_all_pages_free(engine)
+
+
+@pytest.mark.parametrize("params,sampler", [
+    (dict(temperature=0.0), "greedy"), (dict(temperature=0.9), "draw"), (dict(temperature=0.9, top_k=5), "truncate"),
+    (dict(temperature=0.0, logprobs=2), "truncate"), (dict(temperature=0.9, top_p=0.5), "truncate")])
+def test_window_head_is_the_cheapest_exact_variant(params, sampler):
+    """A window's head sorts the vocabulary (and computes top logprobs) only when one of its
+    requests needs it; its tokens are the oracle's either way."""
+    engine = make_engine(decode_window=4, max_num_seqs=2)
+    used = []
+    real = engine.runner.window_launch
+    engine.runner.window_launch = lambda *a, **kw: used.append(a[3] if len(a) > 3 else kw["sampler"]) or real(*a, **kw)
+    sp = SamplingParams(max_tokens=6, seed=5, ignore_eos=True, **params)
+    prompt = TOKENS[:7]
+    engine.add_request("x", prompt, sp)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert used and set(used) == {sampler}
+    check_equal(engine.get_output("x"), reference_for("last_exited", "ouro").generate(prompt, sp, request_id="x"))
     assert_all_pages_free(engine)
 
 

@@ -76,7 +76,8 @@ def test_warm_up_compiles_in_parallel_then_runs_from_jit_cache(kwargs):
     engine = make_engine(compile_ahead=True, max_num_seqs=2, **kwargs)
     report = engine.warm_up
     jobs = bucket_jobs(engine.runner)
-    assert {kind for kind, _ in jobs} >= {"prefill", "loop", "head", "copy", "window"}
+    assert {kind for kind, _ in jobs} >= {"prefill", "loop", "head", "copy", "window/greedy", "window/draw",
+                                          "window/truncate"}
     assert report.executables == len(jobs) and report.compiled_late == 0, report
     with compile_events() as events:     # and steady state compiles nothing either
         engine.add_request("a", TOKENS[:6], greedy(4))

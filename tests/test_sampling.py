@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from rltjax.sampling import sample_one, sample_tokens, split_seed, token_logprobs
+from rltjax.sampling import SAMPLERS, sample_one, sample_tokens, sampler_for, split_seed, token_logprobs
 from rltjax.sampling_params import SamplingParams, SamplingParamsError
 
 PROBS = np.array([0.5, 0.3, 0.15, 0.05], np.float32)
@@ -17,11 +17,11 @@ def draws(logits, n=400, **kw):
     return [sample_one(logits, seed=11, output_index=i, **kw) for i in range(n)]
 
 
-def batch_sample(logits, temperature, top_k, top_p, seeds, index):
+def batch_sample(logits, temperature, top_k, top_p, seeds, index, sampler="auto"):
     hi, lo = zip(*(split_seed(s) for s in seeds))
     return np.asarray(sample_tokens(jnp.asarray(logits, jnp.float32), jnp.float32(temperature),
                                     jnp.int32(top_k), jnp.float32(top_p), jnp.uint32(hi),
-                                    jnp.uint32(lo), jnp.int32(index)))
+                                    jnp.uint32(lo), jnp.int32(index), sampler=sampler))
 
 
 def test_greedy_is_argmax_with_first_index_on_ties():
@@ -89,6 +89,48 @@ def test_batch_invariance(batch, row, data):
     alone = batch_sample(logits[row:row + 1], temps[row:row + 1], top_k[row:row + 1],
                          top_p[row:row + 1], seeds[row:row + 1], index[row:row + 1])
     assert full[row] == alone[0]
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.data())
+def test_cheapest_sampler_draws_what_the_truncating_one_draws(data):
+    """``sampler_for`` picks "greedy" / "draw" only for rows where they are exact: the
+    sampler it picks (and "auto") draws the same tokens as the general, sorting one."""
+    batch, vocab = data.draw(st.integers(1, 5)), 61
+    rng = np.random.default_rng(data.draw(st.integers(0, 1000)))
+    logits = rng.normal(size=(batch, vocab)).astype(np.float32) * 3
+    temps = np.float32(data.draw(st.lists(st.sampled_from([0.0, 0.0, 0.7, 1.3]), min_size=batch, max_size=batch)))
+    top_k = np.int32(data.draw(st.lists(st.sampled_from([0, 0, 3, vocab, vocab + 5]), min_size=batch,
+                                        max_size=batch)))
+    top_p = np.float32(data.draw(st.lists(st.sampled_from([1.0, 1.0, 0.5]), min_size=batch, max_size=batch)))
+    seeds = rng.integers(0, 2**62, size=batch).tolist()
+    index = rng.integers(0, 100, size=batch)
+    chosen = sampler_for(temps, top_k, top_p, vocab)
+    general = batch_sample(logits, temps, top_k, top_p, seeds, index, sampler="truncate")
+    assert np.array_equal(batch_sample(logits, temps, top_k, top_p, seeds, index, sampler=chosen), general)
+    assert np.array_equal(batch_sample(logits, temps, top_k, top_p, seeds, index), general)    # "auto"
+    sampled = temps > 0
+    truncating = sampled & (((top_k > 0) & (top_k < vocab)) | (top_p < 1))
+    assert chosen in SAMPLERS
+    assert chosen == ("greedy" if not sampled.any() else "truncate" if truncating.any() else "draw")
+
+
+def test_draw_without_truncation_follows_the_tempered_softmax():
+    """The sort-free sampler is a real draw: frequencies within 5 sigma of the softmax."""
+    n, temperature = 3000, 0.8
+    hi, lo = split_seed(3)
+    tokens = np.asarray(sample_tokens(jnp.tile(jnp.asarray(LOGITS)[None], (n, 1)), jnp.full(n, temperature),
+                                      jnp.zeros(n, jnp.int32), jnp.ones(n), jnp.full(n, hi, jnp.uint32),
+                                      jnp.full(n, lo, jnp.uint32), jnp.arange(n, dtype=jnp.int32), sampler="draw"))
+    p = np.exp(LOGITS / temperature)
+    p /= p.sum()
+    counts = np.bincount(tokens, minlength=4) / n
+    assert np.all(np.abs(counts - p) <= 5 * np.sqrt(p * (1 - p) / n) + 1e-3)
+
+
+def test_unknown_sampler_is_rejected():
+    with pytest.raises(ValueError, match="sampler"):
+        batch_sample(LOGITS[None], [1.0], [0], [1.0], [1], [0], sampler="nucleus")
 
 
 def test_logprobs_are_raw_log_softmax():

@@ -10,10 +10,11 @@ logprobs), checks EOS / stop token ids / max_tokens, and feeds the sampled token
 back as the row's next looping token. With ``fixed_trip=False`` it stops after K passes or
 when no row is active, and runs the head (and Huginn's prelude) under a ``lax.cond``; XLA's
 GPU runtime reads each of those predicates back to the host, so the GPU drains and waits
-for the host twice a pass (three times with sampling's all-greedy shortcut).
-``fixed_trip=True`` runs exactly K passes (a known trip count: no predicate read) and
-computes the head and the full sampling path every pass, keeping what exiting rows need;
-the outputs are the same. The host reads the outputs ([B, K] tokens, depths, logprobs) one
+for the host twice a pass. ``fixed_trip=True`` runs exactly K passes (a known trip count:
+no predicate read) and computes the head every pass, keeping what exiting rows need; the
+outputs are the same. The head's sampler and top-logprob count are static: the host picks
+the cheapest variant exact for the window's requests (``sampling.sampler_for``), so an
+all-greedy window without top logprobs runs an argmax, not a vocabulary sort. The host reads the outputs ([B, K] tokens, depths, logprobs) one
 window late: while nothing else can be scheduled, the next window is launched from the
 device's row state before the host reads the last one. It replays them through its
 own stop checks (stop strings are host-only: tokens a row made past one are
@@ -102,16 +103,19 @@ def _exit_copies(rows: WindowRows, exit_now, depth, block_tables, page_size: int
 
 
 @engine_jit(static_argnames=("model", "backend", "num_passes", "mode", "num_top", "layered",
-                                             "num_planes", "dummy_slot", "fixed_trip"),
+                                             "num_planes", "dummy_slot", "fixed_trip", "sampler"),
                    donate_argnames=("kv", "slot_state", "bkv", "slot_inject"))
 def decode_window(params, kv: PagedKV, slot_state, rows: WindowRows, block_tables, lookahead_w, bkv, slot_inject,
                   boundary_tables, *, model, backend, num_passes: int, mode: str, num_top: int, layered: bool,
-                  num_planes: int, dummy_slot: int, fixed_trip: bool = False):
+                  num_planes: int, dummy_slot: int, fixed_trip: bool = False, sampler: str = "truncate"):
     """Up to ``num_passes`` loop passes (exactly that many when ``fixed_trip``) over the rows
     -> (kv, slot_state, bkv, slot_inject, rows, WindowOutputs). Models with boundary stages
     (Huginn) pass their boundary pool ``bkv``, the per-slot ``slot_inject`` and the boundary
     block tables: a row starting a token runs the prelude (writing its boundary KV) and an
-    exiting row's head runs the coda; others pass None."""
+    exiting row's head runs the coda; others pass None. ``params`` may hold its layer stacks
+    already split (``split_layer_stacks``; the runner keeps such a copy), else they are split
+    here once per window. sampler / num_top: the head's static sampling variant and top
+    logprob count (``sample_tokens``)."""
     b, k_max = rows.slots.shape[0], num_passes
     page_size = kv.page_size
     first_out = rows.num_out
@@ -123,7 +127,7 @@ def decode_window(params, kv: PagedKV, slot_state, rows: WindowRows, block_table
                         top_lp=jnp.zeros((b, k_max, num_top), jnp.float32),
                         count=jnp.zeros((b,), jnp.int32), passes=jnp.zeros((), jnp.int32))
 
-    layer_weights = split_layer_stacks(params)       # copies once per window, not once per pass
+    layer_weights = split_layer_stacks(params)       # no-op when the caller split them already
 
     def boundary_meta(rows, pos, mask):
         """Boundary-pool meta of the masked rows at their position (others: scratch, length 0)."""
@@ -136,9 +140,9 @@ def decode_window(params, kv: PagedKV, slot_state, rows: WindowRows, block_table
         # The weights are loop-invariant, so XLA would hoist each layer's weight slices out
         # of the loop as materialised copies (re-copied every pass under memory pressure), and
         # slices left inside the loop are copied before each matmul: either way ~1.2 ms of
-        # copies per Ouro-1.4B pass on an H200. So the loop reads per-layer arrays split once
-        # per window (``split_layer_stacks``), through a barrier shared with the pass counter
-        # so XLA keeps them as they are.
+        # copies per Ouro-1.4B pass on an H200. So the loop reads per-layer arrays
+        # (``split_layer_stacks``), through a barrier shared with the pass counter so XLA
+        # keeps them as they are.
         weights, _ = jax.lax.optimization_barrier((layer_weights, out.passes))
         act = rows.active
         plane = rows.loops_done if layered else jnp.zeros_like(rows.loops_done)
@@ -188,7 +192,7 @@ def decode_window(params, kv: PagedKV, slot_state, rows: WindowRows, block_table
             else:    # the coda writes the exiting rows' boundary KV
                 logits, bkv = model.head(weights, slot_state[slots], bkv, boundary_meta(rows, pos, exit_now), backend)
             tok = sample_tokens(logits, rows.temperature, rows.top_k, rows.top_p, rows.seed_hi, rows.seed_lo,
-                                rows.num_out, greedy_shortcut=not fixed_trip)
+                                rows.num_out, sampler=sampler)
             return (tok,) + token_logprobs(logits, tok, num_top) + (bkv,)
 
         def no_head(bkv):

@@ -26,8 +26,11 @@ from rltjax.cache.paged_kv import PagedKV, PagedKVBackend, PagedMeta
 from rltjax.engine.decode_window import WindowOutputs, WindowRows
 from rltjax.engine.device_steps import DeviceSteps
 from rltjax.models.base import boundary_kv_layers
+from rltjax.models.layers import split_layer_stacks
+from rltjax.sampling import sampler_for
 
 NUM_TOP_LOGPROBS = 20
+WINDOW_SAMPLERS = ("greedy", "draw", "truncate")   # a window executable per sampler and row bucket
 MIN_TOKEN_BUCKET = 32   # prefill token counts pad to >= this: fewer executables, negligible padding
 MIN_ROW_BUCKET = 8      # loop/head/window rows pad to >= this: a pass is weight-bound, 8 rows cost as 1
 PREFILL_BLOCK_Q = DEFAULT_BLOCK_Q   # prefill-kernel query rows: chunks start at multiples of it
@@ -135,6 +138,9 @@ class ModelRunner:
         self.prefill_write_planes = prefill_write_planes or self.cfg.num_loops
         self.raw_signal = raw_signal
         self.window_spec = window_spec
+        # Decode windows read per-layer weight arrays (a while loop copies slices of a stack
+        # every pass): split once here, not per window (that copy was ~0.1 ms of every pass).
+        self.window_params = split_layer_stacks(params) if window_spec else None
         self.row_buckets = buckets_up_to(max_num_seqs, MIN_ROW_BUCKET)
         # aligned prefill batches stay within the budget, except one chunk when budget < alignment
         most_tokens = max(max_num_batched_tokens, self.prefill_alignment)
@@ -222,16 +228,29 @@ class ModelRunner:
         n = len(slots)
         return tuple(np.asarray(x)[:n] for x in out)
 
-    def window(self, rows: WindowRows, block_tables, boundary_tables=None) -> tuple[WindowRows, WindowOutputs]:
+    def window_sampler(self, sampling_params) -> str:
+        """The window head's sampler for requests with these SamplingParams: the cheapest of
+        WINDOW_SAMPLERS exact for them; "truncate" (the one computing top logprobs) when any
+        asks for top logprobs."""
+        if any(p.logprobs for p in sampling_params):
+            return "truncate"
+        return sampler_for([p.temperature for p in sampling_params], [p.top_k for p in sampling_params],
+                           [p.top_p for p in sampling_params], self.cfg.vocab_size)
+
+    def window(self, rows: WindowRows, block_tables, boundary_tables=None,
+               sampler: str = "truncate") -> tuple[WindowRows, WindowOutputs]:
         """A decode window (``decode_window``) over rows padded to a row bucket, read at once:
         numpy out, cut back to the given rows."""
-        return self.window_read(*self.window_launch(rows, block_tables, boundary_tables), len(rows.slots))
+        return self.window_read(*self.window_launch(rows, block_tables, boundary_tables, sampler), len(rows.slots))
 
-    def window_launch(self, rows: WindowRows, block_tables, boundary_tables=None):
+    def window_launch(self, rows: WindowRows, block_tables, boundary_tables=None, sampler: str = "truncate"):
         """Launch a window; returns its (rows after, outputs) on the device, copies to the host
         started. ``rows``: host rows (padded here), or a previous launch's rows after (device,
         padded), which continues those rows without the host in between. boundary_tables: the
-        boundary pool's block tables (models with boundary stages only)."""
+        boundary pool's block tables (models with boundary stages only). sampler: one of
+        WINDOW_SAMPLERS (``window_sampler``); only "truncate" computes top logprobs."""
+        if sampler not in WINDOW_SAMPLERS:
+            raise ValueError(f"sampler={sampler!r}: must be one of {WINDOW_SAMPLERS}")
         if isinstance(rows.slots, np.ndarray):
             pad = self._rows_bucket(len(rows.slots)) - len(rows.slots)
             rows = WindowRows(**{f.name: np.pad(getattr(rows, f.name),
@@ -243,8 +262,9 @@ class ModelRunner:
             # tens of seconds inside a run on the H200)
             rows = jax.device_put(rows, self.device)
         self.kv, self.slot_state, self.bkv, self.slot_inject, after, out = self.steps.window(
-            self.params, self.kv, self.slot_state, rows, block_tables, self.lookahead_w, self.bkv,
-            self.slot_inject, boundary_tables, model=self.model, backend=self.backend, num_top=self.num_top,
+            self.window_params, self.kv, self.slot_state, rows, block_tables, self.lookahead_w, self.bkv,
+            self.slot_inject, boundary_tables, model=self.model, backend=self.backend,
+            num_top=self.num_top if sampler == "truncate" else 0, sampler=sampler,
             dummy_slot=self.dummy_slot, **self.window_spec)
         for leaf in jax.tree.leaves((after, out)):
             leaf.copy_to_host_async()

@@ -31,6 +31,7 @@ import numpy as np
 
 from rltjax.benchmarks.compile_watch import CompileWatch
 from rltjax.engine.decode_window import idle_window_rows
+from rltjax.engine.runner import WINDOW_SAMPLERS
 
 COMPILE_THREADS = max(1, min(8, os.cpu_count() or 1))
 
@@ -79,7 +80,7 @@ def bucket_jobs(runner) -> list[tuple[str, int]]:
     if runner.has_boundary:
         jobs += [("embed", b) for b in runner.row_buckets]
     if runner.window_spec:
-        jobs += [("window", b) for b in runner.row_buckets]
+        jobs += [(f"window/{sampler}", b) for sampler in WINDOW_SAMPLERS for b in runner.row_buckets]
     return jobs
 
 
@@ -93,10 +94,10 @@ def run_job(runner, kind: str, n: int, block_tables, boundary_block_tables) -> N
                        np.zeros((runner.cfg.num_loops, n), np.int32), dummy, block_tables, pad_rows)
     elif kind == "loop":
         runner.loop(dummy, zeros(n), np.zeros(n, bool), zeros(n) - 1, zeros(n), zeros(n), zeros(n), block_tables)
-    elif kind == "window":
+    elif kind.startswith("window/"):
         spec = runner.window_spec
         runner.window(idle_window_rows(n, spec["num_planes"], spec["num_passes"]), block_tables,
-                      boundary_block_tables)
+                      boundary_block_tables, sampler=kind.split("/")[1])
     elif kind == "embed":
         runner.embed(dummy, zeros(n), zeros(n) - 1, zeros(n), pad_rows)
     elif kind == "head":

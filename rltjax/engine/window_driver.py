@@ -34,6 +34,7 @@ class WindowDriver:
         self.accept_token = accept_token
         self.steps_by_kind = steps_by_kind
         self._inflight: tuple[list[Request], Any, Any] | None = None    # launched, not yet read
+        self._sampler = "truncate"       # the in-flight window's head sampler (continuations keep it)
 
     @property
     def inflight(self) -> bool:
@@ -45,12 +46,15 @@ class WindowDriver:
         block_tables, boundary_tables = self.batches.block_tables(), self.batches.boundary_tables()
         if self._inflight is not None:
             previous, after, out = self._inflight
-            self._inflight = (previous,) + self.runner.window_launch(after, block_tables, boundary_tables)
+            self._inflight = (previous,) + self.runner.window_launch(after, block_tables, boundary_tables,
+                                                                     self._sampler)
             return self._apply(previous, after, out)
         state = window_rows(rows, self.num_passes, [r.tables[p if self.layered else 0] for r in rows
                                                      for p in range(self.num_planes)],
                             [self.token_stop_ids(r.request_id) for r in rows])
-        self._inflight = (list(rows),) + self.runner.window_launch(state, block_tables, boundary_tables)
+        self._sampler = self.runner.window_sampler([r.params for r in rows])
+        self._inflight = (list(rows),) + self.runner.window_launch(state, block_tables, boundary_tables,
+                                                                   self._sampler)
         return []
 
     def can_continue(self, scheduler) -> bool:

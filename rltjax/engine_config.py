@@ -17,7 +17,7 @@ KV_LAYOUTS = ("last_exited", "shared")
 SCHEDULER_MODES = ("refill", "no_refill")
 ATTN_IMPLS = ("auto", "xla", "pallas")
 MATMUL_IMPLS = ("xla", "pallas")
-WINDOW_TRIPS = ("early_stop", "fixed")
+WINDOW_TRIPS = ("auto", "early_stop", "fixed")
 # K of decode windows when ExecutionConfig.decode_window is None and windows can run. On an
 # H200 (Ouro-1.4B shapes) K=16 beat step-by-step at 1, 8 and 32 streams (docs/performance.md).
 DEFAULT_DECODE_WINDOW = 16
@@ -151,9 +151,10 @@ class ExecutionConfig:
     every pass as its own engine step; None (default) picks DEFAULT_DECODE_WINDOW where the
     engine can run windows (refill, min_coda_batch_size 1) and 0 elsewhere.
     window_trip: how a decode window's loop runs: ``early_stop`` (a while loop that ends when
-    no row is active; the head runs under a cond, only on passes where a row exits) or
+    no row is active; the head runs under a cond, only on passes where a row exits),
     ``fixed`` (exactly K passes and a head every pass: no predicate for XLA to read back to
-    the host between passes). Same outputs either way.
+    the host between passes) or ``auto`` (default: fixed, except early stop for models with
+    boundary stages, whose prelude would run every pass). Same outputs either way.
     async_scheduling: a step-by-step loop pass is launched before the previous pass's exit
     signals are read (they arrive with ``copy_to_host_async`` and are applied one pass late);
     needs an exit mode that decides one pass ahead (ouro_delayed, random_lookahead, trace, fixed).
@@ -167,7 +168,7 @@ class ExecutionConfig:
     matmul_impl: str = "xla"
     interpret: bool = False
     decode_window: int | None = None
-    window_trip: str = "early_stop"
+    window_trip: str = "auto"
     async_scheduling: bool = False
     xla_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     compile_ahead: bool = True

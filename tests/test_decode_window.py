@@ -12,7 +12,7 @@ from conftest import reference_npz
 from engine_helpers import (assert_all_pages_free, check_equal, check_trace_replay, make_engine, reference_for,
                             run_with_abort, run_workload)
 from rltjax.engine.decode_window import STOP_ID_WIDTH
-from rltjax.engine_config import EngineConfigError
+from rltjax.engine_config import EngineConfigError, ExecutionConfig
 from rltjax.sampling_params import SamplingParams
 
 TOKENS = [int(t) for t in reference_npz("ouro-tiny")["p2_input_ids"]] * 3
@@ -188,3 +188,13 @@ def test_decode_window_values_are_checked(value):
     from rltjax.engine_config import ExecutionConfig
     with pytest.raises(EngineConfigError, match="decode_window"):
         ExecutionConfig(decode_window=value)
+
+
+@pytest.mark.parametrize("name,kwargs,fixed", [("ouro-tiny", {}, True),
+                                               ("huginn-tiny", dict(exit_mode="latent_diff", max_loops=6), False)])
+def test_auto_window_trip_is_fixed_unless_the_model_has_boundary_stages(name, kwargs, fixed):
+    """``auto`` (the default) runs fixed-trip windows, except for models whose prelude would
+    then run every pass (Huginn): those stop early."""
+    engine = make_engine(name=name, decode_window=4, window_trip="auto", **kwargs)
+    assert engine.runner.window_spec["fixed_trip"] is fixed
+    assert ExecutionConfig().window_trip == "auto"

@@ -108,6 +108,7 @@ def head_step(params, slot_state, slots, temperature, top_k, top_p, seed_hi, see
     """Heads of B rows: logits, a sampled token per row, and its logprobs (boundary models:
     the coda also writes each row's boundary KV)."""
     logits, bkv = _head(model, backend, params, slot_state[slots], bkv, bmeta)   # [B, V] f32
+    logits = jax.lax.optimization_barrier(logits)    # one lm_head GEMM, not one per consumer
     tokens = sample_tokens(logits, temperature, top_k, top_p, seed_hi, seed_lo, output_index)
     chosen, top_ids, top_lp = token_logprobs(logits, tokens, num_top)
     return (tokens, chosen, top_ids, top_lp), bkv

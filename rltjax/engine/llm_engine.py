@@ -21,7 +21,7 @@ import numpy as np
 from rltjax.cache.kv_update import exit_copy_slots
 from rltjax.cache.paged_kv import PagedKV
 from rltjax.engine.batch_builder import BatchBuilder
-from rltjax.engine.decode_window import resolve_window_passes
+from rltjax.engine.decode_window import resolve_window_passes, resolve_window_trip
 from rltjax.engine.window_driver import WindowDriver
 from rltjax.engine.exit_policy import ExitPolicy
 from rltjax.engine.exit_trace import model_fingerprint
@@ -33,7 +33,7 @@ from rltjax.engine.sequence import Request, RequestRejectedError, Status, prompt
 from rltjax.engine.warm_up import WarmUp, warm_up
 from rltjax.engine_config import (CacheConfig, EngineConfigError, ExecutionConfig, ExitConfig, SchedulerConfig,
                                   check_combination, validate_trace_depths)
-from rltjax.models.base import loop_limit, signal_kind
+from rltjax.models.base import boundary_kv_layers, loop_limit, signal_kind
 from rltjax.reference.exits import lookahead_weights
 from rltjax.sampling import split_seed
 from rltjax.sampling_params import SamplingParams, SamplingParamsError
@@ -71,7 +71,8 @@ class LLMEngine:
         window_spec = None
         if self.window_passes:
             window_spec = dict(num_passes=self.window_passes, mode=self.exit_policy.mode, layered=self.layered,
-                               num_planes=self.num_planes, fixed_trip=execution_config.window_trip == "fixed")
+                               num_planes=self.num_planes, fixed_trip=resolve_window_trip(
+                                   execution_config.window_trip, boundary_kv_layers(model) > 0))
         self.runner = ModelRunner(model, params, kv, max_num_seqs=scheduler_config.max_num_seqs,
                                   max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
                                   attn_impl=execution_config.attn_impl,

@@ -52,10 +52,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--decode-window", type=int, default=None, metavar="K",
                    help="decode as device-side windows of up to K loop passes (0: one pass per step; "
                         "default: 16 where windows can run)")
-    g.add_argument("--window-trip", default="early_stop", choices=WINDOW_TRIPS,
+    g.add_argument("--window-trip", default="auto", choices=WINDOW_TRIPS,
                    help="decode windows: stop when no row is active, heads only on exit passes "
                         "(early_stop), or run exactly K passes with a head every pass (fixed: "
-                        "nothing for the GPU to wait on the host for between passes)")
+                        "nothing for the GPU to wait on the host for between passes); auto: fixed, "
+                        "except early_stop for models with boundary stages (Huginn)")
     g.add_argument("--async-scheduling", action="store_true",
                    help="launch each loop pass before reading the previous pass's exit signals "
                         "(exit modes ouro_delayed, random_lookahead, fixed)")

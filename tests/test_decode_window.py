@@ -86,6 +86,8 @@ def test_windows_replay_traces_and_run(kv_layout, window_trip):
                 (0, "b", TOKENS[3:12], SamplingParams(max_tokens=10, temperature=1.0, seed=9, ignore_eos=True))]
     engine = check_trace_replay(kv_layout, depths, arrivals, decode_window=5, window_trip=window_trip)
     assert engine.steps_by_kind.get("window_passes", 0) > 0
+    # the whole trace rides on the device: windows continue without the host re-packing them
+    assert engine.steps_by_kind["window"] > engine.steps_by_kind.get("window_read", 0), engine.steps_by_kind
 
 
 def test_host_only_stops_cut_the_window():

@@ -71,7 +71,7 @@ class WindowRows:
     tables: jax.Array         # [B, planes] int32 block table of each plane
     btables: jax.Array        # int32 boundary-pool block table (models with boundary KV; else 0)
     stop_ids: jax.Array       # [B, STOP_ID_WIDTH] int32 ids that end the request (-1: none)
-    trace: jax.Array          # [B, K] int32 trace mode: exit depth of the window's k-th output
+    trace: jax.Array          # [B, W] int32 trace mode: recorded exit depth of each output index
 
 
 @jax.tree_util.register_dataclass
@@ -173,7 +173,10 @@ def decode_window(params, kv: PagedKV, slot_state, rows: WindowRows, block_table
 
         r = rows.loops_done + 1
         if mode == "trace":
-            depth_now = jnp.take_along_axis(rows.trace, (rows.num_out - first_out)[:, None], axis=1)[:, 0]
+            # the whole recorded trace rides along, so a continued window needs no host
+            width = rows.trace.shape[1]
+            recorded = jnp.take_along_axis(rows.trace, jnp.minimum(rows.num_out, width - 1)[:, None], axis=1)[:, 0]
+            depth_now = jnp.where(rows.num_out < width, recorded, rows.max_loops)
             exit_now, trigger, remaining = r >= depth_now, rows.triggered, rows.remaining
         else:
             cumulative, rule = EXIT_RULES[mode]
@@ -247,6 +250,12 @@ def resolve_window_passes(asked: int | None, scheduler_config, exit_mode: str, a
     return asked
 
 
+def trace_width(exit_mode: str, max_model_len: int) -> int:
+    """Width of WindowRows.trace: trace mode carries each request's whole recorded trace (at
+    most max_model_len outputs), so windows continue on the device; other modes need none."""
+    return max_model_len if exit_mode == "trace" else 1
+
+
 def resolve_window_trip(asked: str, has_boundary: bool) -> bool:
     """Whether windows run a fixed trip (ExecutionConfig.window_trip). ``auto``: fixed, except
     for models with boundary stages (Huginn), whose prelude would then run every pass (on an
@@ -266,26 +275,27 @@ def stop_id_matrix(stop_sets: list[tuple[int, ...]]) -> np.ndarray:
     return m
 
 
-def idle_window_rows(n: int, num_planes: int, num_passes: int) -> WindowRows:
+def idle_window_rows(n: int, num_planes: int, trace_width: int) -> WindowRows:
     """n inactive rows (warm-up compiles; a window over them runs no pass)."""
     z = lambda dtype=np.int32: np.zeros(n, dtype)
     return WindowRows(slots=z(), tokens=z(), positions=z(), loops_done=z(), remaining=np.ones(n, np.float32),
                       triggered=z(bool), active=z(bool), num_out=z(), max_tokens=z(), min_loops=z(), max_loops=z(),
                       threshold=z(np.float32), temperature=z(np.float32), top_k=z(), top_p=np.ones(n, np.float32),
                       seed_hi=z(np.uint32), seed_lo=z(np.uint32), tables=np.zeros((n, num_planes), np.int32), btables=z(),
-                      stop_ids=np.full((n, STOP_ID_WIDTH), -1, np.int32), trace=np.zeros((n, num_passes), np.int32))
+                      stop_ids=np.full((n, STOP_ID_WIDTH), -1, np.int32), trace=np.zeros((n, trace_width), np.int32))
 
 
-def window_rows(requests, num_passes: int, plane_tables: list[int], stop_sets: list[tuple[int, ...]]) -> WindowRows:
-    """The WindowRows of decoding requests (host numpy). plane_tables: each request's block
-    table per plane, flattened request-major; stop_sets: each request's token-stop ids."""
+def window_rows(requests, trace_width: int, plane_tables: list[int], stop_sets: list[tuple[int, ...]]) -> WindowRows:
+    """The WindowRows of decoding requests (host numpy). trace_width: ``trace_width`` of the
+    engine; plane_tables: each request's block table per plane, flattened request-major;
+    stop_sets: each request's token-stop ids."""
     from rltjax.sampling import split_seed
     n = len(requests)
     arr = lambda f, dtype=np.int32: np.array([f(r) for r in requests], dtype)
     seeds = np.array([split_seed(r.seed) for r in requests], np.uint32).reshape(n, 2)
-    # trace mode: the recorded depth of each output this window can make (past the end: max_loops)
-    trace = np.array([((list(r.trace_depths[len(r.output_token_ids):]) if r.trace_depths else [])
-                       + [r.max_loops] * num_passes)[:num_passes] for r in requests], np.int32)
+    # trace mode: the recorded depth of every output index (past the end: max_loops)
+    trace = np.array([((list(r.trace_depths[:trace_width]) if r.trace_depths else [])
+                       + [r.max_loops] * trace_width)[:trace_width] for r in requests], np.int32)
     return WindowRows(
         slots=arr(lambda r: r.slot), tokens=arr(lambda r: r.output_token_ids[-1]),
         positions=arr(lambda r: r.decode_position), loops_done=arr(lambda r: r.loops_done),

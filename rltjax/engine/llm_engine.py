@@ -21,7 +21,7 @@ import numpy as np
 from rltjax.cache.kv_update import exit_copy_slots
 from rltjax.cache.paged_kv import PagedKV
 from rltjax.engine.batch_builder import BatchBuilder
-from rltjax.engine.decode_window import resolve_window_passes, resolve_window_trip
+from rltjax.engine.decode_window import resolve_window_passes, resolve_window_trip, trace_width
 from rltjax.engine.window_driver import WindowDriver
 from rltjax.engine.exit_policy import ExitPolicy
 from rltjax.engine.exit_trace import model_fingerprint
@@ -83,7 +83,8 @@ class LLMEngine:
                                   max_copies=scheduler_config.max_num_seqs * max(1, self.num_planes - 1),
                                   boundary_kv=boundary_kv, prefill_write_planes=max(R, self.num_planes),
                                   raw_signal=self.exit_policy.raw_signal, interpret=execution_config.interpret,
-                                  chunked_prefill=self.layered, window_spec=window_spec)
+                                  chunked_prefill=self.layered, window_spec=window_spec,
+                                  window_trace_width=trace_width(self.exit_policy.mode, max_model_len))
         self.scheduler = Scheduler(scheduler_config, num_pages=kv.num_pages, page_size=cache_config.page_size,
                                    num_planes=self.num_planes, max_model_len=max_model_len,
                                    position_sequential_prefill=not self.layered,
@@ -104,8 +105,7 @@ class LLMEngine:
         # async scheduling: the last launched pass's signals, tagged (request, position, depth)
         self._pending: tuple[list[tuple[Request, int, int]], Any] | None = None
         self.windows = None if not self.window_passes else WindowDriver(
-            self.runner, self.batches, num_passes=self.window_passes, layered=self.layered,
-            num_planes=self.num_planes, trace_mode=self.exit_policy.mode == "trace",
+            self.runner, self.batches, layered=self.layered, num_planes=self.num_planes,
             token_stop_ids=self.outputs.token_stop_ids, accept_token=self._accept_token,
             steps_by_kind=self.steps_by_kind)
         if execution_config.compile_ahead:

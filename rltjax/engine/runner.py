@@ -96,7 +96,7 @@ class ModelRunner:
                  attn_impl: str, lookahead_w: np.ndarray, max_copies: int, matmul_impl: str = "xla",
                  boundary_kv: PagedKV | None = None, xla_options: tuple = (),
                  prefill_write_planes: int | None = None, raw_signal: bool = False, interpret: bool = False,
-                 chunked_prefill: bool = True, window_spec: dict | None = None):
+                 chunked_prefill: bool = True, window_spec: dict | None = None, window_trace_width: int = 1):
         """boundary_kv: the boundary pool, exactly when the model has boundary stages.
         prefill_write_planes: core planes a prompt row writes (R, or the loop cap when the
         last_exited planes reach beyond R). raw_signal: loop passes return the raw signal.
@@ -104,7 +104,8 @@ class ModelRunner:
         Pallas kernels run, prefill reads through the prefill kernel and ``prefill_alignment``
         says where chunks must start (multiples of PREFILL_BLOCK_Q; 1 = anywhere).
         window_spec: decode windows' static settings (num_passes, mode, layered, num_planes),
-        None when the engine runs none."""
+        None when the engine runs none. window_trace_width: width of a window's depth-trace rows
+        (``decode_window.trace_width``)."""
         self.model = model
         self.params = params
         self.kv = kv
@@ -138,6 +139,7 @@ class ModelRunner:
         self.prefill_write_planes = prefill_write_planes or self.cfg.num_loops
         self.raw_signal = raw_signal
         self.window_spec = window_spec
+        self.window_trace_width = window_trace_width
         # Decode windows read per-layer weight arrays (a while loop copies slices of a stack
         # every pass): split once here, not per window (that copy was ~0.1 ms of every pass).
         self.window_params = split_layer_stacks(params) if window_spec else None

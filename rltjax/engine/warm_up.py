@@ -96,7 +96,7 @@ def run_job(runner, kind: str, n: int, block_tables, boundary_block_tables) -> N
         runner.loop(dummy, zeros(n), np.zeros(n, bool), zeros(n) - 1, zeros(n), zeros(n), zeros(n), block_tables)
     elif kind.startswith("window/"):
         spec = runner.window_spec
-        runner.window(idle_window_rows(n, spec["num_planes"], spec["num_passes"]), block_tables,
+        runner.window(idle_window_rows(n, spec["num_planes"], runner.window_trace_width), block_tables,
                       boundary_block_tables, sampler=kind.split("/")[1])
     elif kind == "embed":
         runner.embed(dummy, zeros(n), zeros(n) - 1, zeros(n), pad_rows)

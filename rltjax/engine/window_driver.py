@@ -19,17 +19,15 @@ from rltjax.engine.sequence import Request, Status
 
 
 class WindowDriver:
-    def __init__(self, runner, batches, *, num_passes: int, layered: bool, num_planes: int, trace_mode: bool,
+    def __init__(self, runner, batches, *, layered: bool, num_planes: int,
                  token_stop_ids: Callable[[str], tuple[int, ...]], accept_token: Callable[..., bool],
                  steps_by_kind: dict[str, int]):
         """accept_token(request, token, chosen, top_ids, top_lp, now) -> finished: the engine's
         acceptance of one sampled token; steps_by_kind: the engine's step counters."""
         self.runner = runner
         self.batches = batches
-        self.num_passes = num_passes
         self.layered = layered
         self.num_planes = num_planes
-        self.trace_mode = trace_mode
         self.token_stop_ids = token_stop_ids
         self.accept_token = accept_token
         self.steps_by_kind = steps_by_kind
@@ -49,8 +47,8 @@ class WindowDriver:
             self._inflight = (previous,) + self.runner.window_launch(after, block_tables, boundary_tables,
                                                                      self._sampler)
             return self._apply(previous, after, out)
-        state = window_rows(rows, self.num_passes, [r.tables[p if self.layered else 0] for r in rows
-                                                     for p in range(self.num_planes)],
+        tables = [r.tables[p if self.layered else 0] for r in rows for p in range(self.num_planes)]
+        state = window_rows(rows, self.runner.window_trace_width, tables,
                             [self.token_stop_ids(r.request_id) for r in rows])
         self._sampler = self.runner.window_sampler([r.params for r in rows])
         self._inflight = (list(rows),) + self.runner.window_launch(state, block_tables, boundary_tables,
@@ -59,10 +57,9 @@ class WindowDriver:
 
     def can_continue(self, scheduler) -> bool:
         """Whether the next step may launch from the in-flight window's device state: the same
-        requests, all still decoding, and no admission possible (trace windows re-pack: their
-        depths are sliced per window on the host)."""
+        requests, all still decoding, and no admission possible."""
         rows, running = self._inflight[0], scheduler.running
-        return (not self.trace_mode and len(rows) == len(running)
+        return (len(rows) == len(running)
                 and {id(r) for r in rows} == {id(r) for r in running}
                 and all(r.status is Status.LOOPING for r in running)
                 and (not scheduler.waiting or not scheduler.free_slots))

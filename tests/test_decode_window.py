@@ -200,3 +200,9 @@ def test_auto_window_trip_is_fixed_unless_the_model_has_boundary_stages(name, kw
     engine = make_engine(name=name, decode_window=4, window_trip="auto", **kwargs)
     assert engine.runner.window_spec["fixed_trip"] is fixed
     assert ExecutionConfig().window_trip == "auto"
+
+
+def test_fixed_trip_chunks_divide_the_window():
+    """Fixed-trip windows check for an active row every chunk: the largest divisor of K <= 4."""
+    from rltjax.engine.decode_window import fixed_trip_chunk
+    assert [fixed_trip_chunk(k) for k in (16, 3, 5, 8, 6, 1)] == [4, 3, 1, 4, 3, 1]

@@ -27,10 +27,10 @@ from rltjax.engine.decode_window import WindowOutputs, WindowRows
 from rltjax.engine.device_steps import DeviceSteps
 from rltjax.models.base import boundary_kv_layers
 from rltjax.models.layers import split_layer_stacks
-from rltjax.sampling import sampler_for
+from rltjax.sampling import SAMPLERS, sampler_for
 
 NUM_TOP_LOGPROBS = 20
-WINDOW_SAMPLERS = ("greedy", "draw", "truncate")   # a window executable per sampler and row bucket
+WINDOW_SAMPLERS = SAMPLERS   # a window executable per sampler and row bucket
 MIN_TOKEN_BUCKET = 32   # prefill token counts pad to >= this: fewer executables, negligible padding
 MIN_ROW_BUCKET = 8      # loop/head/window rows pad to >= this: a pass is weight-bound, 8 rows cost as 1
 PREFILL_BLOCK_Q = DEFAULT_BLOCK_Q   # prefill-kernel query rows: chunks start at multiples of it

@@ -30,8 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from rltjax.benchmarks.compile_watch import CompileWatch
-from rltjax.engine.decode_window import idle_window_rows
 from rltjax.engine.runner import WINDOW_SAMPLERS
+from rltjax.engine.window_driver import idle_window_rows
 
 COMPILE_THREADS = max(1, min(8, os.cpu_count() or 1))
 

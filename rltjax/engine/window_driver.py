@@ -14,8 +14,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from rltjax.engine.decode_window import window_rows
+from rltjax.engine.decode_window import STOP_ID_WIDTH, WindowRows
 from rltjax.engine.sequence import Request, Status
+from rltjax.sampling import split_seed
 
 
 class WindowDriver:
@@ -93,3 +94,49 @@ class WindowDriver:
                 r.status, r.loops_done = Status.LOOPING, int(after.loops_done[i])
                 r.exit_remaining, r.exit_triggered = np.float32(after.remaining[i]), bool(after.triggered[i])
         return changed
+
+
+def stop_id_matrix(stop_sets: list[tuple[int, ...]]) -> np.ndarray:
+    """[rows, STOP_ID_WIDTH] int32 token-stop ids per row, padded with -1. Ids past the width
+    stop the request on the host only (the device then runs on until the window ends and the
+    host drops the extra tokens): a fixed width keeps one executable per row bucket."""
+    m = np.full((len(stop_sets), STOP_ID_WIDTH), -1, np.int32)
+    for i, ids in enumerate(stop_sets):
+        ids = list(ids)[:STOP_ID_WIDTH]
+        m[i, :len(ids)] = ids
+    return m
+
+
+def idle_window_rows(n: int, num_planes: int, trace_width: int) -> WindowRows:
+    """n inactive rows (warm-up compiles; a window over them runs no pass)."""
+    z = lambda dtype=np.int32: np.zeros(n, dtype)
+    return WindowRows(slots=z(), tokens=z(), positions=z(), loops_done=z(), remaining=np.ones(n, np.float32),
+                      triggered=z(bool), active=z(bool), num_out=z(), max_tokens=z(), min_loops=z(), max_loops=z(),
+                      threshold=z(np.float32), temperature=z(np.float32), top_k=z(), top_p=np.ones(n, np.float32),
+                      seed_hi=z(np.uint32), seed_lo=z(np.uint32), tables=np.zeros((n, num_planes), np.int32), btables=z(),
+                      stop_ids=np.full((n, STOP_ID_WIDTH), -1, np.int32), trace=np.zeros((n, trace_width), np.int32))
+
+
+def window_rows(requests, trace_width: int, plane_tables: list[int], stop_sets: list[tuple[int, ...]]) -> WindowRows:
+    """The WindowRows of decoding requests (host numpy). trace_width: ``trace_width`` of the
+    engine; plane_tables: each request's block table per plane, flattened request-major;
+    stop_sets: each request's token-stop ids."""
+    n = len(requests)
+    arr = lambda f, dtype=np.int32: np.array([f(r) for r in requests], dtype)
+    seeds = np.array([split_seed(r.seed) for r in requests], np.uint32).reshape(n, 2)
+    # trace mode: the recorded depth of every output index (past the end: max_loops)
+    trace = np.array([((list(r.trace_depths[:trace_width]) if r.trace_depths else [])
+                       + [r.max_loops] * trace_width)[:trace_width] for r in requests], np.int32)
+    return WindowRows(
+        slots=arr(lambda r: r.slot), tokens=arr(lambda r: r.output_token_ids[-1]),
+        positions=arr(lambda r: r.decode_position), loops_done=arr(lambda r: r.loops_done),
+        remaining=arr(lambda r: r.exit_remaining, np.float32), triggered=arr(lambda r: r.exit_triggered, bool),
+        active=np.ones(n, bool), num_out=arr(lambda r: len(r.output_token_ids)),
+        max_tokens=arr(lambda r: r.params.max_tokens), min_loops=arr(lambda r: r.min_loops),
+        max_loops=arr(lambda r: r.max_loops), threshold=arr(lambda r: r.params.exit_threshold, np.float32),
+        temperature=arr(lambda r: r.params.temperature, np.float32), top_k=arr(lambda r: r.params.top_k),
+        top_p=arr(lambda r: r.params.top_p, np.float32), seed_hi=seeds[:, 0], seed_lo=seeds[:, 1],
+        tables=np.asarray(plane_tables, np.int32).reshape(n, -1),
+        btables=arr(lambda r: r.boundary_table if r.boundary_table is not None else 0),
+        stop_ids=stop_id_matrix(stop_sets),
+        trace=trace)

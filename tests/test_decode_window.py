@@ -206,3 +206,30 @@ def test_fixed_trip_chunks_divide_the_window():
     """Fixed-trip windows check for an active row every chunk: the largest divisor of K <= 4."""
     from rltjax.engine.decode_window import fixed_trip_chunk
     assert [fixed_trip_chunk(k) for k in (16, 3, 5, 8, 6, 1)] == [4, 3, 1, 4, 3, 1]
+
+
+def test_admission_prefill_is_queued_behind_the_window_in_flight():
+    """A request arriving while a window runs (a slot free) has its prefill launched before
+    the host reads that window, so the GPU runs it while the host replays the window; every
+    output still equals the oracle's, and no page leaks."""
+    engine = make_engine(decode_window=4, max_num_seqs=2)
+    events = []
+    runner = engine.runner
+    real_prefill, real_read = runner.prefill, runner.window_read
+    runner.prefill = lambda *a, **kw: events.append("prefill") or real_prefill(*a, **kw)
+    runner.window_read = lambda *a, **kw: events.append("read") or real_read(*a, **kw)
+    first = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    late = SamplingParams(max_tokens=5, temperature=0.9, seed=4, ignore_eos=True)
+    engine.add_request("a", TOKENS[:7], first)
+    while engine.windows is None or not engine.windows.inflight:
+        engine.step()
+    engine.add_request("b", TOKENS[2:9], late)     # arrives mid-window; slot 2 of 2 is free
+    events.clear()
+    engine.step()
+    assert events[:2] == ["prefill", "read"], events
+    while engine.has_unfinished_requests():
+        engine.step()
+    ref = reference_for("last_exited")
+    check_equal(engine.get_output("a"), ref.generate(TOKENS[:7], first, request_id="a"))
+    check_equal(engine.get_output("b"), ref.generate(TOKENS[2:9], late, request_id="b"))
+    assert_all_pages_free(engine)

@@ -186,7 +186,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         if self.windows is not None and self.windows.inflight and not self.windows.can_continue(self.scheduler):
             self.steps_by_kind["window_read"] = self.steps_by_kind.get("window_read", 0) + 1
-            return [self._output(r) for r in self.windows.drain()]      # the host catches up first
+            failed = self._prefill_behind_window()
+            return failed + [self._output(r) for r in self.windows.drain()]      # the host catches up
         plan = self.scheduler.schedule()
         # a loop plan over every running request runs as a decode window when windows are on
         window = plan.kind == "loop" and self.windows is not None and len(plan.rows) == len(self.scheduler.running)
@@ -207,17 +208,39 @@ class LLMEngine:
             elif plan.kind == "head":
                 return [self._output(r) for r in self._head(plan.rows)]
         except Exception as exc:  # a failed batch must not leak pages or wedge other requests
-            if self.runner.device_state_lost():
-                affected = [r for r in self.requests.values() if not r.finished]
-            for req in affected:
-                if req.finished:   # finished normally before the failure (a head batch's earlier rows)
-                    continue
-                req.error = f"{type(exc).__name__}: {exc}"
-                self._finish(req, "error")
-            if self.runner.device_state_lost():
-                raise
-            return [self._output(r) for r in affected]
+            return self._fail(affected, exc)
         return []
+
+    def _prefill_behind_window(self) -> list[RequestOutput]:
+        """When only an admission stops the in-flight window from continuing, the admitted
+        requests' first prefill batch is queued on the device behind that window before the
+        host reads it: the GPU runs the prefill while the host replays the window's tokens,
+        instead of waiting for the host to catch up. Returns the outputs of a failed prefill."""
+        if not self.windows.only_admission_waits(self.scheduler):
+            return []
+        plan = self.scheduler.schedule()     # admits; every running request is in the window
+        if plan.kind != "prefill":           # nothing admitted (no pages yet)
+            return []
+        self.steps_by_kind["prefill"] = self.steps_by_kind.get("prefill", 0) + 1
+        try:
+            self._prefill(plan.chunks)
+        except Exception as exc:
+            return self._fail([c[0] for c in plan.chunks], exc)
+        return []
+
+    def _fail(self, affected: list[Request], exc: Exception) -> list[RequestOutput]:
+        """A failed batch: its requests finish with the error (all unfinished ones when the
+        device state is lost, which is then re-raised); no page leaks, no wedged requests."""
+        if self.runner.device_state_lost():
+            affected = [r for r in self.requests.values() if not r.finished]
+        for req in affected:
+            if req.finished:   # finished normally before the failure (a head batch's earlier rows)
+                continue
+            req.error = f"{type(exc).__name__}: {exc}"
+            self._finish(req, "error")
+        if self.runner.device_state_lost():
+            raise exc
+        return [self._output(r) for r in affected]
 
     def _prefill(self, chunks) -> None:
         R = self.cfg.num_loops

@@ -59,11 +59,18 @@ class WindowDriver:
     def can_continue(self, scheduler) -> bool:
         """Whether the next step may launch from the in-flight window's device state: the same
         requests, all still decoding, and no admission possible."""
+        return self._same_rows_decoding(scheduler) and (not scheduler.waiting or not scheduler.free_slots)
+
+    def only_admission_waits(self, scheduler) -> bool:
+        """Whether the in-flight window could continue but for an admission (a request waits
+        and a slot is free)."""
+        return self._same_rows_decoding(scheduler) and bool(scheduler.waiting) and bool(scheduler.free_slots)
+
+    def _same_rows_decoding(self, scheduler) -> bool:
+        """The in-flight window's requests are every running one, all decoding."""
         rows, running = self._inflight[0], scheduler.running
-        return (len(rows) == len(running)
-                and {id(r) for r in rows} == {id(r) for r in running}
-                and all(r.status is Status.LOOPING for r in running)
-                and (not scheduler.waiting or not scheduler.free_slots))
+        return (len(rows) == len(running) and {id(r) for r in rows} == {id(r) for r in running}
+                and all(r.status is Status.LOOPING for r in running))
 
     def drain(self) -> list[Request]:
         """Read the in-flight window now (the host must catch up before another kind of step)."""

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from rltjax.config import ModelConfig
 from rltjax.models.base import KVBackend
-from rltjax.models.layers import over_layers, rms_norm, rope_interleaved
+from rltjax.models.layers import over_layers, projection_source, rms_norm, rope_interleaved
 from rltjax.models.params import TensorSpec
 
 HF_IGNORED_TENSORS = ("freqs_cis",)   # RoPE table: recomputed from rope_base
@@ -123,8 +123,9 @@ def _blocks(cfg: ModelConfig, blocks: HuginnBlocks, x, kv, meta, backend: KVBack
     def block_step(carry, xs):
         x, kv = carry
         layer, p = xs
-        mm = lambda a, w: backend.matmul(a, w, layer - offset)          # noqa: E731  (block index)
-        q, k, v = jnp.split(mm(rms_norm(x, p.norm_1, eps), blocks.wqkv), split, axis=-1)
+        src, index = projection_source(blocks, p, layer - offset)      # block index into the stack
+        mm = lambda a, w: backend.matmul(a, w, index)                   # noqa: E731
+        q, k, v = jnp.split(mm(rms_norm(x, p.norm_1, eps), src.wqkv), split, axis=-1)
         q = q.reshape(n, cfg.num_heads, cfg.head_dim)                      # [N, H, Dh]
         k = k.reshape(n, cfg.num_kv_heads, cfg.head_dim)                   # [N, Hkv, Dh]
         v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim)
@@ -133,10 +134,10 @@ def _blocks(cfg: ModelConfig, blocks: HuginnBlocks, x, kv, meta, backend: KVBack
         q = rope_interleaved(q, positions, cfg.rope_theta)
         k = rope_interleaved(k, positions, cfg.rope_theta)
         kv = backend.write(kv, layer, k, v, meta)
-        attn = mm(backend.attend(kv, layer, q, meta).reshape(n, cfg.q_width), blocks.wo)  # [N, D]
+        attn = mm(backend.attend(kv, layer, q, meta).reshape(n, cfg.q_width), src.wo)  # [N, D]
         x = rms_norm(attn + x, p.norm_2, eps)
-        a, b = jnp.split(mm(rms_norm(x, p.norm_3, eps), blocks.w_fc), 2, axis=-1)  # [N, F] each
-        x = rms_norm(mm(jax.nn.silu(a) * b, blocks.w_proj) + x, p.norm_4, eps)
+        a, b = jnp.split(mm(rms_norm(x, p.norm_3, eps), src.w_fc), 2, axis=-1)  # [N, F] each
+        x = rms_norm(mm(jax.nn.silu(a) * b, src.w_proj) + x, p.norm_4, eps)
         return (x, kv), None
 
     return over_layers(block_step, (x, kv), blocks, first_layer=offset, unroll=unroll)

@@ -79,17 +79,31 @@ def over_layers(step, carry, layers, *, first_layer: int = 0, unroll: bool = Tru
     layer's matmul fusion is the same, so GEMM autotuning runs once per shape; a Python loop
     with per-layer static slices made each layer's fusion distinct and tripled cold compiles
     on an H200) or rolled (prefill: compute-bound, one traced layer compiles fast). Or it is
-    ``SplitLayers`` (decode windows): a Python loop over the per-layer trees, ``layer`` a
-    Python int.
+    ``SplitLayers`` (decode windows): a loop over the per-layer trees through one nested jit,
+    ``layer`` a traced int32; ``step`` then reads projections through ``projection_source``.
     """
     if isinstance(layers, SplitLayers):
+        # One trace serves every layer: the layer's arrays and index are arguments of a nested
+        # jit, whose calls XLA inlines (the compiled code is that of a Python loop). Tracing
+        # and lowering the 24-layer body once per window variant was most of the start-up
+        # warm-up's host time.
+        step_once = jax.jit(step)
         for i, layer_params in enumerate(layers.layers):
-            carry, _ = step(carry, (first_layer + i, layer_params))
+            carry, _ = step_once(carry, (jnp.int32(first_layer + i), layer_params))
         return carry
     num = jax.tree.leaves(layers)[0].shape[0]
     ids = first_layer + jnp.arange(num, dtype=jnp.int32)
     carry, _ = jax.lax.scan(step, carry, (ids, layers), unroll=unroll)
     return carry
+
+
+def projection_source(stack, layer_params, layer):
+    """(tree, index) that layer ``layer``'s projections are read from: a stacked tree with the
+    layer index (backends read a stack in place, no slice copy), or, when the layers are
+    ``SplitLayers``, the layer's own params and no index."""
+    if isinstance(stack, SplitLayers):
+        return layer_params, None
+    return stack, layer
 
 
 @jax.tree_util.register_pytree_node_class

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from rltjax.config import ModelConfig
 from rltjax.models.base import KVBackend
-from rltjax.models.layers import over_layers, rms_norm, rope_rotate_half, swiglu
+from rltjax.models.layers import over_layers, projection_source, rms_norm, rope_rotate_half, swiglu
 from rltjax.models.params import TensorSpec, llama_stack_specs
 
 
@@ -101,12 +101,12 @@ class OuroModel:
         cfg = self.cfg
         n = state.shape[0]
         positions = meta.positions                                       # [N] int32
-        lw = params.layers          # projections: stacked weights, read through backend.matmul
 
         def layer_step(carry, xs):
             x, kv = carry
             layer, p = xs
-            mm = lambda a, w: backend.matmul(a, w, layer)               # noqa: E731
+            lw, index = projection_source(params.layers, p, layer)
+            mm = lambda a, w: backend.matmul(a, w, index)               # noqa: E731
             h = rms_norm(x, p.attn_norm, cfg.norm_eps)
             q = mm(h, lw.wq).reshape(n, cfg.num_heads, cfg.head_dim)    # [N, H, Dh]
             k = mm(h, lw.wk).reshape(n, cfg.num_kv_heads, cfg.head_dim)  # [N, Hkv, Dh]

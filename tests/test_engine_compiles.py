@@ -206,20 +206,25 @@ def test_window_loop_reads_per_layer_weights_without_slicing(window_trip):
 def test_stacked_layers_run_as_one_scan_and_split_layers_as_their_own_arrays():
     """A stack of layers runs as one ``lax.scan`` (unrolled for decode: XLA folds the index,
     and every layer's matmul fusion is the same, so cold compiles autotune each shape once);
-    ``SplitLayers`` (decode windows) run layer by layer on their own arrays, no scan, no slice."""
+    ``SplitLayers`` (decode windows) run layer by layer on their own arrays, no scan, no slice,
+    through one nested jit: the layer body is traced once, not once per layer."""
     import jax.numpy as jnp
 
     from rltjax.models.layers import SplitLayers, over_layers
     stack = {"w": jnp.arange(12.0).reshape(3, 2, 2) / 10}
+    traces = []
 
     def step(x, xs):
+        traces.append(1)
         layer, p = xs
         return x @ p["w"] + layer, None
 
     x = jnp.ones((1, 2))
     for layers, scans in ((stack, 1), (SplitLayers.split(stack), 0)):
+        traces.clear()
         jaxpr = str(jax.make_jaxpr(lambda x, layers: over_layers(step, x, layers))(x, layers))
         assert jaxpr.count("scan[") == scans and (scans or "slice" not in jaxpr), jaxpr
+        assert len(traces) == 1, f"layer body traced {len(traces)} times"
         want = x
         for i in range(3):
             want = want @ stack["w"][i] + i

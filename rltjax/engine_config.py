@@ -102,6 +102,15 @@ class CacheConfig:
         """The most loops a request may run on this engine (R when max_loops is unset)."""
         return num_loops if self.max_loops is None else self.max_loops
 
+    def checked_loop_cap(self, num_loops: int, loop_limit: int, arch: str) -> int:
+        """``loop_cap`` checked against the model: R <= cap <= the model's loop limit."""
+        cap = self.loop_cap(num_loops)
+        if not num_loops <= cap <= loop_limit:
+            raise EngineConfigError(
+                f"CacheConfig.max_loops={self.max_loops}: must be in [R={num_loops}, {loop_limit}] for "
+                f"{arch} (prompt tokens run R loops; the model allows at most {loop_limit})")
+        return cap
+
     def num_planes(self, num_loops: int) -> int:
         """Core KV planes per request: one per depth up to the cap (last_exited) or one (shared)."""
         return max(num_loops, self.loop_cap(num_loops)) if self.kv_layout == "last_exited" else 1

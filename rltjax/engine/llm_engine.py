@@ -31,23 +31,12 @@ from rltjax.engine.runner import ModelRunner
 from rltjax.engine.scheduler import Scheduler
 from rltjax.engine.sequence import Request, RequestRejectedError, Status, prompt_token_ids
 from rltjax.engine.warm_up import WarmUp, warm_up
-from rltjax.engine_config import (CacheConfig, EngineConfigError, ExecutionConfig, ExitConfig, SchedulerConfig,
+from rltjax.engine_config import (CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig,
                                   check_combination, validate_trace_depths)
 from rltjax.models.base import boundary_kv_layers, loop_limit, signal_kind
 from rltjax.reference.exits import lookahead_weights
 from rltjax.sampling import split_seed
 from rltjax.sampling_params import SamplingParams, SamplingParamsError
-
-
-def check_loop_cap(cache_config: CacheConfig, model) -> int:
-    """CacheConfig.max_loops (default R) checked against the model: R <= cap <= loop_limit."""
-    R, limit = model.cfg.num_loops, loop_limit(model)
-    cap = cache_config.loop_cap(R)
-    if not R <= cap <= limit:
-        raise EngineConfigError(
-            f"CacheConfig.max_loops={cache_config.max_loops}: must be in [R={R}, {limit}] for "
-            f"{model.cfg.arch} (prompt tokens run R loops; the model allows at most {limit})")
-    return cap
 
 
 class LLMEngine:
@@ -62,7 +51,8 @@ class LLMEngine:
         self.exit_config = exit_config
         self.layered = cache_config.kv_layout == "last_exited"
         R = self.cfg.num_loops
-        self.loop_cap = check_loop_cap(cache_config, model)   # the most loops a request may ask for
+        # the most loops a request may ask for
+        self.loop_cap = cache_config.checked_loop_cap(R, loop_limit(model), self.cfg.arch)
         self.loop_limit = loop_limit(model)
         self.num_planes = cache_config.num_planes(R)
         self.exit_policy = ExitPolicy(exit_config.mode, self.cfg.has_exit_gate, signal_kind(model))

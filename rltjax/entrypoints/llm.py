@@ -18,10 +18,10 @@ import numpy as np
 from checkpoints.loader import load_checkpoint
 from rltjax.cache.block_tables import pages_needed
 from rltjax.cache.sizing import KVSizingError, allocate_paged_kv, boundary_num_pages, num_pages_for_memory
-from rltjax.engine.llm_engine import LLMEngine, check_loop_cap
+from rltjax.engine.llm_engine import LLMEngine
 from rltjax.engine.outputs import RequestOutput
 from rltjax.engine_config import CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig
-from rltjax.models.base import boundary_kv_layers, get_model
+from rltjax.models.base import boundary_kv_layers, get_model, loop_limit
 from rltjax.sampling_params import SamplingParams
 from rltjax.tokenizer import Tokenizer
 
@@ -51,7 +51,7 @@ def build_engine(model_dir, *, dtype=None, hf_overrides=None, cache_config: Cach
     max_model_len = min(cfg.max_position, scheduler_config.max_model_len or cfg.max_position)
     dtype = params.embed.dtype
     model = get_model(cfg)
-    check_loop_cap(cache_config, model)              # before any KV is sized by it
+    cache_config.checked_loop_cap(cfg.num_loops, loop_limit(model), cfg.arch)   # before KV is sized by it
     num_planes = cache_config.num_planes(cfg.num_loops)
     boundary_layers = boundary_kv_layers(model)      # Huginn's prelude + coda; 0 for plain models
     num_pages = cache_config.num_pages

@@ -28,17 +28,8 @@ KERNEL_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 IMPLS = ("xla", "pallas")
 
 
-def pick_layer(w, layer):
-    """(w, layer) with a tuple of per-layer arrays resolved to the layer's own array (its
-    buffer, nothing to slice) and layer None; anything else unchanged."""
-    if isinstance(w, tuple):
-        return w[layer], None
-    return w, layer
-
-
 def skinny_matmul_ref(x: jax.Array, w: jax.Array, layer=None) -> jax.Array:
     """x [M, K] @ w[layer] [K, N] -> [M, N] in x's dtype, float32 accumulation."""
-    w, layer = pick_layer(w, layer)
     if w.ndim == 3:
         w = jax.lax.dynamic_index_in_dim(w, jnp.asarray(layer, jnp.int32).reshape(()), keepdims=False)
     return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
@@ -75,8 +66,7 @@ def skinny_matmul(x: jax.Array, w: jax.Array, layer=None, *, impl: str = "xla", 
                   block_n: int = DEFAULT_BLOCK_N, block_k: int = DEFAULT_BLOCK_K,
                   k_splits: int | None = None) -> jax.Array:
     """x [M, K] @ w [K, N] (or w[layer] of a stacked [L, K, N]; layer an int32 scalar, may be
-    traced; or w[layer] of a tuple of L [K, N] arrays, layer a Python int) -> [M, N] in x's dtype."""
-    w, layer = pick_layer(w, layer)
+    traced) -> [M, N] in x's dtype."""
     if impl not in IMPLS:
         raise ValueError(f"skinny_matmul: impl: choose one of {IMPLS}, got {impl!r}")
     if x.ndim != 2 or w.ndim not in (2, 3):

@@ -38,7 +38,7 @@ import jax
 
 from rltjax.cache.kv_update import write_kv
 from kernels.paged_attention import paged_attention, paged_prefill_attention
-from kernels.skinny_matmul import MAX_ROWS, kernel_unsupported, pick_layer, skinny_matmul
+from kernels.skinny_matmul import MAX_ROWS, kernel_unsupported, skinny_matmul
 
 
 @jax.tree_util.register_dataclass
@@ -86,7 +86,6 @@ class PagedKVBackend:
     matmul_impl: str = "xla"
 
     def matmul(self, x, w, layer):
-        w, layer = pick_layer(w, layer)
         impl = self.matmul_impl if x.shape[0] <= MAX_ROWS else "xla"
         if impl == "pallas" and (why_not := kernel_unsupported(x, w)):
             raise ValueError(f"ExecutionConfig.matmul_impl='pallas': a [{x.shape[1]}, {w.shape[-1]}] projection "

@@ -110,9 +110,8 @@ def projection_source(stack, layer_params, layer):
 class SplitLayers:
     """A stack of per-layer params held as L separate per-layer trees (``layers``).
 
-    ``split.wq`` is the tuple of the L layers' ``wq`` arrays, so model code written for a
-    stacked tree (``backend.matmul(x, stack.wq, layer)``) reads layer ``layer``'s own array
-    (``kernels.skinny_matmul`` takes such a tuple) instead of slicing a stack. Decode windows
+    ``over_layers`` hands each layer its own tree, and model code reads that layer's
+    projections from it (``projection_source``) instead of slicing a stack. Decode windows
     run on these: inside a ``while_loop`` XLA:GPU copied every per-layer slice of a stacked
     weight before its matmul, every pass (168 copies, ~1.3 ms per Ouro-1.4B pass on an H200),
     where the entry computation of a single pass reads the slices in place.
@@ -120,11 +119,6 @@ class SplitLayers:
 
     def __init__(self, layers: tuple):
         self.layers = tuple(layers)
-
-    def __getattr__(self, name):
-        if name == "layers" or name.startswith("__"):   # not set yet / copy and pickle probes
-            raise AttributeError(name)
-        return tuple(getattr(layer, name) for layer in self.layers)
 
     def tree_flatten(self):
         return (self.layers,), None

@@ -202,12 +202,6 @@ def test_auto_window_trip_is_fixed_unless_the_model_has_boundary_stages(name, kw
     assert ExecutionConfig().window_trip == "auto"
 
 
-def test_fixed_trip_chunks_divide_the_window():
-    """Fixed-trip windows check for an active row every chunk: the largest divisor of K <= 4."""
-    from rltjax.engine.decode_window import fixed_trip_chunk
-    assert [fixed_trip_chunk(k) for k in (16, 3, 5, 8, 6, 1)] == [4, 3, 1, 4, 3, 1]
-
-
 def test_admission_prefill_is_queued_behind_the_window_in_flight():
     """A request arriving while a window runs (a slot free) has its prefill launched before
     the host reads that window, so the GPU runs it while the host replays the window; every

@@ -10,14 +10,14 @@ logprobs), checks EOS / stop token ids / max_tokens, and feeds the sampled token
 back as the row's next looping token. With ``fixed_trip=False`` it stops after K passes or
 when no row is active, and runs the head (and Huginn's prelude) under a ``lax.cond``; XLA's
 GPU runtime reads each of those predicates back to the host, so the GPU drains and waits
-for the host twice a pass. ``fixed_trip=True`` runs the passes in chunks of known length
-(4 for K = 16: no predicate read inside a chunk; between chunks it stops if no row is
-active) and computes the head every pass, keeping what exiting rows need; the outputs are
-the same. The head's sampler and top-logprob count are static: the host picks the
-cheapest variant exact for the window's requests (``sampling.sampler_for``), so an
-all-greedy window without top logprobs runs an argmax, not a vocabulary sort. The host
-(``window_driver``) packs the rows and reads the outputs ([B, K] tokens, depths, logprobs)
-one window late: while nothing else can be scheduled, the next window is launched from the
+for the host twice a pass. ``fixed_trip=True`` runs exactly K passes (a known trip count:
+no predicate read, so launching it does not block the host) and computes the head every
+pass, keeping what exiting rows need; the outputs are the same. The head's sampler and
+top-logprob count are static: the host picks the cheapest variant exact for the window's
+requests (``sampling.sampler_for``), so an all-greedy window without top logprobs runs an
+argmax, not a vocabulary sort. The host (``window_driver``) packs the rows and reads the
+outputs ([B, K] tokens, depths, logprobs) one window late: while nothing else can be
+scheduled, the next window is launched from the
 device's row state before the host reads the last one. It replays them through its
 own stop checks (stop strings are host-only: tokens a row made past one are
 dropped) and syncs each request's state, so a step-by-step step can follow a
@@ -44,7 +44,6 @@ from rltjax.jit_options import engine_jit
 from rltjax.models.layers import split_layer_stacks
 from rltjax.sampling import sample_tokens, token_logprobs
 
-FIXED_TRIP_CHUNK = 4    # fixed-trip windows check for an active row every this many passes
 WINDOW_MODES = ("ouro", "ouro_delayed", "random_lookahead", "fixed", "trace", "latent_diff")
 STOP_ID_WIDTH = 8   # token-stop ids checked on the device per row (more are checked by the host only)
 
@@ -110,7 +109,7 @@ def _exit_copies(rows: WindowRows, exit_now, depth, block_tables, page_size: int
 def decode_window(params, kv: PagedKV, slot_state, rows: WindowRows, block_tables, lookahead_w, bkv, slot_inject,
                   boundary_tables, *, model, backend, num_passes: int, mode: str, num_top: int, layered: bool,
                   num_planes: int, dummy_slot: int, fixed_trip: bool = False, sampler: str = "truncate"):
-    """Up to ``num_passes`` loop passes (in whole chunks when ``fixed_trip``) over the rows
+    """Up to ``num_passes`` loop passes (exactly that many when ``fixed_trip``) over the rows
     -> (kv, slot_state, bkv, slot_inject, rows, WindowOutputs). Models with boundary stages
     (Huginn) pass their boundary pool ``bkv``, the per-slot ``slot_inject`` and the boundary
     block tables: a row starting a token runs the prelude (writing its boundary KV) and an
@@ -230,29 +229,12 @@ def decode_window(params, kv: PagedKV, slot_state, rows: WindowRows, block_table
 
     carry = (kv, slot_state, bkv, slot_inject, rows, out)
     if fixed_trip:
-        # Chunks of passes with nothing for the host to read inside; between chunks the loop
-        # checks for an active row (one host read per chunk), so a window whose rows have all
-        # finished (one launched ahead past a request's end) stops within a chunk rather than
-        # running K passes that hold back the next request's prefill.
-        chunk = fixed_trip_chunk(k_max)
-
-        def run_chunk(state):
-            i, carry = state
-            return i + 1, jax.lax.fori_loop(0, chunk, lambda _, c: one_pass(c), carry)
-
-        return jax.lax.while_loop(lambda state: (state[0] < k_max // chunk) & jnp.any(state[1][4].active),
-                                  run_chunk, (jnp.int32(0), carry))[1]
+        return jax.lax.fori_loop(0, k_max, lambda _, c: one_pass(c), carry)
 
     def cond(carry):
         return (carry[5].passes < k_max) & jnp.any(carry[4].active)
 
     return jax.lax.while_loop(cond, one_pass, carry)
-
-
-def fixed_trip_chunk(num_passes: int) -> int:
-    """Passes a fixed-trip window runs between two checks for an active row: the largest
-    divisor of K up to FIXED_TRIP_CHUNK (4 for the default K = 16)."""
-    return max(d for d in range(1, min(FIXED_TRIP_CHUNK, num_passes) + 1) if num_passes % d == 0)
 
 
 def resolve_window_passes(asked: int | None, scheduler_config, exit_mode: str, arch: str) -> int:

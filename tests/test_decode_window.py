@@ -144,6 +144,28 @@ def test_continued_windows_read_one_window_late(window_trip):
     assert_all_pages_free(engine)
 
 
+@pytest.mark.parametrize("window", [3, 4, 8])
+def test_no_window_is_launched_behind_one_that_finishes_every_row(window):
+    """A closed loop of one request at a time, fixed depth, fixed-trip windows: the in-flight
+    window surely ends the request (max_tokens), so the engine reads it instead of launching
+    one more over finished rows (K passes that would hold back the next request's prefill).
+    Outputs stay the oracle's."""
+    engine = make_engine(exit_mode="ouro_delayed", decode_window=window, max_num_seqs=2, window_trip="fixed")
+    launched_idle = []
+    real = engine.runner.window_launch
+    engine.runner.window_launch = lambda rows, *rest: launched_idle.append(
+        not np.asarray(rows.active).any()) or real(rows, *rest)
+    ref = reference_for("last_exited", "ouro_delayed")
+    for i, n in enumerate([7, 1, 4, 12, 3]):
+        sp = SamplingParams(max_tokens=n, temperature=0.0, exit_threshold=1.0, ignore_eos=True)
+        engine.add_request(f"r{i}", TOKENS[i:i + 6], sp)
+        while engine.has_unfinished_requests():
+            engine.step()
+        check_equal(engine.get_output(f"r{i}"), ref.generate(TOKENS[i:i + 6], sp, request_id=f"r{i}"))
+    assert launched_idle and not any(launched_idle), launched_idle
+    assert_all_pages_free(engine)
+
+
 def test_nanbeige_windows_match_step_engine():
     prompts = [TOKENS[:9], TOKENS[20:25]]
     outs = []

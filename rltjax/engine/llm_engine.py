@@ -95,7 +95,7 @@ class LLMEngine:
         # async scheduling: the last launched pass's signals, tagged (request, position, depth)
         self._pending: tuple[list[tuple[Request, int, int]], Any] | None = None
         self.windows = None if not self.window_passes else WindowDriver(
-            self.runner, self.batches, layered=self.layered, num_planes=self.num_planes,
+            self.runner, self.batches, num_passes=self.window_passes, layered=self.layered, num_planes=self.num_planes,
             token_stop_ids=self.outputs.token_stop_ids, accept_token=self._accept_token,
             steps_by_kind=self.steps_by_kind)
         if execution_config.compile_ahead:

@@ -20,12 +20,14 @@ from rltjax.sampling import split_seed
 
 
 class WindowDriver:
-    def __init__(self, runner, batches, *, layered: bool, num_planes: int,
+    def __init__(self, runner, batches, *, num_passes: int, layered: bool, num_planes: int,
                  token_stop_ids: Callable[[str], tuple[int, ...]], accept_token: Callable[..., bool],
                  steps_by_kind: dict[str, int]):
-        """accept_token(request, token, chosen, top_ids, top_lp, now) -> finished: the engine's
-        acceptance of one sampled token; steps_by_kind: the engine's step counters."""
+        """num_passes: K of a window; accept_token(request, token, chosen, top_ids, top_lp, now)
+        -> finished: the engine's acceptance of one sampled token; steps_by_kind: the engine's
+        step counters."""
         self.runner = runner
+        self.num_passes = num_passes
         self.batches = batches
         self.layered = layered
         self.num_planes = num_planes
@@ -58,8 +60,11 @@ class WindowDriver:
 
     def can_continue(self, scheduler) -> bool:
         """Whether the next step may launch from the in-flight window's device state: the same
-        requests, all still decoding, and no admission possible."""
-        return self._same_rows_decoding(scheduler) and (not scheduler.waiting or not scheduler.free_slots)
+        requests, all still decoding, no admission possible, and not all of them certain to
+        reach max_tokens inside the in-flight window (a window launched behind it would run
+        K passes over finished rows, holding back the next request's prefill)."""
+        return (self._same_rows_decoding(scheduler) and (not scheduler.waiting or not scheduler.free_slots)
+                and not all(finishes_within(r, self.num_passes) for r in self._inflight[0]))
 
     def only_admission_waits(self, scheduler) -> bool:
         """Whether the in-flight window could continue but for an admission (a request waits
@@ -101,6 +106,15 @@ class WindowDriver:
                 r.status, r.loops_done = Status.LOOPING, int(after.loops_done[i])
                 r.exit_remaining, r.exit_triggered = np.float32(after.remaining[i]), bool(after.triggered[i])
         return changed
+
+
+def finishes_within(r: Request, num_passes: int) -> bool:
+    """Whether a decoding request surely reaches max_tokens within num_passes loop passes from
+    its host state: each token takes at most max_loops passes (the current one max_loops -
+    loops_done more)."""
+    first = r.max_loops - r.loops_done
+    surely_made = 0 if num_passes < first else 1 + (num_passes - first) // r.max_loops
+    return r.params.max_tokens - len(r.output_token_ids) <= surely_made
 
 
 def stop_id_matrix(stop_sets: list[tuple[int, ...]]) -> np.ndarray:

@@ -181,16 +181,7 @@ def test_window_loop_reads_per_layer_weights_without_slicing(window_trip):
         engine.step()
     args, kwargs = seen[0]
     hlo = real.lower(*args, **kwargs).compile().as_text()
-    window_loops = [line for line in hlo.splitlines()
-                    if " while(" in line and 'op_name="jit(decode_window)/while"' in line]
-    assert window_loops, "no window while loop in the compiled HLO"
-    body = _called_computations(hlo, re.search(r"body=%?([\w.\-]+)", window_loops[0]).group(1))
-    layers = engine.runner.params.layers
-    per_layer = {",".join(map(str, w.shape[1:])) for w in (layers.wq, layers.w_gate, layers.w_down)}
-    outputs = tuple(f"= f32[{lead}{dims}]" for dims in per_layer for lead in ("", "1,"))
-    slices = [line.strip()[:120] for comp in body for line in comp.splitlines()
-              if re.search(r"\b(dynamic-)?slice\(", line) and any(o in line for o in outputs)]
-    assert len(body) > 10 and not slices, f"weight slices inside the window loop: {slices[:3]}"
+    window_loops = _assert_loop_reads_weights_in_place(hlo, "decode_window", engine)
     conditionals = sum(" conditional(" in line for line in hlo.splitlines())
     trip = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', window_loops[0])
     if window_trip == "fixed":
@@ -199,10 +190,46 @@ def test_window_loop_reads_per_layer_weights_without_slicing(window_trip):
         assert conditionals >= 1 and trip is None
 
 
+def _assert_loop_reads_weights_in_place(hlo: str, step: str, engine) -> list[str]:
+    """No layer weight is sliced out of its stack inside the body of step's outer while loop
+    (compiled HLO); returns that loop's lines."""
+    import re
+
+    loops = [line for line in hlo.splitlines() if " while(" in line and f'op_name="jit({step})/while"' in line]
+    assert loops, f"no {step} while loop in the compiled HLO"
+    body = _called_computations(hlo, re.search(r"body=%?([\w.\-]+)", loops[0]).group(1))
+    layers = engine.runner.params.layers
+    per_layer = {",".join(map(str, w.shape[1:])) for w in (layers.wq, layers.w_gate, layers.w_down)}
+    outputs = tuple(f"= f32[{lead}{dims}]" for dims in per_layer for lead in ("", "1,"))
+    slices = [line.strip()[:120] for comp in body for line in comp.splitlines()
+              if re.search(r"\b(dynamic-)?slice\(", line) and any(o in line for o in outputs)]
+    assert len(body) > 10 and not slices, f"weight slices inside the {step} loop: {slices[:3]}"
+    return loops
+
+
+def test_prefill_loop_reads_per_layer_weights_without_slicing():
+    """Prefill's loop over the R loops reads per-layer weight arrays: on an H200 the copies of
+    stacked-weight slices inside it cost as much as prefill's GEMMs."""
+    engine = make_engine(max_num_seqs=2)
+    seen = []
+    real = engine.runner.steps.prefill
+
+    def recording(*args, **kwargs):
+        seen.append((jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), args), kwargs))
+        return real(*args, **kwargs)
+
+    engine.runner.steps = engine.runner.steps._replace(prefill=recording)
+    engine.add_request("a", TOKENS[:5], greedy(2))
+    while engine.has_unfinished_requests():
+        engine.step()
+    args, kwargs = seen[0]
+    _assert_loop_reads_weights_in_place(real.lower(*args, **kwargs).compile().as_text(), "prefill_step", engine)
+
+
 def test_stacked_layers_run_as_one_scan_and_split_layers_as_their_own_arrays():
     """A stack of layers runs as one ``lax.scan`` (unrolled for decode: XLA folds the index,
     and every layer's matmul fusion is the same, so cold compiles autotune each shape once);
-    ``SplitLayers`` (decode windows) run layer by layer on their own arrays, no scan, no slice,
+    ``SplitLayers`` (prefill, decode windows) run layer by layer on their own arrays, no scan, no slice,
     through one nested jit: the layer body is traced once, not once per layer."""
     import jax.numpy as jnp
 

@@ -49,19 +49,20 @@ def prefill_step(params, kv: PagedKV, slot_state, tokens, positions, write_page,
     """Prompt tokens [T] run all R loops; per loop d they write plane d (write_page[d],
     row_tables[d]: [R, T]). When the engine keeps planes beyond R (a loop cap above R),
     write_page is [cap, T] and the last loop also writes planes R..cap-1: a deeper query
-    reads a prompt token at its exit depth R. A prompt's last token leaves its state in
+    reads a prompt token at its exit depth R. ``params``: layer stacks split
+    (``split_layer_stacks``). A prompt's last token leaves its state in
     its slot. Boundary models: the prelude writes every row's boundary KV, and so does
     the coda (later codas attend to it; its logits are unused, so XLA drops the lm_head)."""
     x, inject, bkv = _embed(model, backend, params, tokens, bkv, bmeta, seeds)   # [T, D]
 
     def one_loop(d, x, kv, pages):
         meta = PagedMeta(positions, pages, write_offset, row_tables[d], lengths, block_tables)
-        x, kv, _ = model.loop(params, x, inject, kv, meta, backend, unroll=False)
+        x, kv, _ = model.loop(params, x, inject, kv, meta, backend)
         return x, kv
 
-    # Rolled over loops and layers: T >= MIN_TOKEN_BUCKET rows make prefill compute-bound,
-    # where dynamic weight slices cost little, and one traced layer keeps compiles short
-    # (Huginn runs 32 loops here).
+    # Rolled over loops (Huginn runs 32 here), layers one after another on their own arrays
+    # (``params`` holds ``SplitLayers``): inside the loop a slice of a stacked weight would be
+    # copied before every matmul.
     x, kv = jax.lax.fori_loop(0, num_loops - 1, lambda d, c: one_loop(d, *c, write_page[d]), (x, kv))
     last = num_loops - 1
     x, kv = one_loop(last, x, kv, write_page[last:] if write_page.shape[0] > num_loops else write_page[last])

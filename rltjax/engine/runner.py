@@ -140,9 +140,11 @@ class ModelRunner:
         self.raw_signal = raw_signal
         self.window_spec = window_spec
         self.window_trace_width = window_trace_width
-        # Decode windows read per-layer weight arrays (a while loop copies slices of a stack
-        # every pass): split once here, not per window (that copy was ~0.1 ms of every pass).
-        self.window_params = split_layer_stacks(params) if window_spec else None
+        # Prefill and decode windows loop on the device (fori_loop over loops, while_loop over
+        # passes), where XLA:GPU copies every layer slice of a stacked weight before its matmul
+        # (on an H200 the copies cost prefill as much as its GEMMs): they read per-layer arrays,
+        # split once here. Loop and head steps run in the entry computation on the stack.
+        self.layer_params = split_layer_stacks(params)
         self.row_buckets = buckets_up_to(max_num_seqs, MIN_ROW_BUCKET)
         # aligned prefill batches stay within the budget, except one chunk when budget < alignment
         most_tokens = max(max_num_batched_tokens, self.prefill_alignment)
@@ -176,7 +178,7 @@ class ModelRunner:
         lengths = np.pad(positions + 1, (0, pad))
         bmeta, seeds = self._bmeta(boundary, positions, write_offset, pad)
         self.kv, self.slot_state, self.bkv = self.steps.prefill(
-            self.params, self.kv, self.slot_state, np.pad(tokens, (0, pad)), np.pad(positions, (0, pad)),
+            self.layer_params, self.kv, self.slot_state, np.pad(tokens, (0, pad)), np.pad(positions, (0, pad)),
             np.pad(write_page, ((0, 0), (0, pad))), np.pad(write_offset, (0, pad)),
             np.pad(row_tables, ((0, 0), (0, pad))), lengths.astype(np.int32), block_tables,
             np.pad(out_slots, (0, pad), constant_values=self.dummy_slot), self.bkv, bmeta, seeds,
@@ -264,7 +266,7 @@ class ModelRunner:
             # tens of seconds inside a run on the H200)
             rows = jax.device_put(rows, self.device)
         self.kv, self.slot_state, self.bkv, self.slot_inject, after, out = self.steps.window(
-            self.window_params, self.kv, self.slot_state, rows, block_tables, self.lookahead_w, self.bkv,
+            self.layer_params, self.kv, self.slot_state, rows, block_tables, self.lookahead_w, self.bkv,
             self.slot_inject, boundary_tables, model=self.model, backend=self.backend,
             num_top=self.num_top if sampler == "truncate" else 0, sampler=sampler,
             dummy_slot=self.dummy_slot, **self.window_spec)

@@ -4,7 +4,7 @@ A model is three pure functions over a flat batch of N token rows, each row
 carrying its own position and depth in ``meta``:
 
     embed(params, tokens[N], kv, meta)        -> (state[N, D], inject)
-    loop(params, state, inject, kv, meta, backend, unroll=True) -> (state, kv, signal[N] f32)
+    loop(params, state, inject, kv, meta, backend) -> (state, kv, signal[N] f32)
     head(params, state[N, D], kv, meta)       -> logits[N, V] f32
 
 ``meta`` always has ``positions`` ([N] int32); the rest is the backend's.

@@ -113,8 +113,7 @@ def state_init_key(seed_hi: jax.Array, seed_lo: jax.Array, position: jax.Array) 
     return jax.random.fold_in(jax.random.fold_in(key, seed_lo), position)
 
 
-def _blocks(cfg: ModelConfig, blocks: HuginnBlocks, x, kv, meta, backend: KVBackend, offset: int,
-            unroll: bool = True):
+def _blocks(cfg: ModelConfig, blocks: HuginnBlocks, x, kv, meta, backend: KVBackend, offset: int):
     """Run n stacked sandwich blocks; block j uses KV layer offset + j. x [N, D] -> x, kv."""
     n, eps = x.shape[0], cfg.norm_eps
     positions = meta.positions                                           # [N] int32
@@ -140,7 +139,7 @@ def _blocks(cfg: ModelConfig, blocks: HuginnBlocks, x, kv, meta, backend: KVBack
         x = rms_norm(mm(jax.nn.silu(a) * b, src.w_proj) + x, p.norm_4, eps)
         return (x, kv), None
 
-    return over_layers(block_step, (x, kv), blocks, first_layer=offset, unroll=unroll)
+    return over_layers(block_step, (x, kv), blocks, first_layer=offset)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,14 +179,13 @@ class HuginnModel:
         return state.astype(e.dtype), e, kv
 
     def loop(self, params: HuginnParams, state: jax.Array, inject: jax.Array, kv: Any, meta: Any,
-             backend: KVBackend, unroll: bool = True):
+             backend: KVBackend):
         """One recurrence: adapter(concat[s, e]) then the C core blocks (core KV layers 0..C-1).
-        unroll=False keeps the block loop rolled (prefill; see ouro.py).
 
         state [N, D], inject e [N, D] -> (state [N, D], kv, rel. latent change [N] f32).
         """
         x = jnp.concatenate([state, inject], axis=-1) @ params.adapter   # [N, D]
-        x, kv = _blocks(self.cfg, params.core, x, kv, meta, backend, 0, unroll)
+        x, kv = _blocks(self.cfg, params.core, x, kv, meta, backend, 0)
         new, old = x.astype(jnp.float32), state.astype(jnp.float32)
         diff = jnp.linalg.norm(new - old, axis=-1)
         signal = diff / jnp.maximum(jnp.linalg.norm(new, axis=-1), jnp.finfo(jnp.float32).tiny)

@@ -71,16 +71,16 @@ def causal_softmax_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax
     return out.astype(q.dtype)
 
 
-def over_layers(step, carry, layers, *, first_layer: int = 0, unroll: bool = True):
+def over_layers(step, carry, layers, *, first_layer: int = 0):
     """``step(carry, (layer, layer_params)) -> (carry, None)`` over the layers -> the final carry.
 
-    ``layers`` is a stacked per-layer params tree (leading axis L): a ``lax.scan``, unrolled
-    when ``unroll`` (XLA then folds the layer index: static slices read in place, and every
-    layer's matmul fusion is the same, so GEMM autotuning runs once per shape; a Python loop
-    with per-layer static slices made each layer's fusion distinct and tripled cold compiles
-    on an H200) or rolled (prefill: compute-bound, one traced layer compiles fast). Or it is
-    ``SplitLayers`` (decode windows): a loop over the per-layer trees through one nested jit,
-    ``layer`` a traced int32; ``step`` then reads projections through ``projection_source``.
+    ``layers`` is a stacked per-layer params tree (leading axis L): an unrolled ``lax.scan``
+    (XLA folds the layer index: static slices read in place, and every layer's matmul fusion
+    is the same, so GEMM autotuning runs once per shape; a Python loop with per-layer static
+    slices made each layer's fusion distinct and tripled cold compiles on an H200). Or it is
+    ``SplitLayers`` (prefill, decode windows): a loop over the per-layer trees through one
+    nested jit, ``layer`` a traced int32; ``step`` then reads projections through
+    ``projection_source``.
     """
     if isinstance(layers, SplitLayers):
         # One trace serves every layer: the layer's arrays and index are arguments of a nested
@@ -93,7 +93,7 @@ def over_layers(step, carry, layers, *, first_layer: int = 0, unroll: bool = Tru
         return carry
     num = jax.tree.leaves(layers)[0].shape[0]
     ids = first_layer + jnp.arange(num, dtype=jnp.int32)
-    carry, _ = jax.lax.scan(step, carry, (ids, layers), unroll=unroll)
+    carry, _ = jax.lax.scan(step, carry, (ids, layers), unroll=True)
     return carry
 
 
@@ -111,10 +111,11 @@ class SplitLayers:
     """A stack of per-layer params held as L separate per-layer trees (``layers``).
 
     ``over_layers`` hands each layer its own tree, and model code reads that layer's
-    projections from it (``projection_source``) instead of slicing a stack. Decode windows
-    run on these: inside a ``while_loop`` XLA:GPU copied every per-layer slice of a stacked
-    weight before its matmul, every pass (168 copies, ~1.3 ms per Ouro-1.4B pass on an H200),
-    where the entry computation of a single pass reads the slices in place.
+    projections from it (``projection_source``) instead of slicing a stack. Prefill and decode
+    windows run on these: inside a ``while_loop`` (or prefill's ``fori_loop`` over loops)
+    XLA:GPU copied every per-layer slice of a stacked weight before its matmul, every pass
+    (168 copies, ~1.3 ms per Ouro-1.4B pass on an H200), where the entry computation of a
+    single pass reads the slices in place.
     """
 
     def __init__(self, layers: tuple):

@@ -79,8 +79,8 @@ class NanbeigeModel:
         return params.embed[tokens], None
 
     def loop(self, params: NanbeigeParams, state: jax.Array, inject: Any, kv: Any, meta: Any,
-             backend: KVBackend, unroll: bool = True):
-        """One pass over all layers for N rows, then the shared norm (unroll: see ouro.py).
+             backend: KVBackend):
+        """One pass over all layers for N rows, then the shared norm.
 
         state [N, D] -> (state [N, D], kv, signal [N] f32 zeros).
         """
@@ -106,7 +106,7 @@ class NanbeigeModel:
             return (x, kv), None
 
         # Unrolled for static layer slices of the stacked weights (see ouro.py).
-        state, kv = over_layers(layer_step, (state, kv), params.layers, unroll=unroll)
+        state, kv = over_layers(layer_step, (state, kv), params.layers)
         state = rms_norm(state, params.norm, cfg.norm_eps)
         return state, kv, jnp.zeros((n,), jnp.float32)
 

@@ -92,9 +92,8 @@ class OuroModel:
         return params.embed[tokens], None
 
     def loop(self, params: OuroParams, state: jax.Array, inject: Any, kv: Any, meta: Any,
-             backend: KVBackend, unroll: bool = True):
+             backend: KVBackend):
         """One pass over all layers for N rows, then the shared norm and the gate.
-        unroll=False keeps the layer loop rolled (prefill: compute-bound, faster compile).
 
         state [N, D] -> (state [N, D], kv, gate_logit [N] f32).
         """
@@ -126,7 +125,7 @@ class OuroModel:
         # Unrolled: static layer slices of the stacked weights. With a rolled scan the
         # per-layer dynamic slices made the projections ~2x slower on an H200
         # (docs/performance.md, "loop pass").
-        state, kv = over_layers(layer_step, (state, kv), params.layers, unroll=unroll)
+        state, kv = over_layers(layer_step, (state, kv), params.layers)
         state = rms_norm(state, params.norm, cfg.norm_eps)
         gate_logit = state.astype(jnp.float32) @ params.gate_w.astype(jnp.float32) \
             + params.gate_b.astype(jnp.float32)

@@ -32,6 +32,7 @@ min_coda_batch_size > 1 do not run in windows.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -85,6 +86,19 @@ class WindowOutputs:
     top_lp: jax.Array         # [B, K, T] f32
     count: jax.Array          # [B] int32 outputs made in this window
     passes: jax.Array         # [] int32 loop passes run
+
+
+class RowsRead(NamedTuple):
+    """The fields of a window's rows after it that the host reads back (``window_driver``
+    takes each request's exit state from them); the rest stays on the device."""
+    active: jax.Array
+    loops_done: jax.Array
+    remaining: jax.Array
+    triggered: jax.Array
+
+    @classmethod
+    def of(cls, rows: WindowRows) -> "RowsRead":
+        return cls(*(getattr(rows, name) for name in cls._fields))
 
 
 def _exit_copies(rows: WindowRows, exit_now, depth, block_tables, page_size: int, num_planes: int):

@@ -23,7 +23,7 @@ import numpy as np
 
 from kernels.paged_attention import DEFAULT_BLOCK_Q, kernel_unsupported
 from rltjax.cache.paged_kv import PagedKV, PagedKVBackend, PagedMeta
-from rltjax.engine.decode_window import WindowOutputs, WindowRows
+from rltjax.engine.decode_window import RowsRead, WindowOutputs, WindowRows
 from rltjax.engine.device_steps import DeviceSteps
 from rltjax.models.base import boundary_kv_layers
 from rltjax.models.layers import split_layer_stacks
@@ -242,14 +242,14 @@ class ModelRunner:
                            [p.top_p for p in sampling_params], self.cfg.vocab_size)
 
     def window(self, rows: WindowRows, block_tables, boundary_tables=None,
-               sampler: str = "truncate") -> tuple[WindowRows, WindowOutputs]:
+               sampler: str = "truncate") -> tuple[RowsRead, WindowOutputs]:
         """A decode window (``decode_window``) over rows padded to a row bucket, read at once:
         numpy out, cut back to the given rows."""
         return self.window_read(*self.window_launch(rows, block_tables, boundary_tables, sampler), len(rows.slots))
 
     def window_launch(self, rows: WindowRows, block_tables, boundary_tables=None, sampler: str = "truncate"):
         """Launch a window; returns its (rows after, outputs) on the device, copies to the host
-        started. ``rows``: host rows (padded here), or a previous launch's rows after (device,
+        started (of the outputs and the ``RowsRead`` fields: only what the host reads). ``rows``: host rows (padded here), or a previous launch's rows after (device,
         padded), which continues those rows without the host in between. boundary_tables: the
         boundary pool's block tables (models with boundary stages only). sampler: one of
         WINDOW_SAMPLERS (``window_sampler``); only "truncate" computes top logprobs."""
@@ -270,15 +270,16 @@ class ModelRunner:
             self.slot_inject, boundary_tables, model=self.model, backend=self.backend,
             num_top=self.num_top if sampler == "truncate" else 0, sampler=sampler,
             dummy_slot=self.dummy_slot, **self.window_spec)
-        for leaf in jax.tree.leaves((after, out)):
+        for leaf in jax.tree.leaves((RowsRead.of(after), out)):
             leaf.copy_to_host_async()
         return after, out
 
     @staticmethod
-    def window_read(after, out, n: int) -> tuple[WindowRows, WindowOutputs]:
-        """A launched window's results as numpy, cut back to its first n rows."""
+    def window_read(after, out, n: int) -> tuple[RowsRead, WindowOutputs]:
+        """A launched window's results (outputs, and the rows' ``RowsRead`` fields) as numpy,
+        cut back to its first n rows."""
         cut = lambda tree: jax.tree.map(lambda a: np.asarray(a)[:n] if np.ndim(a) else np.asarray(a), tree)
-        return cut(after), cut(out)
+        return cut(RowsRead.of(after)), cut(out)
 
     def copy(self, src_page, src_offset, dst_page, dst_offset):
         m = bucket(len(src_page))

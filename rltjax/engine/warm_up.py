@@ -33,7 +33,7 @@ from rltjax.benchmarks.compile_watch import CompileWatch
 from rltjax.engine.runner import WINDOW_SAMPLERS
 from rltjax.engine.window_driver import idle_window_rows
 
-COMPILE_THREADS = max(1, min(8, os.cpu_count() or 1))
+COMPILE_THREADS = max(1, min(16, os.cpu_count() or 1))
 
 
 class WarmUp(NamedTuple):
@@ -74,13 +74,17 @@ def warm_up(runner, block_tables: np.ndarray, boundary_block_tables: np.ndarray 
 
 
 def bucket_jobs(runner) -> list[tuple[str, int]]:
-    """(kind, bucket) of every executable the runner's engine can call."""
-    jobs = ([("prefill", t) for t in runner.token_buckets] + [("loop", b) for b in runner.row_buckets]
-            + [("head", b) for b in runner.row_buckets] + [("copy", m) for m in runner.copy_buckets])
+    """(kind, bucket) of every executable the runner's engine can call, the longest compiles
+    first (decode windows, then prefill, largest buckets first): the pool then does not end
+    on one long compile started last."""
+    jobs = []
+    if runner.window_spec:
+        jobs += [(f"window/{sampler}", b) for b in reversed(runner.row_buckets) for sampler in WINDOW_SAMPLERS]
+    jobs += [("prefill", t) for t in reversed(runner.token_buckets)]
+    jobs += [("loop", b) for b in runner.row_buckets] + [("head", b) for b in runner.row_buckets]
+    jobs += [("copy", m) for m in runner.copy_buckets]
     if runner.has_boundary:
         jobs += [("embed", b) for b in runner.row_buckets]
-    if runner.window_spec:
-        jobs += [(f"window/{sampler}", b) for sampler in WINDOW_SAMPLERS for b in runner.row_buckets]
     return jobs
 
 

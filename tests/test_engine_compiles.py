@@ -159,6 +159,28 @@ def _called_computations(hlo: str, root: str) -> list[str]:
     return [comps[n] for n in seen]
 
 
+def _run_one(engine, params) -> None:
+    engine.add_request("a", TOKENS[:5], params)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def _recorded_hlo(engine, step: str, run) -> str:
+    """Compiled HLO of the first call of the runner's device step ``step`` while ``run()``."""
+    seen = []
+    real = getattr(engine.runner.steps, step)
+
+    def recording(*args, **kwargs):
+        seen.append((jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), args), kwargs))
+        return real(*args, **kwargs)
+
+    engine.runner.steps = engine.runner.steps._replace(**{step: recording})
+    run()
+    engine.runner.steps = engine.runner.steps._replace(**{step: real})
+    args, kwargs = seen[0]
+    return real.lower(*args, **kwargs).compile().as_text()
+
+
 @pytest.mark.parametrize("window_trip", ["early_stop", "fixed"])
 def test_window_loop_reads_per_layer_weights_without_slicing(window_trip):
     """Inside the window's while loop no layer weight is sliced out of its stack (XLA:GPU
@@ -168,19 +190,7 @@ def test_window_loop_reads_per_layer_weights_without_slicing(window_trip):
     import re
 
     engine = make_engine(decode_window=3, max_num_seqs=2, window_trip=window_trip)
-    seen = []
-    real = engine.runner.steps.window
-
-    def recording(*args, **kwargs):
-        seen.append((jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), args), kwargs))
-        return real(*args, **kwargs)
-
-    engine.runner.steps = engine.runner.steps._replace(window=recording)
-    engine.add_request("a", TOKENS[:5], greedy(4))
-    while engine.has_unfinished_requests():
-        engine.step()
-    args, kwargs = seen[0]
-    hlo = real.lower(*args, **kwargs).compile().as_text()
+    hlo = _recorded_hlo(engine, "window", lambda: _run_one(engine, greedy(4)))
     window_loops = _assert_loop_reads_weights_in_place(hlo, "decode_window", engine)
     conditionals = sum(" conditional(" in line for line in hlo.splitlines())
     trip = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', window_loops[0])
@@ -211,19 +221,21 @@ def test_prefill_loop_reads_per_layer_weights_without_slicing():
     """Prefill's loop over the R loops reads per-layer weight arrays: on an H200 the copies of
     stacked-weight slices inside it cost as much as prefill's GEMMs."""
     engine = make_engine(max_num_seqs=2)
-    seen = []
-    real = engine.runner.steps.prefill
+    hlo = _recorded_hlo(engine, "prefill", lambda: _run_one(engine, greedy(2)))
+    _assert_loop_reads_weights_in_place(hlo, "prefill_step", engine)
 
-    def recording(*args, **kwargs):
-        seen.append((jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), args), kwargs))
-        return real(*args, **kwargs)
 
-    engine.runner.steps = engine.runner.steps._replace(prefill=recording)
-    engine.add_request("a", TOKENS[:5], greedy(2))
-    while engine.has_unfinished_requests():
-        engine.step()
-    args, kwargs = seen[0]
-    _assert_loop_reads_weights_in_place(real.lower(*args, **kwargs).compile().as_text(), "prefill_step", engine)
+@pytest.mark.parametrize("step", ["prefill", "window"])
+def test_kv_pool_scatters_promise_unique_slots(step):
+    """Every scatter into the KV pool (row writes, copy-on-exit) tells XLA its indices are
+    unique (padding is dropped, not written to the scratch page), so XLA:GPU can store
+    without atomic read-modify-write loops on 16-bit elements."""
+    engine = make_engine(max_num_seqs=2, decode_window=3, window_trip="fixed")
+    hlo = _recorded_hlo(engine, step, lambda: _run_one(engine, greedy(4)))
+    pool = "f32[" + ",".join(map(str, engine.runner.kv.k.shape)) + "]"
+    scatters = [line for line in hlo.splitlines() if " scatter(" in line and f"= {pool}" in line]
+    assert scatters, f"no scatter into the KV pool in the {step} HLO"
+    assert all("unique_indices=true" in line for line in scatters), [s.strip()[:100] for s in scatters]
 
 
 def test_stacked_layers_run_as_one_scan_and_split_layers_as_their_own_arrays():

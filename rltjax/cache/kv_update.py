@@ -38,11 +38,13 @@ def write_kv(kv, layer, k: jax.Array, v: jax.Array, write_page: jax.Array, write
     the indexed block has shape [N, Hkv, Dh], matching k/v. write_page may also
     be [M, N]: each row is then written to M pages at its offset (a prompt's
     last loop filling the planes beyond R); k/v broadcast over M. Padded rows all
-    target page 0; their duplicate writes race only on the scratch page.
+    target page 0 (scratch): those writes are dropped, so every write that lands has its
+    own slot and XLA may scatter without atomics (``unique_indices``).
     """
+    write_page = jnp.where(write_page == 0, kv.k.shape[2], write_page)   # out of bounds: dropped
     idx = (layer, slice(None), write_page, write_offset)
-    return type(kv)(k=kv.k.at[idx].set(k.astype(kv.k.dtype)),
-                    v=kv.v.at[idx].set(v.astype(kv.v.dtype)))
+    return type(kv)(k=kv.k.at[idx].set(k.astype(kv.k.dtype), mode="drop", unique_indices=True),
+                    v=kv.v.at[idx].set(v.astype(kv.v.dtype), mode="drop", unique_indices=True))
 
 
 def copy_kv_slots(kv, src_page: jax.Array, src_offset: jax.Array, dst_page: jax.Array,
@@ -52,13 +54,16 @@ def copy_kv_slots(kv, src_page: jax.Array, src_offset: jax.Array, dst_page: jax.
     Padding entries have dst page 0; their writes are dropped (page 0 is scratch, never a
     real destination). Written, the padding would land on one slot many times over and
     XLA's scatter serialises on it: dropping them made H200 decode windows 5-9% faster
-    (docs/performance.md). Traceable: decode windows call it inside their loop;
+    (docs/performance.md). The copies that land have distinct destinations (distinct
+    tokens and planes own distinct slots), so XLA may scatter without atomics
+    (``unique_indices``). Traceable: decode windows call it inside their loop;
     ``copy_slots`` is the same copy as its own jitted call.
     """
     dst_page = jnp.where(dst_page == 0, kv.k.shape[2], dst_page)   # out of bounds: dropped
     src = (slice(None), slice(None), src_page, src_offset)   # gathered block [L, Hkv, M, Dh]
     dst = (slice(None), slice(None), dst_page, dst_offset)
-    return type(kv)(k=kv.k.at[dst].set(kv.k[src], mode="drop"), v=kv.v.at[dst].set(kv.v[src], mode="drop"))
+    return type(kv)(k=kv.k.at[dst].set(kv.k[src], mode="drop", unique_indices=True),
+                    v=kv.v.at[dst].set(kv.v[src], mode="drop", unique_indices=True))
 
 
 # The pool is donated: the update is in place, the caller must use the returned kv.

@@ -5,9 +5,9 @@ Layout
                  the whole pool is one (donated) jit argument; per layer the
                  slice kv.k[layer] is exactly the layout of
                  ``kernels.paged_attention_ref`` (head-major pages).
-  page 0:        scratch. Padded rows write there and padded copy entries
-                 (dst page 0) are dropped, so static batch shapes never touch
-                 live pages. The allocator must never hand out page 0.
+  page 0:        scratch. Padded rows' writes and padded copy entries (dst
+                 page 0) are dropped, so static batch shapes never touch live
+                 pages. The allocator must never hand out page 0.
   block tables:  [num_tables, pages_per_table] int32, one table per
                  (sequence, plane). The pool itself is shared by all planes:
                  a plane is only a set of tables. ``last_exited`` keeps one plane

@@ -78,6 +78,7 @@ def main(argv=None) -> int:
 
     from checkpoints.random_init import random_checkpoint
     from rltjax.benchmarks.depth_trace import draw_depths
+    from rltjax.benchmarks.report import source_identity
     from rltjax.benchmarks.roofline import model_bytes
     from rltjax.engine.exit_trace import ExitTrace
     from rltjax.engine_config import CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig
@@ -158,7 +159,8 @@ def main(argv=None) -> int:
         summary[f"{executor}_fraction_of_ideal"] = achieved / ideal
     summary["no_refill_speedup"] = by[("trace", "step", "no_refill")] / by[("fixed", "step", "refill")]
     summary["full_depth_overhead_step_vs_back_to_back"] = by[("fixed", "window", "refill")] / by[("fixed", "step", "refill")] - 1
-    info = dict(jax=jax.__version__, device=jax.devices()[0].device_kind, preset=args.preset, quick=args.quick,
+    info = dict(jax=jax.__version__, device=jax.devices()[0].device_kind, source=source_identity(),
+                preset=args.preset, quick=args.quick,
                 concurrency=C, prompt_len=args.prompt_len, output_len=args.output_len,
                 decode_window=args.decode_window, results=rows, summary=summary)
     if args.out:

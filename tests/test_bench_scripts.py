@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from rltjax.benchmarks.report import source_digest
+
 ROOT = Path(__file__).parent.parent
 
 
@@ -49,6 +51,7 @@ def test_bench_cdb_quick(tmp_path):
     # compiled ahead and warmed: no timed run may compile (continued windows included)
     assert all(r["compiles_during_run"]["count"] == 0 for r in info["results"]), info["results"]
     assert s["async_speedup"] > 0 and s["window_fraction_of_ideal"] > 0
+    assert info["source"]["source_digest"] == source_digest(ROOT)
 
 
 def test_bench_loop_pass_quick(tmp_path):
@@ -66,6 +69,7 @@ def test_bench_throughput_quick(tmp_path):
     info = json.loads(out.read_text())
     rows = info["results"]
     assert [r["concurrency"] for r in rows] == [1, 4]
+    assert info["source"]["source_digest"] == source_digest(ROOT)     # the code that ran
     assert all(r["kernels_per_pass"]["passes"] >= 3 * 4 for r in rows)   # the profiled loop ran (no GPU kernels here)
     for r in rows:
         assert r["output_tokens"] == r["requests"] * info["output_len"]
@@ -93,3 +97,26 @@ def test_profile_loop_pass_quick(tmp_path):
     res = subprocess.run([sys.executable, str(ROOT / "scripts" / "profile_loop_pass.py"), "--quick", "--skip-micro",
                           "--options", "bad:xla_no_such_option=1"], capture_output=True, text=True, timeout=300)
     assert res.returncode != 0 and "No such compile option" in res.stderr
+
+
+def test_source_digest_names_the_code_not_the_git_metadata(tmp_path):
+    """Reports carry a digest of the source files, so a run from a copied tree whose git
+    metadata is stale still names its code: equal trees give equal digests, any source edit
+    changes it, caches and non-source files do not."""
+    import shutil
+
+    from rltjax.benchmarks.report import SOURCE_DIRS
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    for tree in (a, b):
+        for d in SOURCE_DIRS:
+            shutil.copytree(ROOT / d, tree / d, ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copy(ROOT / "pyproject.toml", tree / "pyproject.toml")
+    assert source_digest(a) == source_digest(b) == source_digest(ROOT)
+    (b / "rltjax" / "__pycache__").mkdir(exist_ok=True)
+    (b / "rltjax" / "__pycache__" / "x.cpython-312.pyc").write_bytes(b"\0")
+    (b / "scripts" / "notes.txt").write_text("not source")
+    assert source_digest(b) == source_digest(a)
+    engine = b / "rltjax" / "engine" / "runner.py"
+    engine.write_text(engine.read_text() + "\n")
+    assert source_digest(b) != source_digest(a)

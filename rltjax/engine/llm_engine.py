@@ -5,7 +5,8 @@ arrays, runs it on the device through the runner, and applies the results on the
 host: exit decisions and copy-on-exit after a loop pass, sampled tokens and stop
 checks (``OutputProcessor``) after a head. When every running request is decoding,
 a step is a device-side decode window (``window_driver`` / ``decode_window``), read
-one window late.
+one window late; when fresh prompts' first heads are all that comes before one, the
+heads and the window are queued together and the heads read after.
 Step-by-step passes read their exit signals before the next pass, or, with
 ``ExecutionConfig.async_scheduling``, one pass late.
 """
@@ -35,7 +36,6 @@ from rltjax.engine_config import (CacheConfig, ExecutionConfig, ExitConfig, Sche
                                   check_combination, validate_trace_depths)
 from rltjax.models.base import boundary_kv_layers, loop_limit, signal_kind
 from rltjax.reference.exits import lookahead_weights
-from rltjax.sampling import split_seed
 from rltjax.sampling_params import SamplingParams, SamplingParamsError
 
 
@@ -179,19 +179,20 @@ class LLMEngine:
             failed = self._prefill_behind_window()
             return failed + [self._output(r) for r in self.windows.drain()]      # the host catches up
         plan = self.scheduler.schedule()
-        # a loop plan over every running request runs as a decode window when windows are on
-        window = plan.kind == "loop" and self.windows is not None and len(plan.rows) == len(self.scheduler.running)
+        window = self.windows is not None and self.windows.takes(plan, self.scheduler.running)
         kind = "window" if window else plan.kind
         self.steps_by_kind[kind] = self.steps_by_kind.get(kind, 0) + 1
         if plan.kind == "idle" and self.scheduler.waiting and not self.scheduler.running:
             raise RuntimeError(f"scheduler stalled: {len(self.scheduler.waiting)} waiting request(s) cannot "
                                f"be admitted into an empty engine (this is a bug)")
-        affected = plan.rows or [c[0] for c in plan.chunks]
+        affected = (list(self.scheduler.running) if window else plan.rows) or [c[0] for c in plan.chunks]
         try:
             if plan.kind == "prefill":
                 self._prefill(plan.chunks)
             elif window:
                 self._read_pending()       # async scheduling: the window starts from up-to-date exit state
+                if plan.kind == "head":
+                    return [self._output(r) for r in self._first_heads_then_window(plan.rows)]
                 return [self._output(r) for r in self.windows.run(plan.rows)]
             elif plan.kind == "loop":
                 self._loop(plan.rows)
@@ -200,6 +201,18 @@ class LLMEngine:
         except Exception as exc:  # a failed batch must not leak pages or wedge other requests
             return self._fail(affected, exc)
         return []
+
+    def _first_heads_then_window(self, heads: list[Request]) -> list[Request]:
+        """Fresh prompts' first heads, then a window over every running request queued behind
+        them before the host reads the heads: the window starts those requests from the tokens
+        the heads left on the device (``slot_tokens``), so the GPU need not wait for the host
+        between an admission's head and the next window. Returns the heads' requests."""
+        self.steps_by_kind["head"] = self.steps_by_kind.get("head", 0) + 1
+        launched = self.runner.head_launch(*self.batches.head(heads))
+        fresh = {id(r) for r in heads}
+        running = list(self.scheduler.running)
+        self.windows.run(running, [id(r) in fresh for r in running])
+        return self._accept_heads(heads, self.runner.head_read(launched))
 
     def _prefill_behind_window(self) -> list[RequestOutput]:
         """When only an admission stops the in-flight window from continuing, the admitted
@@ -286,15 +299,11 @@ class LLMEngine:
                                           None if signals.score is None else signals.score[idx])
 
     def _head(self, rows: list[Request]) -> list[Request]:
-        seeds = np.array([split_seed(r.seed) for r in rows], np.uint32).reshape(len(rows), 2)
-        positions = np.array([r.decode_position for r in rows], np.int32)   # where each row's state is
-        tokens, chosen, top_ids, top_lp = self.runner.head(
-            np.array([r.slot for r in rows], np.int32),
-            np.array([r.params.temperature for r in rows], np.float32),
-            np.array([r.params.top_k for r in rows], np.int32),
-            np.array([r.params.top_p for r in rows], np.float32), seeds[:, 0], seeds[:, 1],
-            np.array([len(r.output_token_ids) for r in rows], np.int32), positions,
-            self.batches.boundary_rows(rows, positions))
+        return self._accept_heads(rows, self.runner.head(*self.batches.head(rows)))
+
+    def _accept_heads(self, rows: list[Request], results) -> list[Request]:
+        """Heads' sampled tokens join their requests (stop checks); returns rows."""
+        tokens, chosen, top_ids, top_lp = results
         now = time.monotonic()
         for i, r in enumerate(rows):
             self._accept_token(r, int(tokens[i]), chosen[i], top_ids[i], top_lp[i], now)

@@ -128,12 +128,13 @@ class ModelRunner:
         self.dummy_slot = max_num_seqs
         self.slot_state = jnp.zeros((max_num_seqs + 1, self.cfg.hidden_size), params.embed.dtype)
         self.slot_inject = jnp.zeros_like(self.slot_state) if self.has_boundary else None
+        self.slot_tokens = jnp.zeros((max_num_seqs + 1,), jnp.int32)   # each slot's last head token
         # Commit every array that calls replace with their outputs to one device now: jit keys
         # its cache on placement, and outputs are committed, so an uncommitted first input would
         # make the warm-up compile a variant that steady state never uses.
         self.device = device = jax.devices()[0]
-        self.kv, self.slot_state, self.slot_inject, self.bkv = jax.device_put(
-            (self.kv, self.slot_state, self.slot_inject, self.bkv), device)
+        self.kv, self.slot_state, self.slot_inject, self.bkv, self.slot_tokens = jax.device_put(
+            (self.kv, self.slot_state, self.slot_inject, self.bkv, self.slot_tokens), device)
         self.lookahead_w = jnp.asarray(lookahead_w, jnp.float32)
         self.num_top = min(NUM_TOP_LOGPROBS, self.cfg.vocab_size)
         self.prefill_write_planes = prefill_write_planes or self.cfg.num_loops
@@ -218,18 +219,30 @@ class ModelRunner:
             return PendingSignals(signals, n, self.raw_signal)
         return PendingSignals(signals, n, self.raw_signal).read()
 
-    def head(self, slots, temperature, top_k, top_p, seed_hi, seed_lo, output_index, positions=None,
-             boundary: BoundaryRows | None = None):
-        """positions (each row's state position) and boundary: needed by boundary models only."""
+    def head(self, *args, **kwargs):
+        """``head_launch`` then ``head_read``: (tokens, chosen, top_ids, top_lp) as numpy."""
+        return self.head_read(self.head_launch(*args, **kwargs))
+
+    def head_launch(self, slots, temperature, top_k, top_p, seed_hi, seed_lo, output_index, positions=None,
+                    boundary: BoundaryRows | None = None):
+        """Launch the heads of rows; returns (device outputs, n), copies to the host started.
+        The tokens also land in their slots of ``slot_tokens`` for a window launched next.
+        positions (each row's state position) and boundary: needed by boundary models only."""
         b = self._rows_bucket(len(slots))
         pad = b - len(slots)
         bmeta, _ = self._bmeta(boundary, positions, positions % self.kv.page_size if boundary else None, pad)
-        out, self.bkv = self.steps.head(
-            self.params, self.slot_state, np.pad(slots, (0, pad), constant_values=self.dummy_slot),
+        out, self.slot_tokens, self.bkv = self.steps.head(
+            self.params, self.slot_state, self.slot_tokens, np.pad(slots, (0, pad), constant_values=self.dummy_slot),
             np.pad(temperature, (0, pad)), np.pad(top_k, (0, pad)), np.pad(top_p, (0, pad), constant_values=1.0),
             np.pad(seed_hi, (0, pad)), np.pad(seed_lo, (0, pad)), np.pad(output_index, (0, pad)), self.bkv, bmeta,
             model=self.model, backend=self.backend, num_top=self.num_top)
-        n = len(slots)
+        for leaf in out:
+            leaf.copy_to_host_async()
+        return out, len(slots)
+
+    @staticmethod
+    def head_read(launched) -> tuple[np.ndarray, ...]:
+        out, n = launched
         return tuple(np.asarray(x)[:n] for x in out)
 
     def window_sampler(self, sampling_params) -> str:
@@ -267,7 +280,7 @@ class ModelRunner:
             rows = jax.device_put(rows, self.device)
         self.kv, self.slot_state, self.bkv, self.slot_inject, after, out = self.steps.window(
             self.layer_params, self.kv, self.slot_state, rows, block_tables, self.lookahead_w, self.bkv,
-            self.slot_inject, boundary_tables, model=self.model, backend=self.backend,
+            self.slot_inject, boundary_tables, self.slot_tokens, model=self.model, backend=self.backend,
             num_top=self.num_top if sampler == "truncate" else 0, sampler=sampler,
             dummy_slot=self.dummy_slot, **self.window_spec)
         for leaf in jax.tree.leaves((RowsRead.of(after), out)):

@@ -48,7 +48,8 @@ def warm_up(runner, block_tables: np.ndarray, boundary_block_tables: np.ndarray 
     run each once."""
     t0 = time.perf_counter()
     jobs = bucket_jobs(runner)
-    real_steps, state = runner.steps, (runner.kv, runner.slot_state, runner.bkv, runner.slot_inject)
+    real_steps, state = runner.steps, (runner.kv, runner.slot_state, runner.bkv, runner.slot_inject,
+                                       runner.slot_tokens)
     futures = []
     with ThreadPoolExecutor(max_workers=threads) as pool:
         runner.steps = type(real_steps)(*(_recording(step, pool, futures) for step in real_steps))
@@ -57,7 +58,7 @@ def warm_up(runner, block_tables: np.ndarray, boundary_block_tables: np.ndarray 
                 run_job(runner, kind, n, block_tables, boundary_block_tables)
         finally:
             runner.steps = real_steps
-            runner.kv, runner.slot_state, runner.bkv, runner.slot_inject = state
+            runner.kv, runner.slot_state, runner.bkv, runner.slot_inject, runner.slot_tokens = state
         for done, future in enumerate(as_completed(futures), 1):
             future.result()
             if show_progress:

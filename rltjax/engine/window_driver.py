@@ -41,22 +41,37 @@ class WindowDriver:
     def inflight(self) -> bool:
         return self._inflight is not None
 
-    def run(self, rows: list[Request]) -> list[Request]:
+    def run(self, rows: list[Request], first=None) -> list[Request]:
         """Launch a window over rows (every running request, all decoding). The first launch
-        returns nothing; a continuation returns the requests the previous window changed."""
+        returns nothing; a continuation returns the requests the previous window changed.
+        first: per row, whether its first head was just launched and not read (a fresh
+        launch only)."""
         block_tables, boundary_tables = self.batches.block_tables(), self.batches.boundary_tables()
         if self._inflight is not None:
+            if first is not None and any(first):
+                raise RuntimeError("a window continued from the device cannot take fresh heads (this is a bug)")
             previous, after, out = self._inflight
             self._inflight = (previous,) + self.runner.window_launch(after, block_tables, boundary_tables,
                                                                      self._sampler)
             return self._apply(previous, after, out)
         tables = [r.tables[p if self.layered else 0] for r in rows for p in range(self.num_planes)]
         state = window_rows(rows, self.runner.window_trace_width, tables,
-                            [self.token_stop_ids(r.request_id) for r in rows])
+                            [self.token_stop_ids(r.request_id) for r in rows], first)
         self._sampler = self.runner.window_sampler([r.params for r in rows])
         self._inflight = (list(rows),) + self.runner.window_launch(state, block_tables, boundary_tables,
                                                                    self._sampler)
         return []
+
+    @staticmethod
+    def takes(plan, running: list[Request]) -> bool:
+        """Whether a window runs this step's plan: a loop plan over every running request, or
+        a head plan of fresh prompts (no output yet) while every other request decodes (their
+        heads are queued just before the window: ``LLMEngine._first_heads_then_window``)."""
+        if plan.kind == "loop":
+            return len(plan.rows) == len(running)
+        return plan.kind == "head" and all(
+            r.status is Status.LOOPING or (r.status is Status.AWAITING_HEAD and not r.output_token_ids)
+            for r in running)
 
     def can_continue(self, scheduler) -> bool:
         """Whether the next step may launch from the in-flight window's device state: the same
@@ -135,24 +150,30 @@ def idle_window_rows(n: int, num_planes: int, trace_width: int) -> WindowRows:
                       triggered=z(bool), active=z(bool), num_out=z(), max_tokens=z(), min_loops=z(), max_loops=z(),
                       threshold=z(np.float32), temperature=z(np.float32), top_k=z(), top_p=np.ones(n, np.float32),
                       seed_hi=z(np.uint32), seed_lo=z(np.uint32), tables=np.zeros((n, num_planes), np.int32), btables=z(),
-                      stop_ids=np.full((n, STOP_ID_WIDTH), -1, np.int32), trace=np.zeros((n, trace_width), np.int32))
+                      stop_ids=np.full((n, STOP_ID_WIDTH), -1, np.int32), trace=np.zeros((n, trace_width), np.int32),
+                      first=z(bool))
 
 
-def window_rows(requests, trace_width: int, plane_tables: list[int], stop_sets: list[tuple[int, ...]]) -> WindowRows:
+def window_rows(requests, trace_width: int, plane_tables: list[int], stop_sets: list[tuple[int, ...]],
+                first=None) -> WindowRows:
     """The WindowRows of decoding requests (host numpy). trace_width: ``trace_width`` of the
     engine; plane_tables: each request's block table per plane, flattened request-major;
-    stop_sets: each request's token-stop ids."""
+    stop_sets: each request's token-stop ids; first: per request, whether its first head is
+    queued on the device but not read (its token then comes from ``slot_tokens``; the row
+    starts as it will once the host takes that token: one output, the next position)."""
     n = len(requests)
+    first = np.zeros(n, bool) if first is None else np.asarray(first, bool)
     arr = lambda f, dtype=np.int32: np.array([f(r) for r in requests], dtype)
     seeds = np.array([split_seed(r.seed) for r in requests], np.uint32).reshape(n, 2)
     # trace mode: the recorded depth of every output index (past the end: max_loops)
     trace = np.array([((list(r.trace_depths[:trace_width]) if r.trace_depths else [])
                        + [r.max_loops] * trace_width)[:trace_width] for r in requests], np.int32)
     return WindowRows(
-        slots=arr(lambda r: r.slot), tokens=arr(lambda r: r.output_token_ids[-1]),
-        positions=arr(lambda r: r.decode_position), loops_done=arr(lambda r: r.loops_done),
-        remaining=arr(lambda r: r.exit_remaining, np.float32), triggered=arr(lambda r: r.exit_triggered, bool),
-        active=np.ones(n, bool), num_out=arr(lambda r: len(r.output_token_ids)),
+        slots=arr(lambda r: r.slot), tokens=arr(lambda r: r.output_token_ids[-1] if r.output_token_ids else 0),
+        positions=arr(lambda r: r.decode_position) + first, loops_done=np.where(first, 0, arr(lambda r: r.loops_done)),
+        remaining=np.where(first, np.float32(1.0), arr(lambda r: r.exit_remaining, np.float32)),
+        triggered=~first & arr(lambda r: r.exit_triggered, bool),
+        active=np.ones(n, bool), num_out=arr(lambda r: len(r.output_token_ids)) + first,
         max_tokens=arr(lambda r: r.params.max_tokens), min_loops=arr(lambda r: r.min_loops),
         max_loops=arr(lambda r: r.max_loops), threshold=arr(lambda r: r.params.exit_threshold, np.float32),
         temperature=arr(lambda r: r.params.temperature, np.float32), top_k=arr(lambda r: r.params.top_k),
@@ -160,4 +181,4 @@ def window_rows(requests, trace_width: int, plane_tables: list[int], stop_sets: 
         tables=np.asarray(plane_tables, np.int32).reshape(n, -1),
         btables=arr(lambda r: r.boundary_table if r.boundary_table is not None else 0),
         stop_ids=stop_id_matrix(stop_sets),
-        trace=trace)
+        trace=trace, first=first)

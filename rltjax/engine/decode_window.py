@@ -125,8 +125,9 @@ def _exit_copies(rows: WindowRows, exit_now, depth, block_tables, page_size: int
                                              "num_planes", "dummy_slot", "fixed_trip", "sampler"),
                    donate_argnames=("kv", "slot_state", "bkv", "slot_inject"))
 def decode_window(params, kv: PagedKV, slot_state, rows: WindowRows, block_tables, lookahead_w, bkv, slot_inject,
-                  boundary_tables, slot_tokens, *, model, backend, num_passes: int, mode: str, num_top: int, layered: bool,
-                  num_planes: int, dummy_slot: int, fixed_trip: bool = False, sampler: str = "truncate"):
+                  boundary_tables, slot_tokens, *, model, backend, num_passes: int, mode: str, num_top: int,
+                  layered: bool, num_planes: int, dummy_slot: int, fixed_trip: bool = False,
+                  sampler: str = "truncate"):
     """Up to ``num_passes`` loop passes (exactly that many when ``fixed_trip``) over the rows
     -> (kv, slot_state, bkv, slot_inject, rows, WindowOutputs). Models with boundary stages
     (Huginn) pass their boundary pool ``bkv``, the per-slot ``slot_inject`` and the boundary

@@ -262,8 +262,9 @@ class ModelRunner:
 
     def window_launch(self, rows: WindowRows, block_tables, boundary_tables=None, sampler: str = "truncate"):
         """Launch a window; returns its (rows after, outputs) on the device, copies to the host
-        started (of the outputs and the ``RowsRead`` fields: only what the host reads). ``rows``: host rows (padded here), or a previous launch's rows after (device,
-        padded), which continues those rows without the host in between. boundary_tables: the
+        started (of the outputs and the ``RowsRead`` fields: only what the host reads).
+        ``rows``: host rows (padded here), or a previous launch's rows after (device, padded),
+        which continues those rows without the host in between. boundary_tables: the
         boundary pool's block tables (models with boundary stages only). sampler: one of
         WINDOW_SAMPLERS (``window_sampler``); only "truncate" computes top logprobs."""
         if sampler not in WINDOW_SAMPLERS:

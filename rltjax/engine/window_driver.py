@@ -149,9 +149,9 @@ def idle_window_rows(n: int, num_planes: int, trace_width: int) -> WindowRows:
     return WindowRows(slots=z(), tokens=z(), positions=z(), loops_done=z(), remaining=np.ones(n, np.float32),
                       triggered=z(bool), active=z(bool), num_out=z(), max_tokens=z(), min_loops=z(), max_loops=z(),
                       threshold=z(np.float32), temperature=z(np.float32), top_k=z(), top_p=np.ones(n, np.float32),
-                      seed_hi=z(np.uint32), seed_lo=z(np.uint32), tables=np.zeros((n, num_planes), np.int32), btables=z(),
-                      stop_ids=np.full((n, STOP_ID_WIDTH), -1, np.int32), trace=np.zeros((n, trace_width), np.int32),
-                      first=z(bool))
+                      seed_hi=z(np.uint32), seed_lo=z(np.uint32), tables=np.zeros((n, num_planes), np.int32),
+                      btables=z(), stop_ids=np.full((n, STOP_ID_WIDTH), -1, np.int32),
+                      trace=np.zeros((n, trace_width), np.int32), first=z(bool))
 
 
 def window_rows(requests, trace_width: int, plane_tables: list[int], stop_sets: list[tuple[int, ...]],

@@ -105,6 +105,12 @@ class RowsRead(NamedTuple):
         return cls(*(getattr(rows, name) for name in cls._fields))
 
 
+def _ends_request(rows: WindowRows, tokens, num_out):
+    """[B] bool: the newest token (of num_out so far) ends its request on the device: a stop
+    id (EOS unless ignored, the first STOP_ID_WIDTH token-stop ids) or max_tokens reached."""
+    return jnp.any(tokens[:, None] == rows.stop_ids, axis=1) | (num_out >= rows.max_tokens)
+
+
 def _exit_copies(rows: WindowRows, exit_now, depth, block_tables, page_size: int, num_planes: int):
     """Copy-on-exit slots of the exiting rows, [B * planes] each (non-copies: page 0 -> 0)."""
     blk = rows.positions // page_size
@@ -142,7 +148,7 @@ def decode_window(params, kv: PagedKV, slot_state, rows: WindowRows, block_table
     # A request's first token comes from the head step queued just before this window: it
     # starts looping here, unless it already ends the request (the host's stop checks agree).
     tokens = jnp.where(rows.first, slot_tokens[rows.slots], rows.tokens)
-    ends = jnp.any(tokens[:, None] == rows.stop_ids, axis=1) | (rows.num_out >= rows.max_tokens)
+    ends = _ends_request(rows, tokens, rows.num_out)
     rows = dataclasses.replace(rows, tokens=tokens, active=rows.active & ~(rows.first & ends),
                                first=jnp.zeros_like(rows.first))
     page_size = kv.page_size
@@ -245,7 +251,7 @@ def decode_window(params, kv: PagedKV, slot_state, rows: WindowRows, block_table
             top_lp=out.top_lp.at[idx, k].set(top_lp, mode="drop"),
             count=out.count + exit_now, passes=out.passes + jnp.any(act))
         num_out = rows.num_out + exit_now
-        stops = jnp.any(tok[:, None] == rows.stop_ids, axis=1) | (num_out >= rows.max_tokens)
+        stops = _ends_request(rows, tok, num_out)
         rows = dataclasses.replace(
             rows, tokens=jnp.where(exit_now, tok, rows.tokens), positions=rows.positions + exit_now,
             loops_done=jnp.where(exit_now, 0, jnp.where(act, r, rows.loops_done)),

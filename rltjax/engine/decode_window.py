@@ -4,7 +4,8 @@ DESIGN section 4: a loop pass costs under a millisecond, so the host must not si
 between passes. A window takes every decoding row (a request whose newest token
 is looping) and, on the device, per pass: runs one loop pass for the active rows,
 applies the exit rule (the host's own ``EXIT_RULES`` functions, on jax arrays),
-copies an exiting token's KV into the deeper planes (``last_exited``), runs the
+writes each row's K/V through to its deeper planes too (so an exiting token's KV is
+already where ``last_exited`` reads it, with no copy-on-exit), runs the
 head when any row exited (sampling with the batch-invariant per-request keys,
 logprobs), checks EOS / stop token ids / max_tokens, and feeds the sampled token
 back as the row's next looping token. With ``fixed_trip=False`` it stops after K passes or
@@ -39,7 +40,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from rltjax.cache.kv_update import copy_kv_slots
 from rltjax.cache.paged_kv import PagedKV, PagedMeta
 from rltjax.engine.exit_policy import EXIT_RULES
 from rltjax.engine_config import DEFAULT_DECODE_WINDOW, EngineConfigError
@@ -111,20 +111,17 @@ def _ends_request(rows: WindowRows, tokens, num_out):
     return jnp.any(tokens[:, None] == rows.stop_ids, axis=1) | (num_out >= rows.max_tokens)
 
 
-def _exit_copies(rows: WindowRows, exit_now, depth, block_tables, page_size: int, num_planes: int):
-    """Copy-on-exit slots of the exiting rows, [B * planes] each (non-copies: page 0 -> 0)."""
-    blk = rows.positions // page_size
-    off = rows.positions % page_size
-    src_table = jnp.take_along_axis(rows.tables, jnp.maximum(depth - 1, 0)[:, None], axis=1)[:, 0]
-    src_page = block_tables[src_table, blk]                                     # [B]
-    plane = jnp.arange(num_planes)[None, :]
-    cap = jnp.minimum(num_planes, rows.max_loops)[:, None]
-    valid = exit_now[:, None] & (plane >= depth[:, None]) & (plane < cap)       # [B, P]
-    dst_page = block_tables[rows.tables, blk[:, None]]                          # [B, P]
-    zero = jnp.zeros_like(dst_page)
-    flat = lambda a: a.reshape(-1)
-    return (flat(jnp.where(valid, src_page[:, None], zero)), flat(jnp.where(valid, off[:, None], zero)),
-            flat(jnp.where(valid, dst_page, zero)), flat(jnp.where(valid, off[:, None], zero)))
+def _write_pages(rows: WindowRows, act, plane, block_tables, page_size: int, num_planes: int):
+    """[planes, B] pages a row's loop-(plane + 1) K/V goes to: its own plane's and every deeper
+    one up to its loop cap (others: page 0, dropped). Written through like this, the deeper
+    planes hold the token's newest K/V at every moment, so when it exits they already hold
+    its exit depth's KV (the ``last_exited`` read rule) and no copy-on-exit runs; a deeper
+    loop overwrites its own plane and those below it in turn."""
+    blk = jnp.maximum(rows.positions, 0) // page_size
+    planes = jnp.arange(num_planes)[:, None]                                    # [P, 1]
+    cap = jnp.minimum(num_planes, rows.max_loops)[None, :]
+    through = act[None, :] & (planes >= plane[None, :]) & (planes < cap)        # [P, B]
+    return jnp.where(through, block_tables[rows.tables.T, blk[None, :]], 0)
 
 
 @engine_jit(static_argnames=("model", "backend", "num_passes", "mode", "num_top", "layered",
@@ -182,7 +179,10 @@ def decode_window(params, kv: PagedKV, slot_state, rows: WindowRows, block_table
         plane = rows.loops_done if layered else jnp.zeros_like(rows.loops_done)
         table = jnp.where(act, jnp.take_along_axis(rows.tables, plane[:, None], axis=1)[:, 0], 0)
         pos = jnp.where(act, rows.positions, -1)
-        write_page = jnp.where(act, block_tables[table, jnp.maximum(pos, 0) // page_size], 0)
+        if layered and num_planes > 1:
+            write_page = _write_pages(rows, act, plane, block_tables, page_size, num_planes)
+        else:
+            write_page = jnp.where(act, block_tables[table, jnp.maximum(pos, 0) // page_size], 0)
         slots = jnp.where(act, rows.slots, dummy_slot)
         tokens = jnp.where(act, rows.tokens, 0)
         if bkv is None:
@@ -220,8 +220,6 @@ def decode_window(params, kv: PagedKV, slot_state, rows: WindowRows, block_table
             exit_now, trigger = rule(r, rows.min_loops, rows.max_loops, rows.threshold,
                                      (1.0 - remaining).astype(jnp.float32), score, signal, rows.triggered)
         exit_now = exit_now & act
-        if layered and num_planes > 1:   # non-copies (most entries) are dropped, not written
-            kv = copy_kv_slots(kv, *_exit_copies(rows, exit_now, r, block_tables, page_size, num_planes))
 
         def head(bkv):
             if bkv is None:

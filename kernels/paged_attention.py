@@ -4,9 +4,11 @@ Layout and semantics: `kernels.paged_attention_ref` (the oracle). impl:
   "xla"    the pure-XLA reference (any backend, any shapes);
   "pallas" the Pallas Triton kernel (`kernels.pallas_triton`); interpret=True runs it on CPU;
   "auto"   pallas on GPU when the shapes are kernel-supported, xla otherwise.
-Two entry points: ``paged_attention`` (any rows; the decode kernel, one program per
-row) and ``paged_prefill_attention`` (rows in aligned query blocks that share a table;
-a flash-style kernel that reads each KV block once per block of rows).
+Three entry points: ``paged_attention`` (any rows; the decode kernel, one program per
+row), ``paged_attention_write`` (the same, each row first writing its new K/V: one
+kernel for a decode layer's write and read) and ``paged_prefill_attention`` (rows in
+aligned query blocks that share a table; a flash-style kernel that reads each KV block
+once per block of rows).
 Kernel-supported: page_size a power of two in 8..128, head_dim a multiple of 16 in
 64..256 (non-powers of two such as 96 run as power-of-two column chunks, 64 + 32),
 q/k/v in bfloat16, float16 or float32. A Mosaic GPU or jax-triton port replaces the
@@ -17,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels.paged_attention_ref import paged_attention_ref
+from kernels.paged_attention_ref import paged_attention_ref, paged_write_ref
 
 # Query rows per prefill-kernel program; the engine aligns chunks to it. H200, Ouro shapes:
 # 32 was 1.2-1.6x faster than 16 at most shapes (scripts/bench_prefill.py, docs/performance.md).
@@ -119,6 +121,43 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     return paged_attention_pallas(q, k_pages, v_pages, block_tables, row_tables, lengths,
                                   layer=layer, scale=scale, pages_per_block=pages_per_block,
                                   num_splits=num_splits, interpret=interpret)
+
+
+def paged_attention_write(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pages: jax.Array,
+                          v_pages: jax.Array, block_tables: jax.Array, row_tables: jax.Array,
+                          lengths: jax.Array, write_page: jax.Array, write_offset: jax.Array, *,
+                          layer: jax.Array | int | None = None, impl: str = "auto",
+                          interpret: bool = False, scale: float | None = None,
+                          pages_per_block: int | None = None,
+                          num_splits: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Each row writes its new K/V (``paged_write_ref``), then attends as ``paged_attention``
+    -> (out [N, H, Dh], k_pages, v_pages). Donate the pools: they are updated in place.
+
+    Precondition for the kernel (decode, where it holds by construction): a row with
+    length > 0 writes its key at position lengths - 1 of its own table (row_tables); the
+    kernel takes that key from k_new / v_new instead of reading it back from the pool.
+    """
+    _validate(q, k_pages, v_pages, block_tables, row_tables, lengths, layer, impl)
+    n, _, head_dim = q.shape
+    kv_shape = (n, k_pages.shape[-4], head_dim)
+    for name, x in (("k_new", k_new), ("v_new", v_new)):
+        if x.shape != kv_shape:
+            _fail(name, f"expected [N, Hkv, Dh] = {list(kv_shape)}, got shape {x.shape}")
+    if write_page.ndim not in (1, 2) or write_page.shape[-1] != n or write_page.dtype != jnp.int32:
+        _fail("write_page", f"expected int32 [{n}] or [M, {n}], got {write_page.dtype} {write_page.shape}")
+    _check_index("write_offset", write_offset, 1)
+    if write_offset.shape[0] != n:
+        _fail("write_offset", f"expected [{n}] (one per row of q), got {write_offset.shape}")
+    impl = _resolve_impl(impl, q, k_pages)
+    if impl == "xla":
+        k_pages, v_pages = paged_write_ref(k_pages, v_pages, k_new, v_new, write_page, write_offset, layer=layer)
+        out = paged_attention_ref(q, k_pages, v_pages, block_tables, row_tables, lengths, layer=layer, scale=scale)
+        return out, k_pages, v_pages
+    from kernels.pallas_triton import paged_attention_pallas
+    new_kv = (k_new.astype(k_pages.dtype), v_new.astype(v_pages.dtype), write_page, write_offset)
+    return paged_attention_pallas(q, k_pages, v_pages, block_tables, row_tables, lengths, layer=layer,
+                                  scale=scale, pages_per_block=pages_per_block, num_splits=num_splits,
+                                  interpret=interpret, new_kv=new_kv)
 
 
 def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,

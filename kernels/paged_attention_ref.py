@@ -11,6 +11,11 @@ Layout (shared by every implementation in this package):
   lengths:          [N] int32    keys 0..length-1 are visible (position + 1: causal)
 Returns [N, H, Dh] in q's dtype; softmax and accumulation in float32. Query
 head h reads KV head h // (H // Hkv). Rows with length 0 return zeros.
+
+``paged_write_ref`` is the row write that ``paged_attention_write`` fuses with the read:
+  k_new, v_new:     [N, Hkv, Dh]  each row's new K/V
+  write_page:       [N] or [M, N] int32  page(s) it goes to (page 0 is scratch: not written)
+  write_offset:     [N] int32     its offset in them
 """
 from __future__ import annotations
 
@@ -44,3 +49,19 @@ def paged_attention_ref(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     probs = probs / jnp.where(denom > 0, denom, 1.0)
     out = jnp.einsum("nkgt,kntd->nkgd", probs, values.astype(jnp.float32))
     return out.reshape(n, num_heads, head_dim).astype(q.dtype)
+
+
+def paged_write_ref(k_pages: jax.Array, v_pages: jax.Array, k_new: jax.Array, v_new: jax.Array,
+                    write_page: jax.Array, write_offset: jax.Array, *, layer=None):
+    """Scatters rows' K/V into the (stacked) pools -> (k_pages, v_pages).
+
+    The advanced indices (layer, page, offset) are split by the head slice, so the indexed
+    block is [N, Hkv, Dh] (or [M, N, Hkv, Dh]; k/v broadcast over M). Writes to page 0
+    are dropped (sent out of bounds), so every write that lands has its own slot and XLA
+    may scatter without atomics (``unique_indices``).
+    """
+    stacked = k_pages.ndim == 5
+    write_page = jnp.where(write_page == 0, k_pages.shape[-3], write_page)   # out of bounds: dropped
+    idx = ((layer,) if stacked else ()) + (slice(None), write_page, write_offset)
+    return (k_pages.at[idx].set(k_new.astype(k_pages.dtype), mode="drop", unique_indices=True),
+            v_pages.at[idx].set(v_new.astype(v_pages.dtype), mode="drop", unique_indices=True))

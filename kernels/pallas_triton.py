@@ -111,9 +111,9 @@ def _cdiv(a, b: int):
     return jax.lax.div(a + (b - 1), b)        # a >= 0: truncating division is floor division
 
 
-def _kernel(layer_ref, lengths_ref, row_tables_ref, block_tables_ref, q_ref, k_ref, v_ref, *out_refs,
+def _kernel(layer_ref, lengths_ref, row_tables_ref, block_tables_ref, q_ref, k_ref, v_ref, *refs,
             group: int, group_pad: int, page_size: int, pages_per_block: int,
-            pages_per_table: int, num_splits: int, scale: float, use_dot: bool):
+            pages_per_table: int, num_splits: int, scale: float, use_dot: bool, fused_write: bool):
     row = pl.program_id(0)
     kvh = pl.program_id(1)
     split = pl.program_id(2)
@@ -122,6 +122,28 @@ def _kernel(layer_ref, lengths_ref, row_tables_ref, block_tables_ref, q_ref, k_r
     block_k = pages_per_block * page_size
 
     length = jnp.clip(lengths_ref[row], 0, pages_per_table * page_size)
+    if fused_write:
+        # The row's newest key (position length - 1) is the K/V it writes in this call: the
+        # pool is read below it, and split 0 folds the new key in from registers (and stores
+        # it), so no program reads a slot another program is writing.
+        k_new_ref, v_new_ref, write_page_ref, write_offset_ref, *out_refs = refs
+        has_new = length > 0
+        new_k = [plgpu.load(k_new_ref.at[row, kvh, pl.ds(off, w)]) for off, w in chunks]    # [w] each
+        new_v = [plgpu.load(v_new_ref.at[row, kvh, pl.ds(off, w)]) for off, w in chunks]
+        k_out_ref, v_out_ref = out_refs[-2:]
+        out_refs = out_refs[:-2]
+        offset = write_offset_ref[row]
+        for m in range(write_page_ref.shape[0]):
+            page = write_page_ref[m, row]
+
+            @pl.when((split == 0) & (page != 0))      # page 0 is scratch: padded rows, dropped writes
+            def _store(page=page):
+                for (off, w), kc, vc in zip(chunks, new_k, new_v):
+                    plgpu.store(k_out_ref.at[layer, kvh, page, offset, pl.ds(off, w)], kc)
+                    plgpu.store(v_out_ref.at[layer, kvh, page, offset, pl.ds(off, w)], vc)
+        length = jnp.maximum(length - 1, 0)
+    else:
+        out_refs = refs
     table = row_tables_ref[row]
     n_pages = _cdiv(length, page_size)
     n_blocks = _cdiv(n_pages, pages_per_block)
@@ -174,6 +196,18 @@ def _kernel(layer_ref, lengths_ref, row_tables_ref, block_tables_ref, q_ref, k_r
     shape = (group_pad,) if use_dot else ()
     init = ([jnp.zeros(shape + (w,), jnp.float32) for _, w in chunks],
             jnp.full(shape, NEG_INF, jnp.float32), jnp.zeros(shape, jnp.float32))
+    if fused_write:      # split 0 starts from the new key: score s, weight 1, value v
+        own = (split == 0) & has_new
+        if use_dot:
+            s_new = sum(jnp.sum(qc.astype(jnp.float32) * kc.astype(jnp.float32)[None, :], axis=1)
+                        for qc, kc in zip(qs, new_k)) * scale                   # [Gp]
+            values = [jnp.broadcast_to(vc.astype(jnp.float32)[None, :], shape + vc.shape) for vc in new_v]
+        else:
+            s_new = sum(jnp.sum(qc * kc.astype(jnp.float32)) for qc, kc in zip(qs, new_k))
+            values = [vc.astype(jnp.float32) for vc in new_v]
+        init = ([jnp.where(own, vc, o) for vc, o in zip(values, init[0])],
+                jnp.where(own, jnp.broadcast_to(s_new, shape), init[1]),
+                jnp.where(own, jnp.ones(shape, jnp.float32), init[2]))
     os, m, l = jax.lax.fori_loop(start, stop, body, init)
 
     has = l > 0
@@ -213,15 +247,22 @@ def paged_attention_pallas(q, k_pages, v_pages, block_tables, row_tables, length
                            layer=None, scale: float | None = None, pages_per_block: int | None = None,
                            num_splits: int | None = None, num_warps: int | None = None,
                            num_stages: int | None = None, use_dot: bool | None = None,
-                           interpret: bool = False, return_partials: bool = False):
-    """The kernel; callers should go through `kernels.paged_attention.paged_attention`.
+                           interpret: bool = False, return_partials: bool = False, new_kv=None):
+    """The kernel; callers should go through `kernels.paged_attention.paged_attention`
+    (or ``paged_attention_write`` for ``new_kv``).
 
     With return_partials (and num_splits > 1) returns the raw (o [S, N, H, Dh] f32,
     lse [S, N, H] f32) instead of the combined output. k_pages/v_pages may be one
     layer's [Hkv, P, S, Dh] pool or the stacked [L, Hkv, P, S, Dh] pool with ``layer``
     (a traced int32 scalar): the kernel then reads that layer in place, so a layer
     scan passes the whole pool without an XLA slice copy.
+
+    new_kv = (k_new, v_new [N, Hkv, Dh] in the pool's dtype, write_page [M, N],
+    write_offset [N]): each row's new K/V is stored at every (write_page[m], write_offset)
+    with a page other than 0 and is its key at position lengths - 1; returns (out, k_pages,
+    v_pages), the pools updated in place (aliased: donate them).
     """
+    unstacked = k_pages.ndim == 4
     k_pages, v_pages, layer = stacked_pool(k_pages, v_pages, layer)
     n, num_heads, head_dim = q.shape
     _, num_kv, _, page_size, _ = k_pages.shape
@@ -250,7 +291,7 @@ def paged_attention_pallas(q, k_pages, v_pages, block_tables, row_tables, length
     kernel = functools.partial(
         _kernel, group=group, group_pad=group_pad, page_size=page_size,
         pages_per_block=pages_per_block, pages_per_table=pages_per_table,
-        num_splits=num_splits, scale=scale, use_dot=use_dot)
+        num_splits=num_splits, scale=scale, use_dot=use_dot, fused_write=new_kv is not None)
     whole = lambda shape: pl.BlockSpec(shape, lambda r, h, s: (0,) * len(shape))
     pool = whole(k_pages.shape)     # indexed in the kernel by (layer, kv head, page ids)
     if num_splits == 1:
@@ -258,19 +299,31 @@ def paged_attention_pallas(q, k_pages, v_pages, block_tables, row_tables, length
     else:
         out_shape = [jax.ShapeDtypeStruct((num_splits, n, num_heads, head_dim), jnp.float32),
                      jax.ShapeDtypeStruct((num_splits, n, num_heads), jnp.float32)]
+    args = [layer, lengths, row_tables, block_tables, q, k_pages, v_pages]
+    aliases = {}
+    if new_kv is not None:
+        k_new, v_new, write_page, write_offset = new_kv
+        args += [k_new, v_new, write_page.reshape(-1, n), write_offset]
+        aliases = {5: len(out_shape), 6: len(out_shape) + 1}     # the pools, updated in place
+        out_shape += [jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype)] * 2
     outs = pl.pallas_call(
         kernel,
         grid=(n, num_kv, num_splits),
-        in_specs=[whole((1,)), whole(lengths.shape), whole(row_tables.shape),
-                  whole(block_tables.shape), whole(q.shape), pool, pool],
+        in_specs=[whole(a.shape) for a in args[:5]] + [pool, pool] + [whole(a.shape) for a in args[7:]],
         out_specs=[whole(s.shape) for s in out_shape],
         out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"rlt_paged_attention_g{group}_ppb{pages_per_block}_s{num_splits}",
-    )(layer, lengths, row_tables, block_tables, q, k_pages, v_pages)
+        name=f"rlt_paged_attention{'_write' if new_kv is not None else ''}_g{group}_ppb{pages_per_block}"
+             f"_s{num_splits}",
+    )(*args)
+    if new_kv is not None:
+        outs, pools = outs[:-2], tuple(p[0] if unstacked else p for p in outs[-2:])
     if num_splits == 1:
-        return outs[0]
-    if return_partials:
-        return tuple(outs)
-    return combine_splits(*outs, q.dtype)
+        out = outs[0]
+    elif return_partials:
+        out = tuple(outs)
+    else:
+        out = combine_splits(*outs, q.dtype)
+    return out if new_kv is None else (out, *pools)

@@ -3,8 +3,6 @@ compiled on GPU), the wrapper validates its arguments, and the kernel lowers to 
 (with 64-bit addressing for pools beyond 2**32 bytes) without a GPU."""
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -203,12 +201,15 @@ def triton_ir(monkeypatch):
     monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info", lambda: info)
     monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", spy)
 
-    def lower(n, heads, num_kv, head_dim, page_size, num_pages, dtype, **kw):
+    def lower(n, heads, num_kv, head_dim, page_size, num_pages, dtype, num_writes=0, **kw):
         sd = jax.ShapeDtypeStruct
         pool = sd((num_kv, num_pages, page_size, head_dim), dtype)
         args = (sd((n, heads, head_dim), dtype), pool, pool, sd((n, 64), jnp.int32),
                 sd((n,), jnp.int32), sd((n,), jnp.int32))
-        fn = jax.jit(functools.partial(paged_attention_pallas, **kw))
+        if num_writes:     # the fused write (paged_attention_write): new K/V, pages, offsets
+            new = sd((n, num_kv, head_dim), dtype)
+            args += ((new, new, sd((num_writes, n), jnp.int32), sd((n,), jnp.int32)),)
+        fn = jax.jit(lambda *a: paged_attention_pallas(*a[:6], new_kv=a[6] if num_writes else None, **kw))
         fn.trace(*args).lower(lowering_platforms=("cuda",))
         return seen[-1]
     return lower
@@ -220,10 +221,14 @@ def triton_ir(monkeypatch):
     (48, 8, 128, 8, jnp.bfloat16, dict(pages_per_block=2, num_splits=2)),  # GQA 6, page 8
     (32, 4, 256, 128, jnp.float32, dict(num_splits=1)),
     (8, 4, 96, 32, jnp.bfloat16, {}),
+    (16, 16, 128, 16, jnp.bfloat16, dict(num_writes=4)),                   # fused write-through
+    (48, 8, 128, 8, jnp.bfloat16, dict(num_writes=1, pages_per_block=2, num_splits=1)),
 ])
 def test_lowers_to_triton(triton_ir, heads, num_kv, head_dim, page_size, dtype, kw):
     ir = triton_ir(8, heads, num_kv, head_dim, page_size, 256, dtype, **kw)
     assert "tt.func" in ir and "scf.for" in ir
+    if kw.get("num_writes"):    # the stores sit under the split-0 / page-0 guard
+        assert "tt.store" in ir and "scf.if" in ir
 
 
 def test_large_pool_uses_64bit_offsets(triton_ir):

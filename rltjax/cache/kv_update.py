@@ -28,23 +28,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels.paged_attention_ref import paged_write_ref
+
 from rltjax.jit_options import engine_jit
 
 
 def write_kv(kv, layer, k: jax.Array, v: jax.Array, write_page: jax.Array, write_offset: jax.Array):
     """Scatter rows' K/V [N, Hkv, Dh] into layer ``layer`` at (write_page, write_offset).
 
-    The advanced indices (layer, page, offset) are split by the head slice, so
-    the indexed block has shape [N, Hkv, Dh], matching k/v. write_page may also
-    be [M, N]: each row is then written to M pages at its offset (a prompt's
-    last loop filling the planes beyond R); k/v broadcast over M. Padded rows all
-    target page 0 (scratch): those writes are dropped, so every write that lands has its
-    own slot and XLA may scatter without atomics (``unique_indices``).
+    write_page may also be [M, N]: each row is then written to M pages at its offset (a
+    prompt's last loop filling the planes beyond R). Padded rows target page 0 (scratch):
+    those writes are dropped (``kernels.paged_attention_ref.paged_write_ref``).
     """
-    write_page = jnp.where(write_page == 0, kv.k.shape[2], write_page)   # out of bounds: dropped
-    idx = (layer, slice(None), write_page, write_offset)
-    return type(kv)(k=kv.k.at[idx].set(k.astype(kv.k.dtype), mode="drop", unique_indices=True),
-                    v=kv.v.at[idx].set(v.astype(kv.v.dtype), mode="drop", unique_indices=True))
+    return type(kv)(*paged_write_ref(kv.k, kv.v, k, v, write_page, write_offset, layer=layer))
 
 
 def copy_kv_slots(kv, src_page: jax.Array, src_offset: jax.Array, dst_page: jax.Array,

@@ -26,7 +26,9 @@ so attention itself never branches on depth. ``shared``: one plane, read as is.
 
 Within a layer every row writes its K/V before any row attends (one scatter,
 then one attention), so a row sees itself and a prefill chunk of consecutive
-positions is causal within itself. For ``shared`` a chunk is only correct if
+positions is causal within itself. Decode rows (each its request's one newest
+token) read no other row's write, so on the Pallas path their write and read are
+one kernel (``kernels.paged_attention.paged_attention_write``). For ``shared`` a chunk is only correct if
 its positions are at their final loop, hence shared prefill is position-
 sequential per request (different requests may share a batch).
 """
@@ -37,7 +39,7 @@ import dataclasses
 import jax
 
 from rltjax.cache.kv_update import write_kv
-from kernels.paged_attention import paged_attention, paged_prefill_attention
+from kernels.paged_attention import paged_attention, paged_attention_write, paged_prefill_attention
 from kernels.skinny_matmul import MAX_ROWS, kernel_unsupported, skinny_matmul
 
 
@@ -79,11 +81,16 @@ class PagedKVBackend:
     matmul_impl: "xla" | "pallas" for the projections of batches of at most
     ``kernels.skinny_matmul.MAX_ROWS`` rows; larger batches use XLA's dot. (The engine's
     prefill backend always says "xla".)
+    decode_rows: every row is the newest token of its own request and writes its K/V at its
+    position in the table it reads (lengths - 1), so no row reads another's write of this
+    call: ``write_attend`` may then fuse the write into the attention kernel. False for
+    prefill chunks (consecutive positions of one request read each other's writes).
     """
     attn_impl: str = "xla"
     interpret: bool = False
     prefill_block_q: int = 0
     matmul_impl: str = "xla"
+    decode_rows: bool = True
 
     def matmul(self, x, w, layer):
         impl = self.matmul_impl if x.shape[0] <= MAX_ROWS else "xla"
@@ -94,6 +101,16 @@ class PagedKVBackend:
 
     def write(self, kv: PagedKV, layer, k, v, meta: PagedMeta) -> PagedKV:
         return write_kv(kv, layer, k, v, meta.write_page, meta.write_offset)
+
+    def write_attend(self, kv: PagedKV, layer, q, k, v, meta: PagedMeta):
+        """``write`` then ``attend`` -> (out, kv); decode rows in one call (``decode_rows``)."""
+        if not self.decode_rows or self.prefill_block_q:
+            kv = self.write(kv, layer, k, v, meta)
+            return self.attend(kv, layer, q, meta), kv
+        out, k_pages, v_pages = paged_attention_write(
+            q, k, v, kv.k, kv.v, meta.block_tables, meta.row_tables, meta.lengths, meta.write_page,
+            meta.write_offset, layer=layer, impl=self.attn_impl, interpret=self.interpret)
+        return out, type(kv)(k_pages, v_pages)
 
     def attend(self, kv: PagedKV, layer, q, meta: PagedMeta):
         # The stacked pool goes in whole with the layer index: slicing kv.k[layer] here

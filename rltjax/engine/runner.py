@@ -122,8 +122,8 @@ class ModelRunner:
                                                 and kernel_unsupported(probe, kv.k) is None)
         self.prefill_alignment = PREFILL_BLOCK_Q if chunked_prefill and uses_kernel else 1
         # prefill is compute-bound: its projections stay on XLA's dot whatever matmul_impl says
-        self.prefill_backend = dataclasses.replace(self.backend, matmul_impl="xla", prefill_block_q=(
-            PREFILL_BLOCK_Q if self.prefill_alignment > 1 else 0))
+        self.prefill_backend = dataclasses.replace(self.backend, matmul_impl="xla", decode_rows=False,
+                                                   prefill_block_q=PREFILL_BLOCK_Q if self.prefill_alignment > 1 else 0)
         self.max_num_seqs = max_num_seqs
         self.dummy_slot = max_num_seqs
         self.slot_state = jnp.zeros((max_num_seqs + 1, self.cfg.hidden_size), params.embed.dtype)

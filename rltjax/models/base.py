@@ -49,6 +49,11 @@ class KVBackend(Protocol):
         """q: [N, H, Dh] -> [N, H, Dh], causal within each row's sequence at its plane."""
         ...
 
+    def write_attend(self, kv: Any, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
+                     meta: Any) -> tuple[jax.Array, Any]:
+        """``write`` then ``attend`` -> (out, kv): what a layer calls (a backend may fuse them)."""
+        ...
+
     def matmul(self, x: jax.Array, w: jax.Array, layer: jax.Array) -> jax.Array:
         """A layer's projection: x [N, K] @ w[layer] of a stacked [L, K, N'] weight -> [N, N'] in
         x's dtype (float32 accumulation). Stacked in, so a kernel can read the layer in place."""

@@ -132,8 +132,8 @@ def _blocks(cfg: ModelConfig, blocks: HuginnBlocks, x, kv, meta, backend: KVBack
             q, k = q + p.qk_bias[0], k + p.qk_bias[1]
         q = rope_interleaved(q, positions, cfg.rope_theta)
         k = rope_interleaved(k, positions, cfg.rope_theta)
-        kv = backend.write(kv, layer, k, v, meta)
-        attn = mm(backend.attend(kv, layer, q, meta).reshape(n, cfg.q_width), src.wo)  # [N, D]
+        out, kv = backend.write_attend(kv, layer, q, k, v, meta)               # [N, H, Dh]
+        attn = mm(out.reshape(n, cfg.q_width), src.wo)                     # [N, D]
         x = rms_norm(attn + x, p.norm_2, eps)
         a, b = jnp.split(mm(rms_norm(x, p.norm_3, eps), src.w_fc), 2, axis=-1)  # [N, F] each
         x = rms_norm(mm(jax.nn.silu(a) * b, src.w_proj) + x, p.norm_4, eps)

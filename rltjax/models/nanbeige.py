@@ -99,8 +99,8 @@ class NanbeigeModel:
             v = mm(h, lw.wv).reshape(n, cfg.num_kv_heads, cfg.head_dim)
             q = rope_rotate_half(q, positions, cfg.rope_theta)
             k = rope_rotate_half(k, positions, cfg.rope_theta)
-            kv = backend.write(kv, layer, k, v, meta)
-            attn = mm(backend.attend(kv, layer, q, meta).reshape(n, cfg.q_width), lw.wo)  # [N, D]
+            out, kv = backend.write_attend(kv, layer, q, k, v, meta)               # [N, H, Dh]
+            attn = mm(out.reshape(n, cfg.q_width), lw.wo)                     # [N, D]
             x = x + attn
             x = x + swiglu(rms_norm(x, p.mlp_norm, cfg.norm_eps), mm, lw.w_gate, lw.w_up, lw.w_down)
             return (x, kv), None

@@ -112,8 +112,8 @@ class OuroModel:
             v = mm(h, lw.wv).reshape(n, cfg.num_kv_heads, cfg.head_dim)
             q = rope_rotate_half(q, positions, cfg.rope_theta)
             k = rope_rotate_half(k, positions, cfg.rope_theta)
-            kv = backend.write(kv, layer, k, v, meta)
-            attn = mm(backend.attend(kv, layer, q, meta).reshape(n, cfg.q_width), lw.wo)  # [N, D]
+            out, kv = backend.write_attend(kv, layer, q, k, v, meta)               # [N, H, Dh]
+            attn = mm(out.reshape(n, cfg.q_width), lw.wo)                     # [N, D]
             # The residual stream is materialised after each add (barriers): left to itself XLA
             # fused chains of adds and norms across layers into the next norm's kernel and
             # recomputed them there (3-5 us kernels instead of ~1.5 us on an H200).

@@ -51,6 +51,10 @@ class DenseKVBackend:
     def matmul(self, x, w, layer):
         return skinny_matmul_ref(x, w, layer)
 
+    def write_attend(self, kv: DenseKV, layer, q, k, v, meta: DenseMeta):
+        kv = self.write(kv, layer, k, v, meta)
+        return self.attend(kv, layer, q, meta), kv
+
     def attend(self, kv: DenseKV, layer, q, meta: DenseMeta):
         capacity = kv.k.shape[2]
         cols = jnp.arange(capacity)[None, :]                          # [1, T]

@@ -1,0 +1,110 @@
+"""``paged_attention_write``: the fused decode kernel (each row stores its new K/V, then
+attends with that key taken from registers) equals the XLA path (``paged_write_ref`` then
+``paged_attention_ref``) in interpret mode on CPU and compiled on the GPU: the same
+outputs, and pools equal bit for bit, including write-through to several pages per row,
+padded rows (page 0: nothing written), GQA, head_dim 96 and split-K."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from kernels.paged_attention import paged_attention_write
+
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
+
+
+def make_decode_case(rng, *, num_kv, group, page_size, head_dim, dtype, n, pages_per_table,
+                     num_writes, num_layers=2, lengths=None):
+    """Decode rows: row i reads table i and writes its key at position length - 1 there,
+    plus num_writes - 1 more pages at the same block of tables no row reads (the deeper
+    planes of write-through). Tables own disjoint pages; page 0 is scratch."""
+    num_tables = n * num_writes
+    num_pages = num_tables * pages_per_table + 1
+    pages = rng.permutation(np.arange(1, num_pages)).reshape(num_tables, pages_per_table)
+    shape = (num_layers, num_kv, num_pages, page_size, head_dim)
+    k, v = (jnp.asarray(rng.standard_normal(shape), dtype) for _ in range(2))
+    q = jnp.asarray(rng.standard_normal((n, num_kv * group, head_dim)), dtype)
+    k_new, v_new = (jnp.asarray(rng.standard_normal((n, num_kv, head_dim)), dtype) for _ in range(2))
+    cap = pages_per_table * page_size
+    if lengths is None:
+        lengths = rng.choice([0, 1, page_size, page_size + 1, cap - 1, cap, int(rng.integers(1, cap + 1))], n)
+    lengths = np.asarray(lengths, np.int32)
+    pos = np.maximum(lengths - 1, 0)
+    rows = np.arange(n)
+    write_page = np.stack([np.where(lengths > 0, pages[rows + m * n, pos // page_size], 0)
+                           for m in range(num_writes)]).astype(np.int32)
+    return (q, k_new, v_new, k, v, jnp.asarray(pages, jnp.int32), jnp.asarray(rows, jnp.int32),
+            jnp.asarray(lengths), jnp.asarray(write_page), jnp.asarray(pos % page_size, jnp.int32))
+
+
+def check(case, dtype, layer, **kw):
+    out, k, v = paged_attention_write(*case, layer=layer, impl="pallas", **kw)
+    ref_out, ref_k, ref_v = paged_attention_write(*case, layer=layer, impl="xla")
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref_out, np.float32),
+                               atol=TOL[dtype], rtol=TOL[dtype])
+    np.testing.assert_array_equal(np.asarray(k, np.float32), np.asarray(ref_k, np.float32))
+    np.testing.assert_array_equal(np.asarray(v, np.float32), np.asarray(ref_v, np.float32))
+    return out, k
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@given(seed=st.integers(0, 2**31 - 1), group=st.sampled_from([1, 2, 4]),
+       page_size=st.sampled_from([8, 16]), head_dim=st.sampled_from([64, 96]),
+       dtype=st.sampled_from([jnp.float32, jnp.bfloat16]), num_splits=st.integers(1, 3),
+       num_writes=st.integers(1, 3), layer=st.integers(0, 1))
+def test_fused_write_matches_write_then_attend(seed, group, page_size, head_dim, dtype, num_splits,
+                                               num_writes, layer):
+    case = make_decode_case(np.random.default_rng(seed), num_kv=2, group=group, page_size=page_size,
+                            head_dim=head_dim, dtype=dtype, n=5, pages_per_table=4, num_writes=num_writes)
+    check(case, dtype, jnp.int32(layer), interpret=True, num_splits=num_splits,
+          pages_per_block=max(1, 16 // page_size))
+
+
+def test_padded_rows_write_nothing_and_read_zeros():
+    """Length 0 with page 0 (a padded row): no store lands, the output row is zeros; a row
+    of length 1 sees only its own new key (output = its new value)."""
+    case = make_decode_case(np.random.default_rng(3), num_kv=2, group=1, page_size=8, head_dim=64,
+                            dtype=jnp.float32, n=3, pages_per_table=2, num_writes=2, lengths=[0, 1, 9])
+    out, k = check(case, jnp.float32, jnp.int32(1), interpret=True, num_splits=2, pages_per_block=2)
+    assert not np.any(np.asarray(out[0]))
+    np.testing.assert_allclose(np.asarray(out[1]), np.asarray(case[2][1]), rtol=1e-6)
+    changed = np.any(np.asarray(k) != np.asarray(case[3]), axis=(0, 1, 3, 4))     # [num_pages]
+    assert not changed[0] and set(np.flatnonzero(changed)) <= set(np.asarray(case[8]).ravel())
+
+
+def test_validation():
+    case = list(make_decode_case(np.random.default_rng(4), num_kv=2, group=1, page_size=8, head_dim=64,
+                                 dtype=jnp.float32, n=3, pages_per_table=2, num_writes=1))
+    bad = {1: case[1][:, :1], 8: case[8].astype(jnp.float32), 9: case[9][:2]}
+    for index, name in ((1, "k_new"), (8, "write_page"), (9, "write_offset")):
+        args = list(case)
+        args[index] = bad[index]
+        with pytest.raises(ValueError, match=name):
+            paged_attention_write(*args, layer=0, impl="xla")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group, head_dim, dtype, kw", [
+    (1, 128, jnp.bfloat16, {}),                        # Ouro-1.4B
+    (1, 128, jnp.bfloat16, dict(num_splits=1)),
+    (4, 128, jnp.bfloat16, {}),
+    (2, 96, jnp.float32, dict(num_splits=3)),
+])
+def test_compiled_fused_write_on_gpu(group, head_dim, dtype, kw):
+    """Realistic decode shapes, the pools donated into a jit (updated in place)."""
+    rng = np.random.default_rng(7)
+    case = make_decode_case(rng, num_kv=16 // group, group=group, page_size=16, head_dim=head_dim,
+                            dtype=dtype, n=32, pages_per_table=64, num_writes=3, num_layers=4,
+                            lengths=np.r_[[0, 1, 16, 1024], rng.integers(1, 1025, 28)])
+    with jax.default_matmul_precision("highest"):
+        ref_out, ref_k, ref_v = paged_attention_write(*case, layer=jnp.int32(2), impl="xla")
+    run = jax.jit(lambda k, v, layer: paged_attention_write(*case[:3], k, v, *case[5:], layer=layer,
+                                                             impl="pallas", **kw), donate_argnums=(0, 1))
+    out, k, v = run(jnp.array(case[3]), jnp.array(case[4]), jnp.int32(2))
+    tol = 2e-2 if dtype == jnp.bfloat16 else 1e-4
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref_out, np.float32), atol=tol, rtol=tol)
+    np.testing.assert_array_equal(np.asarray(k, np.float32), np.asarray(ref_k, np.float32))
+    np.testing.assert_array_equal(np.asarray(v, np.float32), np.asarray(ref_v, np.float32))

@@ -238,6 +238,21 @@ def test_kv_pool_scatters_promise_unique_slots(step):
     assert all("unique_indices=true" in line for line in scatters), [s.strip()[:100] for s in scatters]
 
 
+@pytest.mark.parametrize("step, decode_window", [("prefill", 3), ("window", 3), ("head", 3), ("loop", 0)])
+def test_slot_buffer_scatters_promise_unique_slots(step, decode_window):
+    """Every write into a per-slot buffer (state, first-head tokens) drops the padded rows'
+    dummy slot and tells XLA the rest are unique: left in, the padding's repeated index makes
+    XLA:GPU serialise the scatter."""
+    engine = make_engine(max_num_seqs=2, decode_window=decode_window, window_trip="fixed")
+    hlo = _recorded_hlo(engine, step, lambda: _run_one(engine, greedy(4)))
+    slots = engine.runner.slot_state.shape[0]
+    shapes = (f"f32[{slots},{engine.runner.slot_state.shape[1]}]", f"s32[{slots}]")
+    scatters = [line for line in hlo.splitlines() if " scatter(" in line
+                and any(f"= {shape}" in line for shape in shapes)]
+    assert scatters, f"no scatter into a slot buffer in the {step} HLO"
+    assert all("unique_indices=true" in line for line in scatters), [s.strip()[:100] for s in scatters]
+
+
 def test_stacked_layers_run_as_one_scan_and_split_layers_as_their_own_arrays():
     """A stack of layers runs as one ``lax.scan`` (unrolled for decode: XLA folds the index,
     and every layer's matmul fusion is the same, so cold compiles autotune each shape once);

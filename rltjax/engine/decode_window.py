@@ -42,6 +42,7 @@ import jax.numpy as jnp
 
 from rltjax.cache.paged_kv import PagedKV, PagedMeta
 from rltjax.engine.exit_policy import EXIT_RULES
+from rltjax.engine.slot_buffers import set_slots
 from rltjax.engine_config import DEFAULT_DECODE_WINDOW, EngineConfigError
 from rltjax.jit_options import engine_jit
 from rltjax.models.layers import split_layer_stacks
@@ -200,10 +201,10 @@ def decode_window(params, kv: PagedKV, slot_state, rows: WindowRows, block_table
                           jax.lax.cond(jnp.any(starting), prelude, lambda bkv: (zeros, zeros, bkv), bkv))
             x = jnp.where(starting[:, None], s0, slot_state[slots])
             inject = jnp.where(starting[:, None], e, slot_inject[slots])
-            slot_inject = slot_inject.at[slots].set(inject)
+            slot_inject = set_slots(slot_inject, slots, inject)
         meta = PagedMeta(pos, write_page, jnp.where(act, pos % page_size, 0), table, pos + 1, block_tables)
         x, kv, signal = model.loop(weights, x, inject, kv, meta, backend)
-        slot_state = slot_state.at[slots].set(x)
+        slot_state = set_slots(slot_state, slots, x)
 
         r = rows.loops_done + 1
         if mode == "trace":

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from rltjax.cache.kv_update import copy_slots
 from rltjax.cache.paged_kv import PagedKV, PagedMeta
 from rltjax.engine.decode_window import decode_window
+from rltjax.engine.slot_buffers import set_slots
 from rltjax.jit_options import check_options, engine_jit, with_options
 from rltjax.sampling import sample_tokens, token_logprobs
 
@@ -68,7 +69,7 @@ def prefill_step(params, kv: PagedKV, slot_state, tokens, positions, write_page,
     x, kv = one_loop(last, x, kv, write_page[last:] if write_page.shape[0] > num_loops else write_page[last])
     if bkv is not None:
         _, bkv = _head(model, backend, params, x, bkv, bmeta)
-    return kv, slot_state.at[out_slots].set(x), bkv
+    return kv, set_slots(slot_state, out_slots, x), bkv
 
 
 @engine_jit(static_argnames=("model", "backend"),
@@ -77,7 +78,7 @@ def embed_step(params, bkv: PagedKV, slot_state, slot_inject, slots, tokens, see
     """Boundary models: the prelude of B tokens starting their loops; writes their boundary
     KV and puts s_0 and e (the per-loop ``inject``) in their slots."""
     state, inject, bkv = _embed(model, backend, params, tokens, bkv, bmeta, seeds)
-    return bkv, slot_state.at[slots].set(state), slot_inject.at[slots].set(inject)
+    return bkv, set_slots(slot_state, slots, state), set_slots(slot_inject, slots, inject)
 
 
 @engine_jit(static_argnames=("model", "backend", "raw_signal"),
@@ -100,7 +101,7 @@ def loop_step(params, kv: PagedKV, slot_state, lookahead_w, slots, tokens, start
         signals = (signal,)
     else:
         signals = (jax.nn.sigmoid(signal), jax.nn.sigmoid(x.astype(jnp.float32) @ lookahead_w))
-    return kv, slot_state.at[slots].set(x), signals
+    return kv, set_slots(slot_state, slots, x), signals
 
 
 @engine_jit(static_argnames=("model", "backend", "num_top"), donate_argnames=("bkv", "slot_tokens"))
@@ -114,7 +115,7 @@ def head_step(params, slot_state, slot_tokens, slots, temperature, top_k, top_p,
     logits = jax.lax.optimization_barrier(logits)    # one lm_head GEMM, not one per consumer
     tokens = sample_tokens(logits, temperature, top_k, top_p, seed_hi, seed_lo, output_index)
     chosen, top_ids, top_lp = token_logprobs(logits, tokens, num_top)
-    return (tokens, chosen, top_ids, top_lp), slot_tokens.at[slots].set(tokens), bkv
+    return (tokens, chosen, top_ids, top_lp), set_slots(slot_tokens, slots, tokens), bkv
 
 
 class DeviceSteps(NamedTuple):

@@ -76,7 +76,7 @@ def test_warm_up_compiles_in_parallel_then_runs_from_jit_cache(kwargs):
     engine = make_engine(compile_ahead=True, max_num_seqs=2, **kwargs)
     report = engine.warm_up
     jobs = bucket_jobs(engine.runner)
-    assert {kind for kind, _ in jobs} >= {"prefill", "loop", "head", "copy", "window/greedy", "window/draw",
+    assert {kind for kind, _ in jobs} >= {"prefill", "loop", "head", "window/greedy", "window/draw",
                                           "window/truncate"}
     assert report.executables == len(jobs) and report.compiled_late == 0, report
     with compile_events() as events:     # and steady state compiles nothing either
@@ -225,12 +225,12 @@ def test_prefill_loop_reads_per_layer_weights_without_slicing():
     _assert_loop_reads_weights_in_place(hlo, "prefill_step", engine)
 
 
-@pytest.mark.parametrize("step", ["prefill", "window"])
-def test_kv_pool_scatters_promise_unique_slots(step):
-    """Every scatter into the KV pool (row writes, copy-on-exit) tells XLA its indices are
+@pytest.mark.parametrize("step, decode_window", [("prefill", 3), ("window", 3), ("loop", 0)])
+def test_kv_pool_scatters_promise_unique_slots(step, decode_window):
+    """Every scatter into the KV pool (row writes, written through to deeper planes) tells XLA its indices are
     unique (padding is dropped, not written to the scratch page), so XLA:GPU can store
     without atomic read-modify-write loops on 16-bit elements."""
-    engine = make_engine(max_num_seqs=2, decode_window=3, window_trip="fixed")
+    engine = make_engine(max_num_seqs=2, decode_window=decode_window, window_trip="fixed")
     hlo = _recorded_hlo(engine, step, lambda: _run_one(engine, greedy(4)))
     pool = "f32[" + ",".join(map(str, engine.runner.kv.k.shape)) + "]"
     scatters = [line for line in hlo.splitlines() if " scatter(" in line and f"= {pool}" in line]

@@ -49,9 +49,12 @@ def test_engine_matches_reference(kv_layout, mode, exit_mode, page_size, chunk, 
 
 @pytest.mark.parametrize("kv_layout", ["last_exited", "shared"])
 def test_trace_replay_matches_reference(kv_layout):
+    """Early exits followed by deeper queries: with logprobs, a token read at the wrong plane
+    (the last_exited rule: min(d, e)) shows even where the sampled tokens do not change."""
     depths = {"a": [4, 1, 3, 2, 4, 1, 2], "b": [4, 2, 2, 3, 1, 4, 4]}
-    arrivals = [(0, "a", TOKENS[:7], SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True)),
-                (2, "b", TOKENS[3:12], SamplingParams(max_tokens=7, temperature=1.0, seed=9, ignore_eos=True))]
+    arrivals = [(0, "a", TOKENS[:7], SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True, logprobs=2)),
+                (2, "b", TOKENS[3:12], SamplingParams(max_tokens=7, temperature=1.0, seed=9, ignore_eos=True,
+                                                      logprobs=2))]
     check_trace_replay(kv_layout, depths, arrivals)
 
 

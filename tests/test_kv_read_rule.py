@@ -1,5 +1,6 @@
-"""The depth-aware read rule on hand-built values: writes per loop plus copy-on-exit leave each
-plane reading min(d, e) (last_exited) or e (shared); copy batches and their padding."""
+"""The depth-aware read rule on hand-built values: writes per loop, each written through to the
+deeper planes, leave each plane reading min(d, e) (last_exited) or e (shared); the device's
+write-through pages equal the host's."""
 from __future__ import annotations
 
 import functools
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from rltjax.cache.kv_update import copy_slots, exit_copy_slots, pack_copies, write_kv
+from rltjax.cache.kv_update import write_kv, write_planes, write_through_pages
 from rltjax.cache.paged_kv import PagedKV, PagedKVBackend, PagedMeta
 
 L, HKV, DH = 2, 2, 4
@@ -30,7 +31,8 @@ def value(layer, seq, depth, pos):
 
 
 def simulate(exits, R, page_size, kv_layout, seed):
-    """Run every token's loops (rows of all sequences batched per loop, padded), copy-on-exit per step."""
+    """Run every token's loops (rows of all sequences batched per loop, padded); each row writes
+    its plane and, written through, the deeper ones (``write_planes``). No copy on exit."""
     num_seqs, T = len(exits), len(exits[0])
     planes = R if kv_layout == "last_exited" else 1
     ppt = -(-T // page_size)
@@ -41,18 +43,15 @@ def simulate(exits, R, page_size, kv_layout, seed):
     kv = PagedKV(jnp.full(shape, -7.0), jnp.full(shape, -7.0))
     for pos in range(T):
         for r in range(1, R + 1):
-            vals, pages, offs = np.zeros((L, num_seqs), np.float32), np.zeros(num_seqs, np.int32), \
+            vals, pages, offs = np.zeros((L, num_seqs), np.float32), np.zeros((planes, num_seqs), np.int32), \
                 np.zeros(num_seqs, np.int32)
             for s in range(num_seqs):
                 if r <= exits[s][pos]:   # else: a padded row (page 0)
-                    t = table_of_plane[s, r - 1 if kv_layout == "last_exited" else 0]
                     vals[:, s] = [value(layer, s, r, pos) for layer in range(L)]
-                    pages[s], offs[s] = tables[t, pos // page_size], pos % page_size
+                    for p in write_planes(r - 1 if kv_layout == "last_exited" else 0, R, planes):
+                        pages[p, s] = tables[table_of_plane[s, p], pos // page_size]
+                    offs[s] = pos % page_size
             kv = write_rows(kv, jnp.asarray(vals), jnp.asarray(pages), jnp.asarray(offs))
-        if kv_layout == "last_exited":  # all exits of this step in one copy batch
-            copies = [exit_copy_slots(tables, table_of_plane, s, pos, exits[s][pos], R, page_size)
-                      for s in range(num_seqs)]
-            kv = copy_slots(kv, *pack_copies(copies, num_seqs * (R - 1)))
     return kv, tables, table_of_plane
 
 
@@ -97,35 +96,30 @@ def test_random_exit_patterns_follow_read_rule(data, R, T, page_size, kv_layout,
     check_read_rule(kv, tables, top, exits, R, page_size, kv_layout)
 
 
-def test_exit_copy_slots_lists_planes_below_and_above():
-    tables = np.array([[5, 6], [7, 8], [9, 10]], np.int32)      # planes 0..2 of one sequence
-    src_p, src_o, dst_p, dst_o = exit_copy_slots(tables, lambda s, p: p, 0, 3, 1, 3, 2)
-    assert src_p.tolist() == [6, 6] and src_o.tolist() == [1, 1]
-    assert dst_p.tolist() == [8, 10] and dst_o.tolist() == [1, 1]
-    assert all(len(a) == 0 for a in exit_copy_slots(tables, np.array([[0, 1, 2]]), 0, 3, 3, 3, 2))
-    with pytest.raises(ValueError):
-        exit_copy_slots(tables, lambda s, p: p, 0, 0, 4, 3, 2)
-    with pytest.raises(ValueError, match="exceed"):
-        pack_copies([exit_copy_slots(tables, lambda s, p: p, 0, 0, 1, 3, 2)], 1)
+def test_write_planes_below_the_cap():
+    assert list(write_planes(1, 4, 4)) == [1, 2, 3]
+    assert list(write_planes(1, 2, 4)) == [1]              # max_loops 2: planes past it are never read
+    assert list(write_planes(0, 7, 1)) == [0]              # shared: one plane
+    assert list(write_planes(3, 4, 4)) == [3]              # the last loop: its own plane only
 
 
-
-def test_copies_land_beside_dropped_padding():
-    """Entries with destination page 0 (padding) are dropped, not written, even with a live
-    source; the real copies still land, also one that reads out of page 0, and no other slot
-    (page 0 included) changes."""
-    rng = np.random.default_rng(3)
-    shape = (2, 2, 4, 4, 8)                                   # [L, Hkv, P, S, Dh]
-    kv = PagedKV(k=jnp.asarray(rng.standard_normal(shape), jnp.float32),
-                 v=jnp.asarray(rng.standard_normal(shape), jnp.float32))
-    before = jax.tree.map(np.asarray, kv)
-    src_p, src_o = np.array([0, 2, 0, 2], np.int32), np.array([3, 1, 0, 1], np.int32)
-    dst_p, dst_o = np.array([3, 1, 0, 0], np.int32), np.array([0, 2, 0, 3], np.int32)
-    out = jax.tree.map(np.asarray, copy_slots(kv, *map(jnp.asarray, (src_p, src_o, dst_p, dst_o))))
-    for name in ("k", "v"):
-        b, o = getattr(before, name), getattr(out, name)
-        np.testing.assert_array_equal(o[:, :, 3, 0], b[:, :, 0, 3])   # copied out of page 0
-        np.testing.assert_array_equal(o[:, :, 1, 2], b[:, :, 2, 1])
-        expect = b.copy()
-        expect[:, :, 3, 0], expect[:, :, 1, 2] = b[:, :, 0, 3], b[:, :, 2, 1]
-        np.testing.assert_array_equal(o, expect)                      # nothing else changed, page 0 too
+@settings(max_examples=30, deadline=None)
+@given(data=st.data(), num_planes=st.integers(1, 5), page_size=st.sampled_from([1, 2, 4]))
+def test_device_write_through_pages_equal_the_host_rule(data, num_planes, page_size):
+    """``write_through_pages`` (decode windows) == ``write_planes`` (the step path) row by row."""
+    b = data.draw(st.integers(1, 6))
+    ppt = 4
+    block_tables = np.arange(1, 1 + b * num_planes * ppt, dtype=np.int32).reshape(b * num_planes, ppt)
+    plane_tables = np.arange(b * num_planes, dtype=np.int32).reshape(b, num_planes)
+    max_loops = np.array(data.draw(st.lists(st.integers(1, 6), min_size=b, max_size=b)), np.int32)
+    plane = np.array([data.draw(st.integers(0, max(0, min(num_planes, m) - 1))) for m in max_loops], np.int32)
+    positions = np.array(data.draw(st.lists(st.integers(0, ppt * page_size - 1), min_size=b, max_size=b)), np.int32)
+    active = np.array(data.draw(st.lists(st.booleans(), min_size=b, max_size=b)))
+    got = np.asarray(write_through_pages(jnp.asarray(plane_tables), jnp.asarray(plane), jnp.asarray(max_loops),
+                                         jnp.asarray(positions), jnp.asarray(active), jnp.asarray(block_tables),
+                                         page_size))
+    want = np.zeros((num_planes, b), np.int32)
+    for i in np.flatnonzero(active):
+        for p in write_planes(int(plane[i]), int(max_loops[i]), num_planes):
+            want[p, i] = block_tables[plane_tables[i, p], positions[i] // page_size]
+    np.testing.assert_array_equal(got, want)

@@ -1,5 +1,5 @@
-"""Paged KV (rltjax.cache): the model on paged planes equals the dense oracle, and padded rows
-and copies touch only the scratch page. The read rule on hand-built values is in
+"""Paged KV (rltjax.cache): the model on paged planes, each row's K/V written through to its
+deeper planes, equals the dense oracle, and padded rows touch no page. The read rule on hand-built values is in
 test_kv_read_rule.py, pool sizing in test_kv_sizing.py."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 from checkpoints.loader import load_checkpoint
 from conftest import reference_model, reference_npz
-from rltjax.cache.kv_update import copy_slots, exit_copy_slots, pack_copies
+from rltjax.cache.kv_update import write_planes
 from rltjax.cache.paged_kv import PagedKV, PagedKVBackend, PagedMeta
 from rltjax.cache.sizing import allocate_paged_kv
 from rltjax.models.base import get_model
@@ -46,7 +46,7 @@ class PagedRunner:
         self.model, self._loop, self._head = jitted_model(name)
         self.cfg, self.layout, self.ps = self.model.cfg, kv_layout, page_size
         self.R = self.cfg.num_loops
-        planes = self.R if kv_layout == "last_exited" else 1
+        self.planes = planes = self.R if kv_layout == "last_exited" else 1
         ppt = -(-capacity // page_size)
         num_pages = 1 + num_seqs * planes * ppt + 3                     # + spare pages never used
         perm = np.random.default_rng(seed).permutation(np.arange(1, num_pages))
@@ -55,13 +55,18 @@ class PagedRunner:
         self.kv = allocate_paged_kv(self.cfg, num_pages, page_size, jnp.float32)
 
     def row(self, seq, pos, depth):
-        t = int(self.table_of_plane[seq, depth - 1 if self.layout == "last_exited" else 0])
-        return dict(positions=pos, write_page=self.tables[t, pos // self.ps], write_offset=pos % self.ps,
-                    row_tables=t, lengths=pos + 1)
+        """A row at loop ``depth``: reads its plane, writes it and (last_exited) the deeper ones."""
+        plane = depth - 1 if self.layout == "last_exited" else 0
+        pages = np.zeros(self.planes, np.int32)
+        for p in write_planes(plane, self.R, self.planes):
+            pages[p] = self.tables[self.table_of_plane[seq, p], pos // self.ps]
+        t = int(self.table_of_plane[seq, plane])
+        return dict(positions=pos, write_page=pages, write_offset=pos % self.ps, row_tables=t, lengths=pos + 1)
 
     def loop(self, state, rows):
-        meta = PagedMeta(**{k: jnp.int32([r[k] for r in rows]) for k in PAD_ROW},
-                         block_tables=jnp.asarray(self.tables))
+        fields = {k: jnp.int32([r[k] for r in rows]) for k in PAD_ROW if k != "write_page"}
+        write_page = np.stack([np.broadcast_to(r["write_page"], (self.planes,)) for r in rows], axis=1)  # [P, N]
+        meta = PagedMeta(**fields, write_page=jnp.int32(write_page), block_tables=jnp.asarray(self.tables))
         state, self.kv, gate = self._loop(self.params, state, self.kv, meta)
         return state, gate
 
@@ -70,15 +75,6 @@ class PagedRunner:
 
     def head(self, state):
         return np.asarray(self._head(self.params, state))
-
-    def exit(self, seqs_positions_depths):
-        """Copy-on-exit for tokens that exited early, batched into one copy_slots call."""
-        if self.layout != "last_exited":
-            return
-        copies = [exit_copy_slots(self.tables, self.table_of_plane, s, p, d, self.R, self.ps)
-                  for s, p, d in seqs_positions_depths if d < self.R]
-        if copies:
-            self.kv = copy_slots(self.kv, *pack_copies(copies, 2 * self.R))
 
 
 def token_schedule(out, R):
@@ -112,7 +108,6 @@ def test_single_request_matches_dense_reference(name, kv_layout, q, page_size):
             exits = rule.after_loop(r, hazard)
             if pos >= S and abs(cdf - q) > 1e-4:   # the paged hazards give the oracle's depth
                 assert exits == (r == depth), (pos, r, depth)
-        runner.exit([(0, pos, depth)])
         if pos >= S - 1:
             logits.append(runner.head(state)[0])
     np.testing.assert_allclose(np.stack(logits), np.stack(out.logits), rtol=1e-4, atol=1e-5)
@@ -157,7 +152,6 @@ def test_concurrent_requests_in_mixed_batches_match_reference(kv_layout):
             st_s, i = state[i:i + len(js)], i + len(js)
             cur[s] = (js, done + 1, st_s)
             if done + 1 == js[0][2]:            # every job in flight shares its depth
-                runner.exit([(s, p, d) for _, p, d in js])
                 if js[-1][1] >= len(outs[s].prompt_token_ids) - 1:
                     logits[s].append(runner.head(st_s[-1:])[0])
                 nxt[s] += len(js)
@@ -196,9 +190,9 @@ def test_one_mixed_call_equals_single_row_calls(kv_layout):
 # ---- padding ----------------------------------------------------------------------------------------
 
 def test_padded_rows_touch_no_page():
-    """Padded rows (write page 0) and padded copy entries write nothing, not even the
-    scratch page: every write that lands has its own slot (the scatters may then skip
-    atomics)."""
+    """Padded rows (write page 0) write nothing, not even the scratch page, and a real row
+    writes its own plane and the deeper ones: every write that lands has its own slot (the
+    scatters may then skip atomics)."""
     runner = PagedRunner("ouro-tiny", "last_exited", num_seqs=2, capacity=8, page_size=4, seed=4)
     rng = np.random.default_rng(1)
     rand = lambda: jnp.asarray(rng.standard_normal(runner.kv.k.shape), jnp.float32)  # noqa: E731
@@ -207,9 +201,10 @@ def test_padded_rows_touch_no_page():
     real = runner.row(1, 5, 2)
     rows = [dict(PAD_ROW, write_offset=2), PAD_ROW, real, dict(PAD_ROW, write_offset=3)]
     runner.loop(jnp.asarray(rng.standard_normal((4, runner.cfg.hidden_size)), jnp.float32), rows)
-    runner.kv = copy_slots(runner.kv, *pack_copies([], 4))               # an all-padding copy batch
+    written = [int(p) for p in real["write_page"] if p]
+    assert len(written) == runner.R - 1                                   # depth 2: planes 1..R-1
     for old, new in ((before.k, runner.kv.k), (before.v, runner.kv.v)):
         changed = np.any(np.asarray(new) != old, axis=(0, 1, 4))         # [num_pages, page_size]
-        assert changed[real["write_page"], real["write_offset"]]
-        changed[real["write_page"], real["write_offset"]] = False
+        assert changed[written, real["write_offset"]].all()
+        changed[written, real["write_offset"]] = False
         assert not changed.any(), np.argwhere(changed)

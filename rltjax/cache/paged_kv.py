@@ -5,9 +5,9 @@ Layout
                  the whole pool is one (donated) jit argument; per layer the
                  slice kv.k[layer] is exactly the layout of
                  ``kernels.paged_attention_ref`` (head-major pages).
-  page 0:        scratch. Padded rows' writes and padded copy entries (dst
-                 page 0) are dropped, so static batch shapes never touch live
-                 pages. The allocator must never hand out page 0.
+  page 0:        scratch. Padded rows' writes and the write-through pages a
+                 row does not write (page 0) are dropped, so static batch shapes
+                 never touch live pages. The allocator must never hand out page 0.
   block tables:  [num_tables, pages_per_table] int32, one table per
                  (sequence, plane). The pool itself is shared by all planes:
                  a plane is only a set of tables. ``last_exited`` keeps one plane
@@ -19,10 +19,11 @@ Layout
   a slot:        (page, offset) = (table[pos // page_size], pos % page_size).
 
 Read rule (DESIGN section 2). ``last_exited``: a query at depth d reads an
-earlier token of exit depth e at plane min(d, e); we get that by copy-on-exit
-(``kv_update.copy_slots``: the plane-e entry is copied into planes e+1..cap;
-prompt tokens, depth R, are written to planes R..cap by their last loop)
-so attention itself never branches on depth. ``shared``: one plane, read as is.
+earlier token of exit depth e at plane min(d, e); we get that by writing through
+(``kv_update``: a row at loop d writes plane d - 1 and every deeper plane below its
+cap, so after its last loop e the deeper planes hold its depth-e entry; prompt
+tokens, depth R, are written to planes R..cap by their last loop), so attention
+itself never branches on depth and an exit needs no copy. ``shared``: one plane, read as is.
 
 Within a layer every row writes its K/V before any row attends (one scatter,
 then one attention), so a row sees itself and a prefill chunk of consecutive

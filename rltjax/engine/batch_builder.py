@@ -13,6 +13,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
+from rltjax.cache.kv_update import write_planes
 from rltjax.engine.runner import BoundaryRows
 from rltjax.engine.scheduler import Scheduler
 from rltjax.engine.sequence import Request
@@ -99,10 +100,14 @@ class BatchBuilder:
         """Arguments of ``ModelRunner.loop`` for one pass over rows at their own depths."""
         planes = [r.loops_done if self.layered else 0 for r in rows]
         positions = np.array([r.decode_position for r in rows], np.int32)
-        slots = [self.slot(r, pl, int(p)) for r, pl, p in zip(rows, planes, positions)]
+        # [num_planes, N]: each row's K/V goes to its own plane and, written through, to the
+        # deeper ones below its cap (page 0 elsewhere: dropped), so an exit needs no copy
+        write_page = np.zeros((self.num_planes, len(rows)), np.int32)
+        for i, (r, pl, p) in enumerate(zip(rows, planes, positions)):
+            for plane in write_planes(pl, r.max_loops if self.layered else 1, self.num_planes):
+                write_page[plane, i] = self.slot(r, plane, int(p))[0]
         starting = np.array([r.loops_done == 0 for r in rows])
         return (np.array([r.slot for r in rows], np.int32), np.array([r.output_token_ids[-1] for r in rows], np.int32),
-                starting, positions, np.array([s[0] for s in slots], np.int32),
-                np.array([s[1] for s in slots], np.int32),
+                starting, positions, write_page, positions % self.page_size,
                 np.array([r.tables[pl] for r, pl in zip(rows, planes)], np.int32), self.block_tables(),
                 self.boundary_rows(rows, positions) if starting.any() else None)

@@ -40,6 +40,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from rltjax.cache.kv_update import write_through_pages
 from rltjax.cache.paged_kv import PagedKV, PagedMeta
 from rltjax.engine.exit_policy import EXIT_RULES
 from rltjax.engine.slot_buffers import set_slots
@@ -112,25 +113,12 @@ def _ends_request(rows: WindowRows, tokens, num_out):
     return jnp.any(tokens[:, None] == rows.stop_ids, axis=1) | (num_out >= rows.max_tokens)
 
 
-def _write_pages(rows: WindowRows, act, plane, block_tables, page_size: int, num_planes: int):
-    """[planes, B] pages a row's loop-(plane + 1) K/V goes to: its own plane's and every deeper
-    one up to its loop cap (others: page 0, dropped). Written through like this, the deeper
-    planes hold the token's newest K/V at every moment, so when it exits they already hold
-    its exit depth's KV (the ``last_exited`` read rule) and no copy-on-exit runs; a deeper
-    loop overwrites its own plane and those below it in turn."""
-    blk = jnp.maximum(rows.positions, 0) // page_size
-    planes = jnp.arange(num_planes)[:, None]                                    # [P, 1]
-    cap = jnp.minimum(num_planes, rows.max_loops)[None, :]
-    through = act[None, :] & (planes >= plane[None, :]) & (planes < cap)        # [P, B]
-    return jnp.where(through, block_tables[rows.tables.T, blk[None, :]], 0)
-
-
 @engine_jit(static_argnames=("model", "backend", "num_passes", "mode", "num_top", "layered",
-                                             "num_planes", "dummy_slot", "fixed_trip", "sampler"),
+                                             "dummy_slot", "fixed_trip", "sampler"),
                    donate_argnames=("kv", "slot_state", "bkv", "slot_inject"))
 def decode_window(params, kv: PagedKV, slot_state, rows: WindowRows, block_tables, lookahead_w, bkv, slot_inject,
                   boundary_tables, slot_tokens, *, model, backend, num_passes: int, mode: str, num_top: int,
-                  layered: bool, num_planes: int, dummy_slot: int, fixed_trip: bool = False,
+                  layered: bool, dummy_slot: int, fixed_trip: bool = False,
                   sampler: str = "truncate"):
     """Up to ``num_passes`` loop passes (exactly that many when ``fixed_trip``) over the rows
     -> (kv, slot_state, bkv, slot_inject, rows, WindowOutputs). Models with boundary stages
@@ -180,10 +168,8 @@ def decode_window(params, kv: PagedKV, slot_state, rows: WindowRows, block_table
         plane = rows.loops_done if layered else jnp.zeros_like(rows.loops_done)
         table = jnp.where(act, jnp.take_along_axis(rows.tables, plane[:, None], axis=1)[:, 0], 0)
         pos = jnp.where(act, rows.positions, -1)
-        if layered and num_planes > 1:
-            write_page = _write_pages(rows, act, plane, block_tables, page_size, num_planes)
-        else:
-            write_page = jnp.where(act, block_tables[table, jnp.maximum(pos, 0) // page_size], 0)
+        # written through to the deeper planes: an exit needs no copy (``kv_update``)
+        write_page = write_through_pages(rows.tables, plane, rows.max_loops, pos, act, block_tables, page_size)
         slots = jnp.where(act, rows.slots, dummy_slot)
         tokens = jnp.where(act, rows.tokens, 0)
         if bkv is None:

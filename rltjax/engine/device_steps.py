@@ -6,8 +6,8 @@ prelude), ``loop_step`` (one loop pass over rows at mixed depths) and ``head_ste
 buffer ``[max_num_seqs + 1, D]`` whose last row is the target of padded rows, and for
 boundary models the boundary pool and per-slot ``inject``) is donated to every call
 that updates it, so XLA updates it in place. ``rltjax.engine.runner.ModelRunner``
-pads host batches and calls these through ``DeviceSteps`` (these, the decode window
-and the KV copy, rebuilt with the engine's XLA options); decode windows live in
+pads host batches and calls these through ``DeviceSteps`` (these and the decode
+window, rebuilt with the engine's XLA options); decode windows live in
 ``decode_window``.
 """
 from __future__ import annotations
@@ -17,7 +17,6 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from rltjax.cache.kv_update import copy_slots
 from rltjax.cache.paged_kv import PagedKV, PagedMeta
 from rltjax.engine.decode_window import decode_window
 from rltjax.engine.slot_buffers import set_slots
@@ -125,10 +124,9 @@ class DeviceSteps(NamedTuple):
     loop: Callable
     head: Callable
     window: Callable
-    copy: Callable
 
     @classmethod
     def build(cls, xla_options: tuple = ()) -> "DeviceSteps":
         check_options(xla_options)
         return cls(*(with_options(step, xla_options)
-                     for step in (prefill_step, embed_step, loop_step, head_step, decode_window, copy_slots)))
+                     for step in (prefill_step, embed_step, loop_step, head_step, decode_window)))

@@ -2,7 +2,7 @@
 
 Each ``step`` asks the scheduler for one batch, has ``BatchBuilder`` turn it into
 arrays, runs it on the device through the runner, and applies the results on the
-host: exit decisions and copy-on-exit after a loop pass, sampled tokens and stop
+host: exit decisions after a loop pass, sampled tokens and stop
 checks (``OutputProcessor``) after a head. When every running request is decoding,
 a step is a device-side decode window (``window_driver`` / ``decode_window``), read
 one window late; when fresh prompts' first heads are all that comes before one, the
@@ -19,7 +19,6 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from rltjax.cache.kv_update import exit_copy_slots
 from rltjax.cache.paged_kv import PagedKV
 from rltjax.engine.batch_builder import BatchBuilder
 from rltjax.engine.decode_window import resolve_window_passes, resolve_window_trip, trace_width
@@ -61,7 +60,7 @@ class LLMEngine:
         window_spec = None
         if self.window_passes:
             window_spec = dict(num_passes=self.window_passes, mode=self.exit_policy.mode, layered=self.layered,
-                               num_planes=self.num_planes, fixed_trip=resolve_window_trip(
+                               fixed_trip=resolve_window_trip(
                                    execution_config.window_trip, boundary_kv_layers(model) > 0))
         self.runner = ModelRunner(model, params, kv, max_num_seqs=scheduler_config.max_num_seqs,
                                   max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
@@ -70,7 +69,7 @@ class LLMEngine:
                                   xla_options=tuple(sorted(dict(execution_config.xla_options).items())),
                                   lookahead_w=lookahead_weights(exit_config.lookahead_seed, self.cfg.hidden_size,
                                                                 self.cfg.initializer_range),
-                                  max_copies=scheduler_config.max_num_seqs * max(1, self.num_planes - 1),
+                                  num_planes=self.num_planes,
                                   boundary_kv=boundary_kv, prefill_write_planes=max(R, self.num_planes),
                                   raw_signal=self.exit_policy.raw_signal, interpret=execution_config.interpret,
                                   chunked_prefill=self.layered, window_spec=window_spec,
@@ -265,20 +264,11 @@ class LLMEngine:
             self._pending = ([(r, r.decode_position, r.loops_done) for r in rows], signals)
         else:
             exits = self.exit_policy.after_pass(rows, signals.hazard, signals.score, signals.signal)
-        copies = []
+        # the pass wrote each row's K/V through to its deeper planes: an exit needs no copy
         for r, exit_now in zip(rows, exits):
-            if not exit_now:
-                continue
-            r.status = Status.AWAITING_HEAD
-            r.exit_depths.append(r.loops_done)
-            if self.layered:   # deeper planes must read this token's exit-depth KV: min(d, e)
-                # planes past the request's own max_loops serve depths it never runs
-                copies.append(exit_copy_slots(
-                    self.scheduler.block_tables.array, lambda _, plane, r=r: r.tables[plane], 0,
-                    r.decode_position, r.loops_done, min(self.num_planes, r.max_loops),
-                    self.cache_config.page_size))
-        if copies and sum(len(c[0]) for c in copies):
-            self.runner.copy(*(np.concatenate(part) for part in zip(*copies)))
+            if exit_now:
+                r.status = Status.AWAITING_HEAD
+                r.exit_depths.append(r.loops_done)
 
     def _read_pending(self) -> None:
         """Async scheduling: apply the last launched pass's signals to the rows they still belong

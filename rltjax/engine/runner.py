@@ -93,7 +93,7 @@ class PendingSignals:
 
 class ModelRunner:
     def __init__(self, model, params, kv: PagedKV, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 attn_impl: str, lookahead_w: np.ndarray, max_copies: int, matmul_impl: str = "xla",
+                 attn_impl: str, lookahead_w: np.ndarray, num_planes: int, matmul_impl: str = "xla",
                  boundary_kv: PagedKV | None = None, xla_options: tuple = (),
                  prefill_write_planes: int | None = None, raw_signal: bool = False, interpret: bool = False,
                  chunked_prefill: bool = True, window_spec: dict | None = None, window_trace_width: int = 1):
@@ -103,7 +103,9 @@ class ModelRunner:
         chunked_prefill: prefill batches hold multi-token chunks (last_exited); then, when the
         Pallas kernels run, prefill reads through the prefill kernel and ``prefill_alignment``
         says where chunks must start (multiples of PREFILL_BLOCK_Q; 1 = anywhere).
-        window_spec: decode windows' static settings (num_passes, mode, layered, num_planes),
+        num_planes: block-table planes per request; a loop step's rows write [num_planes, N]
+        pages (``kv_update.write_planes``: own plane and deeper ones, else page 0).
+        window_spec: decode windows' static settings (num_passes, mode, layered),
         None when the engine runs none. window_trace_width: width of a window's depth-trace rows
         (``decode_window.trace_width``)."""
         self.model = model
@@ -151,7 +153,7 @@ class ModelRunner:
         # aligned prefill batches stay within the budget, except one chunk when budget < alignment
         most_tokens = max(max_num_batched_tokens, self.prefill_alignment)
         self.token_buckets = buckets_up_to(most_tokens, MIN_TOKEN_BUCKET)
-        self.copy_buckets = buckets_up_to(max(1, max_copies))
+        self.num_planes = num_planes
 
     def _rows_bucket(self, n: int) -> int:
         return max(bucket(n), self.row_buckets[0])
@@ -209,7 +211,7 @@ class ModelRunner:
             self.layer_params, self.kv, self.slot_state, self.lookahead_w,
             np.pad(slots, (0, pad), constant_values=self.dummy_slot), np.pad(tokens, (0, pad)),
             # padded rows re-embed token 0 so the dummy slot's state never drifts (it feeds page 0)
-            np.pad(starting, (0, pad), constant_values=True), np.pad(positions, (0, pad)), np.pad(write_page, (0, pad)),
+            np.pad(starting, (0, pad), constant_values=True), np.pad(positions, (0, pad)), np.pad(write_page, ((0, 0), (0, pad))),
             np.pad(write_offset, (0, pad)), np.pad(row_tables, (0, pad)),
             np.pad(positions + 1, (0, pad)).astype(np.int32), block_tables, self.slot_inject,
             model=self.model, backend=self.backend, raw_signal=self.raw_signal)
@@ -295,12 +297,6 @@ class ModelRunner:
         cut back to its first n rows."""
         cut = lambda tree: jax.tree.map(lambda a: np.asarray(a)[:n] if np.ndim(a) else np.asarray(a), tree)
         return cut(RowsRead.of(after)), cut(out)
-
-    def copy(self, src_page, src_offset, dst_page, dst_offset):
-        m = bucket(len(src_page))
-        pad = m - len(src_page)
-        self.kv = self.steps.copy(self.kv, *(np.pad(a, (0, pad)).astype(np.int32)
-                                        for a in (src_page, src_offset, dst_page, dst_offset)))
 
     def padding_boundary_rows(self, n: int, boundary_block_tables) -> BoundaryRows | None:
         """Boundary rows of n all-padding rows (warm-up calls); None for plain models."""

@@ -83,7 +83,6 @@ def bucket_jobs(runner) -> list[tuple[str, int]]:
         jobs += [(f"window/{sampler}", b) for b in reversed(runner.row_buckets) for sampler in WINDOW_SAMPLERS]
     jobs += [("prefill", t) for t in reversed(runner.token_buckets)]
     jobs += [("loop", b) for b in runner.row_buckets] + [("head", b) for b in runner.row_buckets]
-    jobs += [("copy", m) for m in runner.copy_buckets]
     if runner.has_boundary:
         jobs += [("embed", b) for b in runner.row_buckets]
     return jobs
@@ -98,10 +97,10 @@ def run_job(runner, kind: str, n: int, block_tables, boundary_block_tables) -> N
         runner.prefill(zeros(n), zeros(n), np.zeros((runner.prefill_write_planes, n), np.int32), zeros(n),
                        np.zeros((runner.cfg.num_loops, n), np.int32), dummy, block_tables, pad_rows)
     elif kind == "loop":
-        runner.loop(dummy, zeros(n), np.zeros(n, bool), zeros(n) - 1, zeros(n), zeros(n), zeros(n), block_tables)
+        runner.loop(dummy, zeros(n), np.zeros(n, bool), zeros(n) - 1, np.zeros((runner.num_planes, n), np.int32),
+                    zeros(n), zeros(n), block_tables)
     elif kind.startswith("window/"):
-        spec = runner.window_spec
-        runner.window(idle_window_rows(n, spec["num_planes"], runner.window_trace_width), block_tables,
+        runner.window(idle_window_rows(n, runner.num_planes, runner.window_trace_width), block_tables,
                       boundary_block_tables, sampler=kind.split("/")[1])
     elif kind == "embed":
         runner.embed(dummy, zeros(n), zeros(n) - 1, zeros(n), pad_rows)
@@ -109,7 +108,7 @@ def run_job(runner, kind: str, n: int, block_tables, boundary_block_tables) -> N
         runner.head(dummy, np.zeros(n, np.float32), zeros(n), np.ones(n, np.float32), np.zeros(n, np.uint32),
                     np.zeros(n, np.uint32), zeros(n), zeros(n) - 1, pad_rows)
     else:
-        runner.copy(zeros(n), zeros(n), zeros(n), zeros(n))
+        raise ValueError(f"unknown executable kind {kind!r}")
 
 
 def _recording(step, pool: ThreadPoolExecutor, futures: list):

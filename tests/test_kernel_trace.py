@@ -1,5 +1,5 @@
 """The profiler-trace summary: device kernels only, busy time as the union of intervals,
-counts and times per unit of work."""
+counts and times per unit of work, kernels of one name in different executables apart."""
 from __future__ import annotations
 
 import gzip
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from rltjax.benchmarks.kernel_trace import busy_time, device_kernels, load_events, summarise
+from rltjax.benchmarks.kernel_trace import busy_time, device_kernels, format_summary, load_events, summarise
 
 
 def write_trace(tmp_path, events):
@@ -30,7 +30,20 @@ def test_summary_of_a_known_trace(tmp_path):
     assert busy_time(found) == 25.0
     s = summarise(found, per=2)
     assert s["kernels"] == 1.5 and s["busy_us"] == 12.5 and s["span_us"] == 20.0
-    assert s["top"][0] == dict(name="gemm", count=1.0, total_us=10.0, mean_us=10.0)
+    assert s["top"][0] == dict(name="gemm", module=None, count=1.0, total_us=10.0, mean_us=10.0)
+
+
+def test_same_fusion_name_in_two_executables_is_two_entries(tmp_path):
+    meta = [{"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/device:GPU:0"}}]
+    kernels = [dict(ph="X", pid=2, tid=1, ts=10.0 * i, dur=2.0, name="input_scatter_fusion_48",
+                    args={"hlo_module": "jit_decode_window"}) for i in range(4)]
+    kernels.append(dict(ph="X", pid=2, tid=1, ts=100.0, dur=1300.0, name="input_scatter_fusion_48",
+                        args={"hlo_module": "jit_prefill_step"}))
+    write_trace(tmp_path, meta + kernels)
+    s = summarise(device_kernels(load_events(str(tmp_path))), per=4)
+    assert [(t["module"], t["count"], t["mean_us"]) for t in s["top"]] == [
+        ("jit_prefill_step", 0.25, 1300.0), ("jit_decode_window", 1.0, 2.0)]
+    assert "input_scatter_fusion_48  [jit_prefill_step]" in format_summary(s)
 
 
 def test_missing_trace_is_named(tmp_path):

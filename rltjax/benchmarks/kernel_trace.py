@@ -4,7 +4,9 @@
 
 Prints, per traced unit of work (``--per``): the kernel count, the time the GPU
 was busy (union of kernel intervals), the span from first kernel start to last
-kernel end, and the top kernels by total time. Busy much smaller than span means
+kernel end, and the top kernels by total time, each named with the executable it
+ran in (the event's ``hlo_module``): XLA's fusion names repeat across executables,
+and a prefill step's kernel once passed for a decode window's. Busy much smaller than span means
 the GPU waited for launches (host or launch overhead); busy close to span means
 the kernels themselves are the cost.
 """
@@ -53,13 +55,13 @@ def summarise(kernels: list[dict], per: int = 1, top: int = 15) -> dict:
     if not kernels:
         return dict(kernels=0, busy_us=0.0, span_us=0.0, top=[])
     span = max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)
-    by_name: dict[str, list[float]] = collections.defaultdict(list)
+    by_kernel: dict[tuple[str, str | None], list[float]] = collections.defaultdict(list)
     for e in kernels:
-        by_name[e["name"]].append(e["dur"])
-    ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+        by_kernel[(e["name"], e.get("args", {}).get("hlo_module"))].append(e["dur"])
+    ranked = sorted(by_kernel.items(), key=lambda kv: -sum(kv[1]))[:top]
     return dict(kernels=len(kernels) / per, busy_us=busy_time(kernels) / per, span_us=span / per,
-                top=[dict(name=name[:90], count=len(d) / per, total_us=sum(d) / per,
-                          mean_us=sum(d) / len(d)) for name, d in ranked])
+                top=[dict(name=name[:90], module=module, count=len(d) / per, total_us=sum(d) / per,
+                          mean_us=sum(d) / len(d)) for (name, module), d in ranked])
 
 
 def summarise_dir(trace_dir: str, per: int = 1, top: int = 15) -> dict:
@@ -70,7 +72,7 @@ def summarise_dir(trace_dir: str, per: int = 1, top: int = 15) -> dict:
 def format_summary(s: dict) -> str:
     lines = [f"kernels {s['kernels']:.0f}  busy {s['busy_us']:.0f} us  span {s['span_us']:.0f} us"]
     lines += [f"  {t['total_us']:8.1f} us  x{t['count']:<5.0f} ({t['mean_us']:6.2f} us)  {t['name']}"
-              for t in s["top"]]
+              + (f"  [{t['module']}]" if t.get("module") else "") for t in s["top"]]
     return "\n".join(lines)
 
 

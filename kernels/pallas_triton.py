@@ -133,14 +133,18 @@ def _kernel(layer_ref, lengths_ref, row_tables_ref, block_tables_ref, q_ref, k_r
         k_out_ref, v_out_ref = out_refs[-2:]
         out_refs = out_refs[:-2]
         offset = write_offset_ref[row]
-        for m in range(write_page_ref.shape[0]):
+
+        def store(m, carry):         # a loop, not unrolled: Huginn writes through to 32+ planes
             page = write_page_ref[m, row]
 
             @pl.when((split == 0) & (page != 0))      # page 0 is scratch: padded rows, dropped writes
-            def _store(page=page):
+            def _store():
                 for (off, w), kc, vc in zip(chunks, new_k, new_v):
                     plgpu.store(k_out_ref.at[layer, kvh, page, offset, pl.ds(off, w)], kc)
                     plgpu.store(v_out_ref.at[layer, kvh, page, offset, pl.ds(off, w)], vc)
+            return carry
+
+        jax.lax.fori_loop(0, write_page_ref.shape[0], store, 0)
         length = jnp.maximum(length - 1, 0)
     else:
         out_refs = refs

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from rltjax.cache.kv_update import write_kv, write_planes, write_through_pages
+from rltjax.cache.kv_update import write_kv, write_plane_mask, write_through_pages
 from rltjax.cache.paged_kv import PagedKV, PagedKVBackend, PagedMeta
 
 L, HKV, DH = 2, 2, 4
@@ -32,7 +32,7 @@ def value(layer, seq, depth, pos):
 
 def simulate(exits, R, page_size, kv_layout, seed):
     """Run every token's loops (rows of all sequences batched per loop, padded); each row writes
-    its plane and, written through, the deeper ones (``write_planes``). No copy on exit."""
+    its plane and, written through, the deeper ones (``write_plane_mask``). No copy on exit."""
     num_seqs, T = len(exits), len(exits[0])
     planes = R if kv_layout == "last_exited" else 1
     ppt = -(-T // page_size)
@@ -48,7 +48,9 @@ def simulate(exits, R, page_size, kv_layout, seed):
             for s in range(num_seqs):
                 if r <= exits[s][pos]:   # else: a padded row (page 0)
                     vals[:, s] = [value(layer, s, r, pos) for layer in range(L)]
-                    for p in write_planes(r - 1 if kv_layout == "last_exited" else 0, R, planes):
+                    mask = write_plane_mask(np.array([r - 1 if kv_layout == "last_exited" else 0]), np.array([R]),
+                                            planes)[:, 0]
+                    for p in np.flatnonzero(mask):
                         pages[p, s] = tables[table_of_plane[s, p], pos // page_size]
                     offs[s] = pos % page_size
             kv = write_rows(kv, jnp.asarray(vals), jnp.asarray(pages), jnp.asarray(offs))
@@ -97,16 +99,20 @@ def test_random_exit_patterns_follow_read_rule(data, R, T, page_size, kv_layout,
 
 
 def test_write_planes_below_the_cap():
-    assert list(write_planes(1, 4, 4)) == [1, 2, 3]
-    assert list(write_planes(1, 2, 4)) == [1]              # max_loops 2: planes past it are never read
-    assert list(write_planes(0, 7, 1)) == [0]              # shared: one plane
-    assert list(write_planes(3, 4, 4)) == [3]              # the last loop: its own plane only
+    mask = write_plane_mask(np.array([1, 1, 3, 0]), np.array([4, 2, 4, 7]), 4)
+    assert [np.flatnonzero(mask[:, i]).tolist() for i in range(4)] == [
+        [1, 2, 3],          # its own plane and the deeper ones
+        [1],                # max_loops 2: planes past it are never read
+        [3],                # the last loop: its own plane only
+        [0, 1, 2, 3]]       # a cap above the engine's planes: all of them
+    assert write_plane_mask(np.array([0]), np.array([7]), 1).tolist() == [[True]]    # shared: one plane
 
 
 @settings(max_examples=30, deadline=None)
 @given(data=st.data(), num_planes=st.integers(1, 5), page_size=st.sampled_from([1, 2, 4]))
 def test_device_write_through_pages_equal_the_host_rule(data, num_planes, page_size):
-    """``write_through_pages`` (decode windows) == ``write_planes`` (the step path) row by row."""
+    """``write_through_pages`` (decode windows) == the rule row by row: the row's plane up to
+    min(planes, max_loops), active rows only (the step path's mask is the same function)."""
     b = data.draw(st.integers(1, 6))
     ppt = 4
     block_tables = np.arange(1, 1 + b * num_planes * ppt, dtype=np.int32).reshape(b * num_planes, ppt)
@@ -120,6 +126,6 @@ def test_device_write_through_pages_equal_the_host_rule(data, num_planes, page_s
                                          page_size))
     want = np.zeros((num_planes, b), np.int32)
     for i in np.flatnonzero(active):
-        for p in write_planes(int(plane[i]), int(max_loops[i]), num_planes):
+        for p in range(int(plane[i]), min(num_planes, int(max_loops[i]))):
             want[p, i] = block_tables[plane_tables[i, p], positions[i] // page_size]
     np.testing.assert_array_equal(got, want)

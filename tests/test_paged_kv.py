@@ -13,7 +13,7 @@ import pytest
 
 from checkpoints.loader import load_checkpoint
 from conftest import reference_model, reference_npz
-from rltjax.cache.kv_update import write_planes
+from rltjax.cache.kv_update import write_plane_mask
 from rltjax.cache.paged_kv import PagedKV, PagedKVBackend, PagedMeta
 from rltjax.cache.sizing import allocate_paged_kv
 from rltjax.models.base import get_model
@@ -58,7 +58,7 @@ class PagedRunner:
         """A row at loop ``depth``: reads its plane, writes it and (last_exited) the deeper ones."""
         plane = depth - 1 if self.layout == "last_exited" else 0
         pages = np.zeros(self.planes, np.int32)
-        for p in write_planes(plane, self.R, self.planes):
+        for p in np.flatnonzero(write_plane_mask(np.array([plane]), np.array([self.R]), self.planes)[:, 0]):
             pages[p] = self.tables[self.table_of_plane[seq, p], pos // self.ps]
         t = int(self.table_of_plane[seq, plane])
         return dict(positions=pos, write_page=pages, write_offset=pos % self.ps, row_tables=t, lengths=pos + 1)

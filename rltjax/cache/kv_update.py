@@ -6,8 +6,9 @@ elements exceeds 2**31 on large devices, and per-dim int32 indices cannot
 overflow where a flattened one would.
 
 Write-through (``last_exited``). A decode token at position j running loop d
-writes its K/V to plane d - 1 and to every deeper plane below its cap (R, or the
-engine's loop cap CacheConfig.max_loops above R; ``write_planes``). Each loop
+writes its K/V to plane d - 1 and to every deeper plane below its cap, min(the
+engine's planes, the request's max_loops) (``write_plane_mask``): planes past a
+request's own max_loops serve depths it never runs. Each loop
 overwrites its own plane and those below it in turn, so the deeper planes always
 hold the token's newest K/V: when it exits at depth e they hold its depth-e K/V,
 and a later query at depth d reads plane min(d, e) with no copy and no per-key
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kernels.paged_attention_ref import paged_write_ref
 
@@ -28,26 +30,27 @@ def write_kv(kv, layer, k: jax.Array, v: jax.Array, write_page: jax.Array, write
     """Scatter rows' K/V [N, Hkv, Dh] into layer ``layer`` at (write_page, write_offset).
 
     write_page may also be [M, N]: each row is then written to M pages at its offset (a
-    prompt's last loop filling the planes beyond R). Padded rows target page 0 (scratch):
-    those writes are dropped (``kernels.paged_attention_ref.paged_write_ref``).
+    prompt's last loop filling the planes beyond R; a decode row written through to its
+    deeper planes). Page 0 (scratch: padded rows, planes a row does not write) is dropped
+    (``kernels.paged_attention_ref.paged_write_ref``).
     """
     return type(kv)(*paged_write_ref(kv.k, kv.v, k, v, write_page, write_offset, layer=layer))
 
 
-def write_planes(plane: int, max_loops: int, num_planes: int) -> range:
-    """Host side: the planes a row at ``plane`` (0-based: its loop's plane) writes its K/V to,
-    its own and every deeper one below its cap min(num_planes, max_loops)."""
-    return range(plane, min(num_planes, max_loops))
+def write_plane_mask(plane, max_loops, num_planes: int):
+    """[num_planes, B] bool: the planes each of B rows writes its K/V to, its own (``plane``,
+    0-based: its loop's plane) and every deeper one below its cap min(num_planes, max_loops).
+    plane, max_loops [B] int arrays, numpy (the step path's host batches) or jax (decode
+    windows, on the device)."""
+    planes = np.arange(num_planes)[:, None]                                    # [P, 1]
+    return (planes >= plane[None, :]) & (planes < max_loops.clip(max=num_planes)[None, :])
 
 
 def write_through_pages(plane_tables: jax.Array, plane: jax.Array, max_loops: jax.Array, positions: jax.Array,
                         active: jax.Array, block_tables: jax.Array, page_size: int) -> jax.Array:
-    """Device side of ``write_planes`` for B rows -> [planes, B] pages (0 outside a row's
-    write planes, and for inactive rows: dropped). plane_tables [B, planes] each row's block
+    """Pages of ``write_plane_mask`` for B rows on the device -> [planes, B] (0 outside a
+    row's write planes, and for inactive rows: dropped). plane_tables [B, planes] each row's block
     table per plane; plane, max_loops, positions [B] int32; active [B] bool."""
-    num_planes = plane_tables.shape[1]
-    planes = jnp.arange(num_planes)[:, None]                                    # [P, 1]
-    cap = jnp.minimum(num_planes, max_loops)[None, :]
-    through = active[None, :] & (planes >= plane[None, :]) & (planes < cap)     # [P, B]
+    through = active[None, :] & write_plane_mask(plane, max_loops, plane_tables.shape[1])    # [P, B]
     block = jnp.maximum(positions, 0) // page_size
     return jnp.where(through, block_tables[plane_tables.T, block[None, :]], 0)

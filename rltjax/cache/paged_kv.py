@@ -82,16 +82,17 @@ class PagedKVBackend:
     matmul_impl: "xla" | "pallas" for the projections of batches of at most
     ``kernels.skinny_matmul.MAX_ROWS`` rows; larger batches use XLA's dot. (The engine's
     prefill backend always says "xla".)
-    decode_rows: every row is the newest token of its own request and writes its K/V at its
-    position in the table it reads (lengths - 1), so no row reads another's write of this
-    call: ``write_attend`` may then fuse the write into the attention kernel. False for
-    prefill chunks (consecutive positions of one request read each other's writes).
+    decode_rows: the caller promises every row is the newest token of its own request and
+    writes its K/V at its position in the table it reads (lengths - 1), so no row reads
+    another's write of this call: ``write_attend`` may then fuse the write into the
+    attention kernel. Off by default: prefill chunks (consecutive positions of one request
+    read each other's writes) would race in the fused kernel.
     """
     attn_impl: str = "xla"
     interpret: bool = False
     prefill_block_q: int = 0
     matmul_impl: str = "xla"
-    decode_rows: bool = True
+    decode_rows: bool = False
 
     def matmul(self, x, w, layer):
         impl = self.matmul_impl if x.shape[0] <= MAX_ROWS else "xla"

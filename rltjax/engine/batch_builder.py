@@ -13,7 +13,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from rltjax.cache.kv_update import write_planes
+from rltjax.cache.kv_update import write_plane_mask
 from rltjax.engine.runner import BoundaryRows
 from rltjax.engine.scheduler import Scheduler
 from rltjax.engine.sequence import Request
@@ -100,12 +100,15 @@ class BatchBuilder:
         """Arguments of ``ModelRunner.loop`` for one pass over rows at their own depths."""
         planes = [r.loops_done if self.layered else 0 for r in rows]
         positions = np.array([r.decode_position for r in rows], np.int32)
+        for r, pl, p in zip(rows, planes, positions):
+            self.slot(r, pl, int(p))        # checks the position (every plane's table holds as many pages)
         # [num_planes, N]: each row's K/V goes to its own plane and, written through, to the
         # deeper ones below its cap (page 0 elsewhere: dropped), so an exit needs no copy
-        write_page = np.zeros((self.num_planes, len(rows)), np.int32)
-        for i, (r, pl, p) in enumerate(zip(rows, planes, positions)):
-            for plane in write_planes(pl, r.max_loops if self.layered else 1, self.num_planes):
-                write_page[plane, i] = self.slot(r, plane, int(p))[0]
+        plane_tables = np.array([r.tables[:self.num_planes] for r in rows], np.int32)          # [N, P]
+        caps = np.array([r.max_loops if self.layered else 1 for r in rows])
+        through = write_plane_mask(np.array(planes), caps, self.num_planes)                  # [P, N]
+        pages = self.scheduler.block_tables.array[plane_tables, (positions // self.page_size)[:, None]]
+        write_page = np.where(through, pages.T, 0).astype(np.int32)
         starting = np.array([r.loops_done == 0 for r in rows])
         return (np.array([r.slot for r in rows], np.int32), np.array([r.output_token_ids[-1] for r in rows], np.int32),
                 starting, positions, write_page, positions % self.page_size,

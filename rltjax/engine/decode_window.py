@@ -173,7 +173,7 @@ def decode_window(params, kv: PagedKV, slot_state, rows: WindowRows, block_table
         slots = jnp.where(act, rows.slots, dummy_slot)
         tokens = jnp.where(act, rows.tokens, 0)
         if bkv is None:
-            # inactive rows re-embed token 0 into the dummy slot (it feeds only the scratch page)
+            # inactive rows re-embed token 0 (their KV and slot writes are dropped)
             starting = (rows.loops_done == 0) | ~act
             x, inject = jnp.where(starting[:, None], model.embed(weights, tokens)[0], slot_state[slots]), None
         else:

@@ -104,7 +104,7 @@ class ModelRunner:
         Pallas kernels run, prefill reads through the prefill kernel and ``prefill_alignment``
         says where chunks must start (multiples of PREFILL_BLOCK_Q; 1 = anywhere).
         num_planes: block-table planes per request; a loop step's rows write [num_planes, N]
-        pages (``kv_update.write_planes``: own plane and deeper ones, else page 0).
+        pages (``kv_update.write_plane_mask``: own plane and deeper ones, else page 0).
         window_spec: decode windows' static settings (num_passes, mode, layered),
         None when the engine runs none. window_trace_width: width of a window's depth-trace rows
         (``decode_window.trace_width``)."""
@@ -118,7 +118,9 @@ class ModelRunner:
                              f"stages ({boundary_kv_layers(model)} boundary KV layers)")
         self.bkv = boundary_kv
         self.steps = DeviceSteps.build(xla_options)   # xla_options: (name, value) pairs
-        self.backend = PagedKVBackend(attn_impl=attn_impl, interpret=interpret, matmul_impl=matmul_impl)
+        # loop, head, embed steps and windows: one row per request (the fused decode write holds)
+        self.backend = PagedKVBackend(attn_impl=attn_impl, interpret=interpret, matmul_impl=matmul_impl,
+                                      decode_rows=True)
         probe = jax.ShapeDtypeStruct((1, self.cfg.num_heads, self.cfg.head_dim), kv.k.dtype)
         uses_kernel = attn_impl == "pallas" or (attn_impl == "auto" and jax.default_backend() == "gpu"
                                                 and kernel_unsupported(probe, kv.k) is None)
@@ -210,7 +212,7 @@ class ModelRunner:
         self.kv, self.slot_state, signals = self.steps.loop(
             self.layer_params, self.kv, self.slot_state, self.lookahead_w,
             np.pad(slots, (0, pad), constant_values=self.dummy_slot), np.pad(tokens, (0, pad)),
-            # padded rows re-embed token 0 so the dummy slot's state never drifts (it feeds page 0)
+            # padded rows re-embed token 0 (their writes, page 0 and the dummy slot, are dropped)
             np.pad(starting, (0, pad), constant_values=True), np.pad(positions, (0, pad)), np.pad(write_page, ((0, 0), (0, pad))),
             np.pad(write_offset, (0, pad)), np.pad(row_tables, (0, pad)),
             np.pad(positions + 1, (0, pad)).astype(np.int32), block_tables, self.slot_inject,

@@ -1,7 +1,7 @@
 """Start-up compilation of every bucket, with XLA's compiles running in parallel.
 
 A handful of executables serve every batch (prefill token buckets; loop, head and
-window row buckets; copies). Compiled one after another they made a cold start take
+window row buckets). Compiled one after another they made a cold start take
 over 100 s on an H200: each compile is mostly XLA's per-shape GEMM autotuning and
 Triton compilation, which run outside Python's lock. So the warm-up goes in two
 passes over the same all-padding calls:

@@ -111,11 +111,11 @@ class SplitLayers:
     """A stack of per-layer params held as L separate per-layer trees (``layers``).
 
     ``over_layers`` hands each layer its own tree, and model code reads that layer's
-    projections from it (``projection_source``) instead of slicing a stack. Prefill and decode
-    windows run on these: inside a ``while_loop`` (or prefill's ``fori_loop`` over loops)
-    XLA:GPU copied every per-layer slice of a stacked weight before its matmul, every pass
-    (168 copies, ~1.3 ms per Ouro-1.4B pass on an H200), where the entry computation of a
-    single pass reads the slices in place.
+    projections from it (``projection_source``) instead of slicing a stack. The engine's
+    prefill, loop steps and decode windows run on these: inside a ``while_loop`` (or
+    prefill's ``fori_loop`` over loops) XLA:GPU copied every per-layer slice of a stacked
+    weight before its matmul, every pass (168 copies, ~1.3 ms per Ouro-1.4B pass on an
+    H200), and a single loop step still copied ~0.6 ms of them.
     """
 
     def __init__(self, layers: tuple):

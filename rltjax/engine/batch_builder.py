@@ -104,7 +104,8 @@ class BatchBuilder:
             self.slot(r, pl, int(p))        # checks the position (every plane's table holds as many pages)
         # [num_planes, N]: each row's K/V goes to its own plane and, written through, to the
         # deeper ones below its cap (page 0 elsewhere: dropped), so an exit needs no copy
-        plane_tables = np.array([r.tables[:self.num_planes] for r in rows], np.int32)          # [N, P]
+        plane_tables = np.array([r.tables[:self.num_planes] for r in rows], np.int32)
+        plane_tables = plane_tables.reshape(len(rows), self.num_planes)                       # [N, P]
         caps = np.array([r.max_loops if self.layered else 1 for r in rows])
         through = write_plane_mask(np.array(planes), caps, self.num_planes)                  # [P, N]
         pages = self.scheduler.block_tables.array[plane_tables, (positions // self.page_size)[:, None]]

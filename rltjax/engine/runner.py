@@ -213,7 +213,8 @@ class ModelRunner:
             self.layer_params, self.kv, self.slot_state, self.lookahead_w,
             np.pad(slots, (0, pad), constant_values=self.dummy_slot), np.pad(tokens, (0, pad)),
             # padded rows re-embed token 0 (their writes, page 0 and the dummy slot, are dropped)
-            np.pad(starting, (0, pad), constant_values=True), np.pad(positions, (0, pad)), np.pad(write_page, ((0, 0), (0, pad))),
+            np.pad(starting, (0, pad), constant_values=True), np.pad(positions, (0, pad)),
+            np.pad(write_page, ((0, 0), (0, pad))),
             np.pad(write_offset, (0, pad)), np.pad(row_tables, (0, pad)),
             np.pad(positions + 1, (0, pad)).astype(np.int32), block_tables, self.slot_inject,
             model=self.model, backend=self.backend, raw_signal=self.raw_signal)

@@ -3,8 +3,9 @@
 ``prefill_step`` (prompt chunks, all R loops), ``embed_step`` (boundary models'
 prelude), ``loop_step`` (one loop pass over rows at mixed depths) and ``head_step``
 (heads, sampling, logprobs). Device state (the paged KV pool, the per-slot state
-buffer ``[max_num_seqs + 1, D]`` whose last row is the target of padded rows, and for
-boundary models the boundary pool and per-slot ``inject``) is donated to every call
+buffer ``[max_num_seqs + 1, D]`` whose last row padded rows name, their writes dropped
+by ``slot_buffers``, and for boundary models the boundary pool and per-slot ``inject``)
+is donated to every call
 that updates it, so XLA updates it in place. ``rltjax.engine.runner.ModelRunner``
 pads host batches and calls these through ``DeviceSteps`` (these and the decode
 window, rebuilt with the engine's XLA options); decode windows live in

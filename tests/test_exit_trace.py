@@ -4,16 +4,19 @@ rejected with a message that says what differs."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 
 import jax
 import numpy as np
 import pytest
 
+from checkpoints.loader import load_checkpoint
 from conftest import FIXTURES
 from rltjax.engine.exit_trace import ExitTrace, TraceMismatchError, model_fingerprint
 from rltjax.engine_config import CacheConfig, ExecutionConfig, ExitConfig
 from rltjax.entrypoints.llm import LLM
+from rltjax.models.layers import SplitLayers, split_layer_stacks
 from rltjax.sampling_params import SamplingParams
 
 PROMPTS = [[5, 17, 42, 8, 99, 3], [7, 7, 120, 64], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
@@ -78,14 +81,32 @@ def test_replay_rejects_tampered_outputs(trace, tmp_path):
 
 def test_fingerprint_sees_one_changed_weight():
     llm = make_llm()
-    params = llm.engine.runner.params
+    params = llm.engine.runner.params                        # held per layer (SplitLayers)
     base = model_fingerprint(llm.engine.cfg, params)
     assert base == llm.engine.model_fingerprint()
-    layers = params.layers
-    wq = np.asarray(layers.wq).copy()
-    wq[1, 3, 5] = np.nextafter(wq[1, 3, 5], np.float32(np.inf))      # one ulp in one element
-    changed = dataclasses.replace(params, layers=dataclasses.replace(layers, wq=jax.numpy.asarray(wq)))
+    layers = list(params.layers.layers)
+    wq = np.asarray(layers[1].wq).copy()
+    wq[3, 5] = np.nextafter(wq[3, 5], np.float32(np.inf))            # one ulp in one element
+    layers[1] = dataclasses.replace(layers[1], wq=jax.numpy.asarray(wq))
+    changed = dataclasses.replace(params, layers=SplitLayers(tuple(layers)))
     assert model_fingerprint(llm.engine.cfg, changed) != base
+
+
+@pytest.mark.parametrize("name", ["ouro-tiny", "huginn-tiny"])
+def test_fingerprint_does_not_depend_on_the_layer_layout(name):
+    """Stacked or split per layer, the same weights give the same fingerprint, and the one a
+    plain digest of the stacked leaves gives (traces recorded before the engine split its
+    weights still replay)."""
+    ckpt = load_checkpoint(FIXTURES / name, dtype="float32")
+    h = hashlib.sha256(json.dumps(dataclasses.asdict(ckpt.cfg), sort_keys=True, default=str).encode())
+    for path, leaf in jax.tree_util.tree_leaves_with_path(ckpt.params):
+        bits = np.asarray(leaf).reshape(-1).view(np.uint32).astype(np.uint64)
+        weights = (np.arange(bits.size, dtype=np.uint64) * 2654435761 + 1) % 2**32
+        h.update(f"{jax.tree_util.keystr(path)}:{leaf.shape}:{leaf.dtype}".encode())
+        h.update(np.array([bits.sum() % 2**32, (bits * weights % 2**32).sum() % 2**32], np.uint32).tobytes())
+    plain = h.hexdigest()[:32]
+    assert model_fingerprint(ckpt.cfg, ckpt.params) == plain
+    assert model_fingerprint(ckpt.cfg, split_layer_stacks(ckpt.params)) == plain
 
 
 def test_sampled_requests_need_a_seed():

@@ -73,9 +73,9 @@ def build_engine_from_args(args, *, max_num_seqs: int, max_model_len: int, cache
         engine = build_engine(args.model, **configs)
     else:
         cfg, dtype = model_config(args)
-        params = jax.block_until_ready(random_checkpoint(cfg, seed=0, dtype=dtype))
-        engine = build_engine(None, params=params, cfg=cfg, **{k: v for k, v in configs.items()
-                                                             if k not in ("dtype", "hf_overrides")})
+        # no reference kept here: the engine keeps one (split) copy of the weights
+        engine = build_engine(None, params=jax.block_until_ready(random_checkpoint(cfg, seed=0, dtype=dtype)),
+                              cfg=cfg, **{k: v for k, v in configs.items() if k not in ("dtype", "hf_overrides")})
     ready = time.perf_counter() - t0
     sched = engine.scheduler
     return engine, dict(ready_s=ready, compile_s=engine.compile_seconds, weights_and_setup_s=ready -

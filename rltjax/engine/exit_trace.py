@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rltjax.engine_config import ExitConfig
+from rltjax.models.layers import SplitLayers
 from rltjax.sampling_params import SamplingParams
 
 FORMAT = "rltjax-exit-trace/1"
@@ -46,12 +47,46 @@ def _leaf_digest(x: jax.Array) -> jax.Array:
     return jnp.stack([jnp.sum(bits, dtype=jnp.uint32), jnp.sum(bits * weights, dtype=jnp.uint32)])
 
 
+_POSITION_HASH = 2654435761      # _leaf_digest's position weights: i * _POSITION_HASH + 1
+
+
+def _stacked_digest(layers: tuple) -> jax.Array:
+    """``_leaf_digest`` of jnp.stack(layers), from the layers' own digests: stacked, layer l's
+    element i sits at l * m + i, so its weight gains l * m * _POSITION_HASH (uint32 sums wrap,
+    so the split is exact); no stacked copy is built."""
+    digests = [_leaf_digest(x) for x in layers]
+    m = layers[0].size
+    total, weighted = jnp.uint32(0), jnp.uint32(0)
+    for layer, d in enumerate(digests):
+        shift = jnp.uint32((layer * m * _POSITION_HASH) % 2**32)
+        total, weighted = total + d[0], weighted + d[1] + shift * d[0]
+    return jnp.stack([total, weighted])
+
+
+def _stacked_view(params):
+    """(shapes, digests): two trees shaped like ``params`` with its layer stacks stacked, split
+    (``SplitLayers``) or not, so the fingerprint does not depend on the layout."""
+    shapes, digests = {}, {}
+    for f in dataclasses.fields(params):
+        value = getattr(params, f.name)
+        if isinstance(value, SplitLayers):
+            shapes[f.name] = jax.tree.map(lambda *xs: jax.ShapeDtypeStruct((len(xs),) + xs[0].shape, xs[0].dtype),
+                                          *value.layers)
+            digests[f.name] = jax.tree.map(lambda *xs: _stacked_digest(xs), *value.layers)
+        elif value is not None:
+            shapes[f.name] = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), value)
+            digests[f.name] = jax.tree.map(_leaf_digest, value)
+    return dataclasses.replace(params, **shapes), dataclasses.replace(params, **digests)
+
+
 def model_fingerprint(cfg, params) -> str:
-    """sha256 over the config and every weight's name, shape, dtype and bit digest."""
+    """sha256 over the config and every weight's name, shape, dtype and bit digest. Layer
+    stacks count as stacked whether they are or are held per layer (``SplitLayers``)."""
     h = hashlib.sha256(json.dumps(dataclasses.asdict(cfg), sort_keys=True, default=str).encode())
-    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+    shapes, digests = _stacked_view(params)
+    for (path, leaf), digest in zip(jax.tree_util.tree_leaves_with_path(shapes), jax.tree.leaves(digests)):
         h.update(f"{jax.tree_util.keystr(path)}:{leaf.shape}:{leaf.dtype}".encode())
-        h.update(np.asarray(_leaf_digest(leaf)).tobytes())
+        h.update(np.asarray(digest).tobytes())
     return h.hexdigest()[:32]
 
 

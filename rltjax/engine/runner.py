@@ -109,7 +109,13 @@ class ModelRunner:
         None when the engine runs none. window_trace_width: width of a window's depth-trace rows
         (``decode_window.trace_width``)."""
         self.model = model
-        self.params = params
+        # Prefill and decode windows loop on the device (fori_loop over loops, while_loop over
+        # passes), where XLA:GPU copies every layer slice of a stacked weight before its matmul
+        # (on an H200 the copies cost prefill as much as its GEMMs), and a loop step copied
+        # ~0.6 ms of them: every step reads per-layer arrays. One copy of the weights is kept,
+        # split here unless the caller split them already (``build_engine`` does, before the KV
+        # pool is sized, so the stacked copy is gone by then).
+        self.params = split_layer_stacks(params)
         self.kv = kv
         self.cfg = model.cfg
         self.has_boundary = boundary_kv_layers(model) > 0
@@ -145,12 +151,6 @@ class ModelRunner:
         self.raw_signal = raw_signal
         self.window_spec = window_spec
         self.window_trace_width = window_trace_width
-        # Prefill and decode windows loop on the device (fori_loop over loops, while_loop over
-        # passes), where XLA:GPU copies every layer slice of a stacked weight before its matmul
-        # (on an H200 the copies cost prefill as much as its GEMMs): they read per-layer arrays,
-        # split once here. So do loop steps (an H200 trace showed ~0.6 ms of weight-slice copies
-        # in each); head steps read no layer.
-        self.layer_params = split_layer_stacks(params)
         self.row_buckets = buckets_up_to(max_num_seqs, MIN_ROW_BUCKET)
         # aligned prefill batches stay within the budget, except one chunk when budget < alignment
         most_tokens = max(max_num_batched_tokens, self.prefill_alignment)
@@ -184,7 +184,7 @@ class ModelRunner:
         lengths = np.pad(positions + 1, (0, pad))
         bmeta, seeds = self._bmeta(boundary, positions, write_offset, pad)
         self.kv, self.slot_state, self.bkv = self.steps.prefill(
-            self.layer_params, self.kv, self.slot_state, np.pad(tokens, (0, pad)), np.pad(positions, (0, pad)),
+            self.params, self.kv, self.slot_state, np.pad(tokens, (0, pad)), np.pad(positions, (0, pad)),
             np.pad(write_page, ((0, 0), (0, pad))), np.pad(write_offset, (0, pad)),
             np.pad(row_tables, ((0, 0), (0, pad))), lengths.astype(np.int32), block_tables,
             np.pad(out_slots, (0, pad), constant_values=self.dummy_slot), self.bkv, bmeta, seeds,
@@ -210,7 +210,7 @@ class ModelRunner:
         b = self._rows_bucket(len(slots))
         pad = b - len(slots)
         self.kv, self.slot_state, signals = self.steps.loop(
-            self.layer_params, self.kv, self.slot_state, self.lookahead_w,
+            self.params, self.kv, self.slot_state, self.lookahead_w,
             np.pad(slots, (0, pad), constant_values=self.dummy_slot), np.pad(tokens, (0, pad)),
             # padded rows re-embed token 0 (their writes, page 0 and the dummy slot, are dropped)
             np.pad(starting, (0, pad), constant_values=True), np.pad(positions, (0, pad)),
@@ -286,7 +286,7 @@ class ModelRunner:
             # tens of seconds inside a run on the H200)
             rows = jax.device_put(rows, self.device)
         self.kv, self.slot_state, self.bkv, self.slot_inject, after, out = self.steps.window(
-            self.layer_params, self.kv, self.slot_state, rows, block_tables, self.lookahead_w, self.bkv,
+            self.params, self.kv, self.slot_state, rows, block_tables, self.lookahead_w, self.bkv,
             self.slot_inject, boundary_tables, self.slot_tokens, model=self.model, backend=self.backend,
             num_top=self.num_top if sampler == "truncate" else 0, sampler=sampler,
             dummy_slot=self.dummy_slot, **self.window_spec)

@@ -118,9 +118,10 @@ def run_bench(args: argparse.Namespace) -> int:
         engine = build_engine(args.model, **configs)
     else:
         cfg = preset_config(args.preset, QUICK_OVERRIDES if args.quick else None)
-        params = random_checkpoint(cfg, seed=0, dtype=configs["dtype"] or ("float32" if args.quick else "bfloat16"))
-        engine = build_engine(None, params=params, cfg=cfg, **{k: v for k, v in configs.items()
-                                                             if k not in ("dtype", "hf_overrides")})
+        dtype = configs["dtype"] or ("float32" if args.quick else "bfloat16")
+        # no reference kept here: the engine keeps one (split) copy of the weights
+        engine = build_engine(None, params=random_checkpoint(cfg, seed=0, dtype=dtype), cfg=cfg,
+                              **{k: v for k, v in configs.items() if k not in ("dtype", "hf_overrides")})
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True,
                             exit_threshold=args.exit_threshold)
     rows = []

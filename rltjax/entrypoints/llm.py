@@ -22,6 +22,7 @@ from rltjax.engine.llm_engine import LLMEngine
 from rltjax.engine.outputs import RequestOutput
 from rltjax.engine_config import CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig
 from rltjax.models.base import boundary_kv_layers, get_model, loop_limit
+from rltjax.models.layers import split_layer_stacks
 from rltjax.sampling_params import SamplingParams
 from rltjax.tokenizer import Tokenizer
 
@@ -38,7 +39,9 @@ def build_engine(model_dir, *, dtype=None, hf_overrides=None, cache_config: Cach
                  scheduler_config: SchedulerConfig | None = None, exit_config: ExitConfig | None = None,
                  execution_config: ExecutionConfig | None = None, params=None, cfg=None,
                  tokenizer=None) -> LLMEngine:
-    """An LLMEngine from a checkpoint directory (or from given params + cfg, e.g. random weights)."""
+    """An LLMEngine from a checkpoint directory (or from given params + cfg, e.g. random weights;
+    the engine keeps its own per-layer copy, so a caller that keeps ``params`` holds the weights
+    twice, and the KV pool is sized with both in memory)."""
     cache_config = cache_config or CacheConfig()
     scheduler_config = scheduler_config or SchedulerConfig()
     exit_config = exit_config or ExitConfig()
@@ -48,6 +51,10 @@ def build_engine(model_dir, *, dtype=None, hf_overrides=None, cache_config: Cach
         ckpt = load_checkpoint(model_dir, dtype=dtype, hf_overrides=hf_overrides)
         cfg, params = ckpt.cfg, ckpt.params
         tokenizer = tokenizer or Tokenizer.from_dir(ckpt.model_dir)
+        del ckpt
+    # The engine reads the layers per layer (``ModelRunner``): split them now and keep that one
+    # copy, so the KV pool below is sized without a second copy of the weights in memory.
+    params = split_layer_stacks(params)
     max_model_len = min(cfg.max_position, scheduler_config.max_model_len or cfg.max_position)
     dtype = params.embed.dtype
     model = get_model(cfg)

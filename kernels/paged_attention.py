@@ -5,8 +5,8 @@ Layout and semantics: `kernels.paged_attention_ref` (the oracle). impl:
   "pallas" the Pallas Triton kernel (`kernels.pallas_triton`); interpret=True runs it on CPU;
   "auto"   pallas on GPU when the shapes are kernel-supported, xla otherwise.
 Three entry points: ``paged_attention`` (any rows; the decode kernel, one program per
-row), ``paged_attention_write`` (the same, each row first writing its new K/V: one
-kernel for a decode layer's write and read) and ``paged_prefill_attention`` (rows in
+row), ``paged_attention_write`` (the same, each row first writing its new K/V, optionally
+after rotate-half RoPE of q and k: one kernel for a decode layer's rope, write and read) and ``paged_prefill_attention`` (rows in
 aligned query blocks that share a table; a flash-style kernel that reads each KV block
 once per block of rows).
 Kernel-supported: page_size a power of two in 8..128, head_dim a multiple of 16 in
@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels.paged_attention_ref import paged_attention_ref, paged_write_ref
+from kernels.paged_attention_ref import paged_attention_ref, paged_write_ref, rope_rotate_half_ref
 
 # Query rows per prefill-kernel program; the engine aligns chunks to it. H200, Ouro shapes:
 # 32 was 1.2-1.6x faster than 16 at most shapes (scripts/bench_prefill.py, docs/performance.md).
@@ -128,10 +128,15 @@ def paged_attention_write(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pa
                           lengths: jax.Array, write_page: jax.Array, write_offset: jax.Array, *,
                           layer: jax.Array | int | None = None, impl: str = "auto",
                           interpret: bool = False, scale: float | None = None,
-                          pages_per_block: int | None = None,
-                          num_splits: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                          pages_per_block: int | None = None, num_splits: int | None = None,
+                          rope: tuple[jax.Array, jax.Array] | None = None
+                          ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Each row writes its new K/V (``paged_write_ref``), then attends as ``paged_attention``
     -> (out [N, H, Dh], k_pages, v_pages). Donate the pools: they are updated in place.
+
+    rope = (cos, sin) [N, Dh / 2] float32: q and k_new are rotated first
+    (``rope_rotate_half_ref``); the kernel does it in registers, from one [N, H + 2 Hkv, Dh]
+    array of q | k | v (the projections' output, so XLA need not slice it).
 
     Precondition for the kernel (decode, where it holds by construction): a row with
     length > 0 writes its key at position lengths - 1 of its own table (row_tables); the
@@ -148,16 +153,25 @@ def paged_attention_write(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pa
     _check_index("write_offset", write_offset, 1)
     if write_offset.shape[0] != n:
         _fail("write_offset", f"expected [{n}] (one per row of q), got {write_offset.shape}")
+    if rope is not None:
+        if head_dim % 2 or len(rope) != 2 or any(
+                x.shape != (n, head_dim // 2) or x.dtype != jnp.float32 for x in rope):
+            _fail("rope", f"expected (cos, sin), float32 [{n}, {head_dim // 2}] each, and an even head_dim; got "
+                  f"head_dim {head_dim}, {[(str(x.dtype), x.shape) for x in rope]}")
     impl = _resolve_impl(impl, q, k_pages)
+    if rope is not None and (impl == "xla" or head_dim & (head_dim - 1)):
+        # The kernel rotates power-of-two head_dims only (two power-of-two halves).
+        q, k_new = rope_rotate_half_ref(q, *rope), rope_rotate_half_ref(k_new, *rope)
+        rope = None
     if impl == "xla":
         k_pages, v_pages = paged_write_ref(k_pages, v_pages, k_new, v_new, write_page, write_offset, layer=layer)
         out = paged_attention_ref(q, k_pages, v_pages, block_tables, row_tables, lengths, layer=layer, scale=scale)
         return out, k_pages, v_pages
     from kernels.pallas_triton import paged_attention_pallas
-    new_kv = (k_new.astype(k_pages.dtype), v_new.astype(v_pages.dtype), write_page, write_offset)
-    return paged_attention_pallas(q, k_pages, v_pages, block_tables, row_tables, lengths, layer=layer,
+    qkv = jnp.concatenate([q, k_new.astype(q.dtype), v_new.astype(q.dtype)], axis=1)   # [N, H + 2 Hkv, Dh]
+    return paged_attention_pallas(qkv, k_pages, v_pages, block_tables, row_tables, lengths, layer=layer,
                                   scale=scale, pages_per_block=pages_per_block, num_splits=num_splits,
-                                  interpret=interpret, new_kv=new_kv)
+                                  interpret=interpret, new_kv=(write_page, write_offset, rope))
 
 
 def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,

@@ -16,6 +16,9 @@ head h reads KV head h // (H // Hkv). Rows with length 0 return zeros.
   k_new, v_new:     [N, Hkv, Dh]  each row's new K/V
   write_page:       [N] or [M, N] int32  page(s) it goes to (page 0 is scratch: not written)
   write_offset:     [N] int32     its offset in them
+
+``rope_rotate_half_ref`` is the rotary embedding ``paged_attention_write`` may apply to q and
+the new keys first (Llama-style rotate-half; cos, sin: [N, Dh / 2] float32 per row).
 """
 from __future__ import annotations
 
@@ -65,3 +68,15 @@ def paged_write_ref(k_pages: jax.Array, v_pages: jax.Array, k_new: jax.Array, v_
     idx = ((layer,) if stacked else ()) + (slice(None), write_page, write_offset)
     return (k_pages.at[idx].set(k_new.astype(k_pages.dtype), mode="drop", unique_indices=True),
             v_pages.at[idx].set(v_new.astype(v_pages.dtype), mode="drop", unique_indices=True))
+
+
+def rope_rotate_half_ref(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE: x [N, H, Dh], cos/sin [N, Dh / 2] float32 -> [N, H, Dh] in x's dtype.
+
+    With x = (lo, hi) halves: (lo cos - hi sin, hi cos + lo sin), computed in float32 and
+    cast back once (the upstream models' numerics; the kernel computes the same terms)."""
+    half = x.shape[-1] // 2
+    x32 = x.astype(jnp.float32)
+    lo, hi = x32[..., :half], x32[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return jnp.concatenate([lo * c - hi * s, hi * c + lo * s], axis=-1).astype(x.dtype)

@@ -32,14 +32,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels.paged_attention import DEFAULT_BLOCK_Q
-from kernels.pallas_triton import head_dim_chunks, stacked_pool
+from kernels.triton_common import cdiv, head_dim_chunks, stacked_pool
 
 NEG_INF = float("-inf")
 TARGET_BLOCK_K = 64          # keys per inner iteration
-
-
-def _cdiv(a, b: int):
-    return jax.lax.div(a + (b - 1), b)
 
 
 def _kernel(layer_ref, lengths_ref, row_tables_ref, block_tables_ref, q_ref, k_ref, v_ref, o_ref, *,
@@ -59,8 +55,8 @@ def _kernel(layer_ref, lengths_ref, row_tables_ref, block_tables_ref, q_ref, k_r
     # The table of the block's first live row (any live row's, under the precondition).
     first = jnp.min(jnp.where(live, jax.lax.broadcasted_iota(jnp.int32, (block_q,), 0), block_q))
     table = jnp.sum(jnp.where(jax.lax.broadcasted_iota(jnp.int32, (block_q,), 0) == first, tables, 0))
-    n_pages = _cdiv(jnp.max(lengths), page_size)
-    n_blocks = _cdiv(n_pages, pages_per_block)
+    n_pages = cdiv(jnp.max(lengths), page_size)
+    n_blocks = cdiv(n_pages, pages_per_block)
 
     dot = functools.partial(plgpu.dot, precision=jax.lax.Precision.HIGHEST
                             if q_ref.dtype == jnp.float32 else None)

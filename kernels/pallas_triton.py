@@ -53,6 +53,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from kernels.triton_common import cdiv, head_dim_chunks, is_pow2, next_pow2, stacked_pool
+
 NEG_INF = float("-inf")
 TARGET_BLOCK_TOKENS = 64        # keys per inner iteration (default pages_per_block), Dh <= 128
 SPLIT_TOKENS = 512              # default num_splits: about one split per this many keys ...
@@ -60,19 +62,11 @@ MIN_PROGRAMS = 1024             # ... raised until the grid has this many progra
 MAX_SPLITS = 32
 
 
-def _is_pow2(x: int) -> bool:
-    return x > 0 and (x & (x - 1)) == 0
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
-
-
 def default_pages_per_block(page_size: int, pages_per_table: int, head_dim: int) -> int:
     target = TARGET_BLOCK_TOKENS if head_dim <= 128 else TARGET_BLOCK_TOKENS // 2
     ppb = max(1, target // page_size)
-    ppb = min(ppb, _next_pow2(pages_per_table))
-    return max(ppb, _next_pow2(max(1, 16 // page_size)))   # block_k >= 16 for tl.dot
+    ppb = min(ppb, next_pow2(pages_per_table))
+    return max(ppb, next_pow2(max(1, 16 // page_size)))   # block_k >= 16 for tl.dot
 
 
 def default_num_splits(num_rows: int, num_kv_heads: int, pages_per_table: int,
@@ -82,54 +76,48 @@ def default_num_splits(num_rows: int, num_kv_heads: int, pages_per_table: int,
     with scripts/bench_attention.py; splits divide each row's own length at run time.)"""
     blocks = -(-pages_per_table // pages_per_block)
     most = max(1, min(MAX_SPLITS, blocks // 2))
-    splits = _next_pow2(max(1, (pages_per_table * page_size) // SPLIT_TOKENS))
+    splits = next_pow2(max(1, (pages_per_table * page_size) // SPLIT_TOKENS))
     while splits < most and num_rows * num_kv_heads * splits < MIN_PROGRAMS:
         splits *= 2
     return int(max(1, min(splits, most)))
 
 
-def head_dim_chunks(head_dim: int) -> tuple[tuple[int, int], ...]:
-    """(offset, width) power-of-two pieces of head_dim, widest first: 96 -> (0, 64), (64, 32)."""
-    chunks, off = [], 0
-    for bit in reversed(range(head_dim.bit_length())):
-        width = 1 << bit
-        if head_dim & width:
-            chunks.append((off, width))
-            off += width
-    return tuple(chunks)
-
-
-def stacked_pool(k_pages, v_pages, layer):
-    """Both kernels read the stacked [L, Hkv, P, S, Dh] pool at a layer index ([1] int32, may
-    be traced); a single layer's [Hkv, P, S, Dh] pool becomes L = 1, layer 0."""
-    if k_pages.ndim == 4:
-        k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
-    return k_pages, v_pages, jnp.asarray(layer, jnp.int32).reshape(1)
-
-
-def _cdiv(a, b: int):
-    return jax.lax.div(a + (b - 1), b)        # a >= 0: truncating division is floor division
+def _rotate(lo, hi, cos, sin):
+    """Rotate-half RoPE of one vector's halves, float32 terms as ``rope_rotate_half_ref``."""
+    lo32, hi32 = lo.astype(jnp.float32), hi.astype(jnp.float32)
+    return (lo32 * cos - hi32 * sin).astype(lo.dtype), (hi32 * cos + lo32 * sin).astype(hi.dtype)
 
 
 def _kernel(layer_ref, lengths_ref, row_tables_ref, block_tables_ref, q_ref, k_ref, v_ref, *refs,
             group: int, group_pad: int, page_size: int, pages_per_block: int,
-            pages_per_table: int, num_splits: int, scale: float, use_dot: bool, fused_write: bool):
+            pages_per_table: int, num_splits: int, scale: float, use_dot: bool, fused_write: bool,
+            rope: bool):
     row = pl.program_id(0)
     kvh = pl.program_id(1)
     split = pl.program_id(2)
     layer = layer_ref[0]
-    chunks = head_dim_chunks(q_ref.shape[-1])
+    head_dim = q_ref.shape[-1]
+    # RoPE pairs column i with i + Dh/2: the head dim is read as its two halves.
+    chunks = ((0, head_dim // 2), (head_dim // 2, head_dim // 2)) if rope else head_dim_chunks(head_dim)
     block_k = pages_per_block * page_size
 
     length = jnp.clip(lengths_ref[row], 0, pages_per_table * page_size)
     if fused_write:
-        # The row's newest key (position length - 1) is the K/V it writes in this call: the
-        # pool is read below it, and split 0 folds the new key in from registers (and stores
-        # it), so no program reads a slot another program is writing.
-        k_new_ref, v_new_ref, write_page_ref, write_offset_ref, *out_refs = refs
+        # q_ref is q | k | v [N, H + 2 Hkv, Dh]. The row's newest key (position length - 1)
+        # is the K/V it writes in this call: the pool is read below it, and split 0 folds
+        # the new key in from registers (and stores it), so no program reads a slot another
+        # program is writing.
+        num_kv = k_ref.shape[1]
+        num_heads = q_ref.shape[1] - 2 * num_kv
+        if rope:
+            cos_ref, sin_ref, *refs = refs
+            cos, sin = plgpu.load(cos_ref.at[row, :]), plgpu.load(sin_ref.at[row, :])   # [Dh/2] f32
+        write_page_ref, write_offset_ref, *out_refs = refs
         has_new = length > 0
-        new_k = [plgpu.load(k_new_ref.at[row, kvh, pl.ds(off, w)]) for off, w in chunks]    # [w] each
-        new_v = [plgpu.load(v_new_ref.at[row, kvh, pl.ds(off, w)]) for off, w in chunks]
+        new_k = [plgpu.load(q_ref.at[row, num_heads + kvh, pl.ds(off, w)]) for off, w in chunks]  # [w] each
+        new_v = [plgpu.load(q_ref.at[row, num_heads + num_kv + kvh, pl.ds(off, w)]) for off, w in chunks]
+        if rope:
+            new_k = list(_rotate(*new_k, cos, sin))
         k_out_ref, v_out_ref = out_refs[-2:]
         out_refs = out_refs[:-2]
         offset = write_offset_ref[row]
@@ -149,9 +137,9 @@ def _kernel(layer_ref, lengths_ref, row_tables_ref, block_tables_ref, q_ref, k_r
     else:
         out_refs = refs
     table = row_tables_ref[row]
-    n_pages = _cdiv(length, page_size)
-    n_blocks = _cdiv(n_pages, pages_per_block)
-    per_split = _cdiv(n_blocks, num_splits)
+    n_pages = cdiv(length, page_size)
+    n_blocks = cdiv(n_pages, pages_per_block)
+    per_split = cdiv(n_blocks, num_splits)
     start = split * per_split
     stop = jnp.minimum(start + per_split, n_blocks)
 
@@ -160,11 +148,11 @@ def _kernel(layer_ref, lengths_ref, row_tables_ref, block_tables_ref, q_ref, k_r
                             if q_ref.dtype == jnp.float32 else None)
     head_ok = jax.lax.broadcasted_iota(jnp.int32, (group_pad,), 0) < group
     heads = pl.ds(kvh * group, group_pad)
-    qs = []
-    for off, width in chunks:
-        qc = plgpu.load(q_ref.at[row, heads, pl.ds(off, width)],
-                        mask=head_ok[:, None], other=0)                  # [Gp, w]
-        qs.append(qc if use_dot else qc.astype(jnp.float32) * scale)
+    qs = [plgpu.load(q_ref.at[row, heads, pl.ds(off, width)], mask=head_ok[:, None], other=0)
+          for off, width in chunks]                                      # [Gp, w] each
+    if rope:
+        qs = list(_rotate(*qs, cos[None, :], sin[None, :]))
+    qs = [qc if use_dot else qc.astype(jnp.float32) * scale for qc in qs]
 
     def body(b, carry):
         os, m, l = carry
@@ -261,25 +249,32 @@ def paged_attention_pallas(q, k_pages, v_pages, block_tables, row_tables, length
     (a traced int32 scalar): the kernel then reads that layer in place, so a layer
     scan passes the whole pool without an XLA slice copy.
 
-    new_kv = (k_new, v_new [N, Hkv, Dh] in the pool's dtype, write_page [M, N],
-    write_offset [N]): each row's new K/V is stored at every (write_page[m], write_offset)
-    with a page other than 0 and is its key at position lengths - 1; returns (out, k_pages,
-    v_pages), the pools updated in place (aliased: donate them).
+    new_kv = (write_page [M, N], write_offset [N], rope: None or (cos, sin) [N, Dh/2] f32):
+    q is then q | k_new | v_new [N, H + 2 Hkv, Dh] in the pool's dtype; q and k_new are
+    rotated (rotate-half) when rope is given; each row's new K/V is stored at every
+    (write_page[m], write_offset) with a page other than 0 and is its key at position
+    lengths - 1; returns (out, k_pages, v_pages), the pools updated in place (aliased:
+    donate them).
     """
     unstacked = k_pages.ndim == 4
     k_pages, v_pages, layer = stacked_pool(k_pages, v_pages, layer)
     n, num_heads, head_dim = q.shape
     _, num_kv, _, page_size, _ = k_pages.shape
+    rope = new_kv is not None and new_kv[2] is not None
+    if new_kv is not None:
+        num_heads -= 2 * num_kv                  # q is q | k_new | v_new
+    if rope and (head_dim < 32 or not is_pow2(head_dim)):
+        raise ValueError(f"in-kernel RoPE needs a power-of-two head_dim >= 32, got {head_dim}")
     pages_per_table = block_tables.shape[1]
     group = num_heads // num_kv
     if use_dot is None:
         use_dot = group > 1
     if not use_dot and group != 1:
         raise ValueError("the elementwise path needs H == Hkv (use_dot=True for GQA)")
-    group_pad = max(16, _next_pow2(group)) if use_dot else 1
+    group_pad = max(16, next_pow2(group)) if use_dot else 1
     if pages_per_block is None:
         pages_per_block = default_pages_per_block(page_size, pages_per_table, head_dim)
-    if not _is_pow2(pages_per_block) or pages_per_block * page_size < 16:   # tl.dot: N, K >= 16
+    if not is_pow2(pages_per_block) or pages_per_block * page_size < 16:   # tl.dot: N, K >= 16
         raise ValueError(f"pages_per_block must be a power of two with pages_per_block * "
                          f"page_size >= 16, got {pages_per_block}")
     if num_splits is None:
@@ -295,7 +290,8 @@ def paged_attention_pallas(q, k_pages, v_pages, block_tables, row_tables, length
     kernel = functools.partial(
         _kernel, group=group, group_pad=group_pad, page_size=page_size,
         pages_per_block=pages_per_block, pages_per_table=pages_per_table,
-        num_splits=num_splits, scale=scale, use_dot=use_dot, fused_write=new_kv is not None)
+        num_splits=num_splits, scale=scale, use_dot=use_dot, fused_write=new_kv is not None,
+        rope=rope)
     whole = lambda shape: pl.BlockSpec(shape, lambda r, h, s: (0,) * len(shape))
     pool = whole(k_pages.shape)     # indexed in the kernel by (layer, kv head, page ids)
     if num_splits == 1:
@@ -306,8 +302,8 @@ def paged_attention_pallas(q, k_pages, v_pages, block_tables, row_tables, length
     args = [layer, lengths, row_tables, block_tables, q, k_pages, v_pages]
     aliases = {}
     if new_kv is not None:
-        k_new, v_new, write_page, write_offset = new_kv
-        args += [k_new, v_new, write_page.reshape(-1, n), write_offset]
+        write_page, write_offset, cos_sin = new_kv
+        args += [*(cos_sin or ()), write_page.reshape(-1, n), write_offset]
         aliases = {5: len(out_shape), 6: len(out_shape) + 1}     # the pools, updated in place
         out_shape += [jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype)] * 2
     outs = pl.pallas_call(
@@ -319,7 +315,8 @@ def paged_attention_pallas(q, k_pages, v_pages, block_tables, row_tables, length
         input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"rlt_paged_attention{'_write' if new_kv is not None else ''}_g{group}_ppb{pages_per_block}"
+        name=f"rlt_paged_attention{'_write' if new_kv is not None else ''}{'_rope' if rope else ''}"
+             f"_g{group}_ppb{pages_per_block}"
              f"_s{num_splits}",
     )(*args)
     if new_kv is not None:

@@ -11,7 +11,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from kernels.paged_attention import paged_attention
 from kernels.paged_attention_ref import paged_attention_ref
-from kernels.pallas_triton import combine_splits, head_dim_chunks, paged_attention_pallas
+from kernels.pallas_triton import combine_splits, paged_attention_pallas
+from kernels.triton_common import head_dim_chunks
 
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
 N_ROWS, N_TABLES, PAGES_PER_TABLE = 6, 4, 4        # fixed so interpret-mode compiles are reused
@@ -201,14 +202,15 @@ def triton_ir(monkeypatch):
     monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info", lambda: info)
     monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", spy)
 
-    def lower(n, heads, num_kv, head_dim, page_size, num_pages, dtype, num_writes=0, **kw):
+    def lower(n, heads, num_kv, head_dim, page_size, num_pages, dtype, num_writes=0, rope=False, **kw):
         sd = jax.ShapeDtypeStruct
         pool = sd((num_kv, num_pages, page_size, head_dim), dtype)
-        args = (sd((n, heads, head_dim), dtype), pool, pool, sd((n, 64), jnp.int32),
+        q_heads = heads + 2 * num_kv if num_writes else heads    # the fused write reads q | k | v
+        args = (sd((n, q_heads, head_dim), dtype), pool, pool, sd((n, 64), jnp.int32),
                 sd((n,), jnp.int32), sd((n,), jnp.int32))
-        if num_writes:     # the fused write (paged_attention_write): new K/V, pages, offsets
-            new = sd((n, num_kv, head_dim), dtype)
-            args += ((new, new, sd((num_writes, n), jnp.int32), sd((n,), jnp.int32)),)
+        if num_writes:     # the fused write (paged_attention_write): pages, offsets, RoPE cos / sin
+            cos_sin = (sd((n, head_dim // 2), jnp.float32),) * 2 if rope else None
+            args += ((sd((num_writes, n), jnp.int32), sd((n,), jnp.int32), cos_sin),)
         fn = jax.jit(lambda *a: paged_attention_pallas(*a[:6], new_kv=a[6] if num_writes else None, **kw))
         fn.trace(*args).lower(lowering_platforms=("cuda",))
         return seen[-1]
@@ -223,6 +225,8 @@ def triton_ir(monkeypatch):
     (8, 4, 96, 32, jnp.bfloat16, {}),
     (16, 16, 128, 16, jnp.bfloat16, dict(num_writes=4)),                   # fused write-through
     (48, 8, 128, 8, jnp.bfloat16, dict(num_writes=1, pages_per_block=2, num_splits=1)),
+    (16, 16, 128, 16, jnp.bfloat16, dict(num_writes=2, rope=True)),        # + RoPE (Ouro decode)
+    (48, 8, 64, 8, jnp.bfloat16, dict(num_writes=1, rope=True, pages_per_block=2)),
 ])
 def test_lowers_to_triton(triton_ir, heads, num_kv, head_dim, page_size, dtype, kw):
     ir = triton_ir(8, heads, num_kv, head_dim, page_size, 256, dtype, **kw)

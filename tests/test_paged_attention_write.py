@@ -12,6 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from kernels.paged_attention import paged_attention_write
+from rltjax.models.layers import rope_cos_sin
 
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
 
@@ -41,12 +42,20 @@ def make_decode_case(rng, *, num_kv, group, page_size, head_dim, dtype, n, pages
             jnp.asarray(lengths), jnp.asarray(write_page), jnp.asarray(pos % page_size, jnp.int32))
 
 
-def check(case, dtype, layer, **kw):
-    out, k, v = paged_attention_write(*case, layer=layer, impl="pallas", **kw)
-    ref_out, ref_k, ref_v = paged_attention_write(*case, layer=layer, impl="xla")
+def rope_for(case, head_dim):
+    """(cos, sin) at each row's position (length - 1), a long-context theta."""
+    return rope_cos_sin(jnp.maximum(case[7] - 1, 0) * 37, head_dim, 1e6)
+
+
+def check(case, dtype, layer, rope=None, **kw):
+    out, k, v = paged_attention_write(*case, layer=layer, impl="pallas", rope=rope, **kw)
+    ref_out, ref_k, ref_v = paged_attention_write(*case, layer=layer, impl="xla", rope=rope)
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref_out, np.float32),
                                atol=TOL[dtype], rtol=TOL[dtype])
-    np.testing.assert_array_equal(np.asarray(k, np.float32), np.asarray(ref_k, np.float32))
+    if rope is None:
+        np.testing.assert_array_equal(np.asarray(k, np.float32), np.asarray(ref_k, np.float32))
+    else:     # the rotation's float32 terms may round differently (FMA): an ulp of float32
+        np.testing.assert_allclose(np.asarray(k, np.float32), np.asarray(ref_k, np.float32), rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(np.asarray(v, np.float32), np.asarray(ref_v, np.float32))
     return out, k
 
@@ -55,13 +64,33 @@ def check(case, dtype, layer, **kw):
 @given(seed=st.integers(0, 2**31 - 1), group=st.sampled_from([1, 2, 4]),
        page_size=st.sampled_from([8, 16]), head_dim=st.sampled_from([64, 96]),
        dtype=st.sampled_from([jnp.float32, jnp.bfloat16]), num_splits=st.integers(1, 3),
-       num_writes=st.integers(1, 3), layer=st.integers(0, 1))
+       num_writes=st.integers(1, 3), layer=st.integers(0, 1), rope=st.booleans())
 def test_fused_write_matches_write_then_attend(seed, group, page_size, head_dim, dtype, num_splits,
-                                               num_writes, layer):
+                                               num_writes, layer, rope):
+    """With rope, q and k are rotated first: in the kernel for head_dim 64, in XLA for 96."""
     case = make_decode_case(np.random.default_rng(seed), num_kv=2, group=group, page_size=page_size,
                             head_dim=head_dim, dtype=dtype, n=5, pages_per_table=4, num_writes=num_writes)
-    check(case, dtype, jnp.int32(layer), interpret=True, num_splits=num_splits,
-          pages_per_block=max(1, 16 // page_size))
+    check(case, dtype, jnp.int32(layer), rope_for(case, head_dim) if rope else None, interpret=True,
+          num_splits=num_splits, pages_per_block=max(1, 16 // page_size))
+
+
+def test_rope_in_kernel_is_rotate_half():
+    """The kernel's rotation against the dense formula in float64 (not the shared reference):
+    out of a length-1 row is its new value; its stored key is k rotated by its own angle."""
+    rng = np.random.default_rng(11)
+    case = make_decode_case(rng, num_kv=2, group=2, page_size=8, head_dim=64, dtype=jnp.float32, n=3,
+                            pages_per_table=2, num_writes=1, lengths=[1, 5, 16])
+    pos = np.array([0, 4, 15]) * 37
+    angles = pos[:, None] * (1e6 ** -(np.arange(0, 64, 2) / 64))[None, :]
+    out, k, _ = paged_attention_write(*case, layer=jnp.int32(0), impl="pallas", interpret=True,
+                                      rope=rope_for(case, 64))
+    lo, hi = np.asarray(case[1], np.float64)[..., :32], np.asarray(case[1], np.float64)[..., 32:]
+    c, s = np.cos(angles)[:, None], np.sin(angles)[:, None]
+    want = np.concatenate([lo * c - hi * s, hi * c + lo * s], axis=-1)          # [N, Hkv, Dh]
+    pages, offsets = np.asarray(case[8][0]), np.asarray(case[9])
+    got = np.asarray(k)[0][:, pages, offsets].transpose(1, 0, 2)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)      # float32 angles at ~500
+    np.testing.assert_allclose(np.asarray(out[0]), np.repeat(np.asarray(case[2][0]), 2, axis=0), rtol=1e-6)
 
 
 def test_padded_rows_write_nothing_and_read_zeros():
@@ -93,18 +122,27 @@ def test_validation():
     (1, 128, jnp.bfloat16, dict(num_splits=1)),
     (4, 128, jnp.bfloat16, {}),
     (2, 96, jnp.float32, dict(num_splits=3)),
+    (1, 128, jnp.bfloat16, dict(rope=True)),            # Ouro-1.4B as the engine runs it
+    (4, 64, jnp.float32, dict(rope=True, num_splits=2)),
 ])
 def test_compiled_fused_write_on_gpu(group, head_dim, dtype, kw):
     """Realistic decode shapes, the pools donated into a jit (updated in place)."""
+    kw = dict(kw)
     rng = np.random.default_rng(7)
     case = make_decode_case(rng, num_kv=16 // group, group=group, page_size=16, head_dim=head_dim,
                             dtype=dtype, n=32, pages_per_table=64, num_writes=3, num_layers=3,
                             lengths=np.r_[[0, 1, 16, 1024], rng.integers(1, 1025, 28)])
+    rope = rope_for(case, head_dim) if kw.pop("rope", False) else None
     with jax.default_matmul_precision("highest"):
-        ref_out, ref_k, ref_v = paged_attention_write(*case, layer=jnp.int32(2), impl="xla")
+        ref_out, ref_k, ref_v = paged_attention_write(*case, layer=jnp.int32(2), impl="xla", rope=rope)
     run = jax.jit(lambda k, v, layer: paged_attention_write(*case[:3], k, v, *case[5:], layer=layer,
-                                                             impl="pallas", **kw), donate_argnums=(0, 1))
+                                                             impl="pallas", rope=rope, **kw), donate_argnums=(0, 1))
     out, k, v = run(jnp.array(case[3]), jnp.array(case[4]), jnp.int32(2))
     tol = 2e-2 if dtype == jnp.bfloat16 else 1e-4
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref_out, np.float32), atol=tol, rtol=tol)
-    assert bool(jnp.array_equal(k, ref_k)) and bool(jnp.array_equal(v, ref_v))
+    assert bool(jnp.array_equal(v, ref_v))
+    if rope is None:
+        assert bool(jnp.array_equal(k, ref_k))
+    else:       # FMA contraction may differ: one ulp of the key dtype at most
+        ulp = 2.0 ** -7 if dtype == jnp.bfloat16 else 2.0 ** -22
+        np.testing.assert_allclose(np.asarray(k, np.float32), np.asarray(ref_k, np.float32), rtol=ulp, atol=ulp)

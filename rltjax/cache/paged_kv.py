@@ -29,7 +29,8 @@ Within a layer every row writes its K/V before any row attends (one scatter,
 then one attention), so a row sees itself and a prefill chunk of consecutive
 positions is causal within itself. Decode rows (each its request's one newest
 token) read no other row's write, so on the Pallas path their write and read are
-one kernel (``kernels.paged_attention.paged_attention_write``). For ``shared`` a chunk is only correct if
+one kernel (``kernels.paged_attention.paged_attention_write``), which also rotates q and
+k (rotate-half RoPE) from the projections' output. For ``shared`` a chunk is only correct if
 its positions are at their final loop, hence shared prefill is position-
 sequential per request (different requests may share a batch).
 """
@@ -104,14 +105,20 @@ class PagedKVBackend:
     def write(self, kv: PagedKV, layer, k, v, meta: PagedMeta) -> PagedKV:
         return write_kv(kv, layer, k, v, meta.write_page, meta.write_offset)
 
-    def write_attend(self, kv: PagedKV, layer, q, k, v, meta: PagedMeta):
-        """``write`` then ``attend`` -> (out, kv); decode rows in one call (``decode_rows``)."""
-        if not self.decode_rows or self.prefill_block_q:
+    def write_attend(self, kv: PagedKV, layer, q, k, v, meta: PagedMeta, rope=None):
+        """``rope``, ``write``, then ``attend`` -> (out, kv). Decode rows (``decode_rows``) run
+        as one kernel, which also applies a rotate-half ``rope``."""
+        fused = self.decode_rows and not self.prefill_block_q
+        rope_in_kernel = fused and rope is not None and not rope.interleaved
+        if rope is not None and not rope_in_kernel:
+            q, k = rope(q, meta.positions), rope(k, meta.positions)
+        if not fused:
             kv = self.write(kv, layer, k, v, meta)
             return self.attend(kv, layer, q, meta), kv
         out, k_pages, v_pages = paged_attention_write(
             q, k, v, kv.k, kv.v, meta.block_tables, meta.row_tables, meta.lengths, meta.write_page,
-            meta.write_offset, layer=layer, impl=self.attn_impl, interpret=self.interpret)
+            meta.write_offset, layer=layer, impl=self.attn_impl, interpret=self.interpret,
+            rope=rope.cos_sin(meta.positions, q.shape[-1]) if rope_in_kernel else None)
         return out, type(kv)(k_pages, v_pages)
 
     def attend(self, kv: PagedKV, layer, q, meta: PagedMeta):

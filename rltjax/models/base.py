@@ -50,8 +50,10 @@ class KVBackend(Protocol):
         ...
 
     def write_attend(self, kv: Any, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
-                     meta: Any) -> tuple[jax.Array, Any]:
-        """``write`` then ``attend`` -> (out, kv): what a layer calls (a backend may fuse them)."""
+                     meta: Any, rope: Any = None) -> tuple[jax.Array, Any]:
+        """What a layer calls -> (out, kv): ``rope`` (``models.layers.Rope``) rotates q and k at
+        ``meta.positions`` (None: q and k come rotated), then ``write``, then ``attend``. A
+        backend may fuse the three."""
         ...
 
     def matmul(self, x: jax.Array, w: jax.Array, layer: jax.Array) -> jax.Array:

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from rltjax.config import ModelConfig
 from rltjax.models.base import KVBackend
-from rltjax.models.layers import over_layers, projection_source, rms_norm, rope_interleaved
+from rltjax.models.layers import over_layers, projection_source, rms_norm, Rope
 from rltjax.models.params import TensorSpec
 
 HF_IGNORED_TENSORS = ("freqs_cis",)   # RoPE table: recomputed from rope_base
@@ -116,7 +116,6 @@ def state_init_key(seed_hi: jax.Array, seed_lo: jax.Array, position: jax.Array) 
 def _blocks(cfg: ModelConfig, blocks: HuginnBlocks, x, kv, meta, backend: KVBackend, offset: int):
     """Run n stacked sandwich blocks; block j uses KV layer offset + j. x [N, D] -> x, kv."""
     n, eps = x.shape[0], cfg.norm_eps
-    positions = meta.positions                                           # [N] int32
     split = (cfg.q_width, cfg.q_width + cfg.kv_width)
 
     def block_step(carry, xs):
@@ -130,9 +129,8 @@ def _blocks(cfg: ModelConfig, blocks: HuginnBlocks, x, kv, meta, backend: KVBack
         v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim)
         if p.qk_bias is not None:
             q, k = q + p.qk_bias[0], k + p.qk_bias[1]
-        q = rope_interleaved(q, positions, cfg.rope_theta)
-        k = rope_interleaved(k, positions, cfg.rope_theta)
-        out, kv = backend.write_attend(kv, layer, q, k, v, meta)               # [N, H, Dh]
+        rope = Rope(cfg.rope_theta, interleaved=True)
+        out, kv = backend.write_attend(kv, layer, q, k, v, meta, rope)         # [N, H, Dh]
         attn = mm(out.reshape(n, cfg.q_width), src.wo)                     # [N, D]
         x = rms_norm(attn + x, p.norm_2, eps)
         a, b = jnp.split(mm(rms_norm(x, p.norm_3, eps), src.w_fc), 2, axis=-1)  # [N, F] each

@@ -11,6 +11,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from kernels.paged_attention_ref import rope_rotate_half_ref
+
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """[..., D] -> [..., D]; normalise in float32, cast back, then scale."""
@@ -25,26 +27,42 @@ def rope_inv_freq(head_dim: int, theta: float) -> jax.Array:
     return 1.0 / (theta ** exponent)
 
 
+def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """positions [N] -> (cos, sin) [N, head_dim // 2] float32 of the rotation angles."""
+    angles = positions.astype(jnp.float32)[:, None] * rope_inv_freq(head_dim, theta)[None, :]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
 def rope_rotate_half(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     """Llama/Qwen-style RoPE. x: [N, H, Dh], positions: [N] -> [N, H, Dh]."""
-    inv_freq = rope_inv_freq(x.shape[-1], theta)
-    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [N, Dh/2]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, None, :]           # [N, 1, Dh]
-    x32 = x.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
-    return (x32 * jnp.cos(emb) + rotated * jnp.sin(emb)).astype(x.dtype)
+    return rope_rotate_half_ref(x, *rope_cos_sin(positions, x.shape[-1], theta))
 
 
 def rope_interleaved(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     """RoPE on interleaved (even, odd) pairs (Huginn). x: [N, H, Dh] -> [N, H, Dh]."""
-    inv_freq = rope_inv_freq(x.shape[-1], theta)
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [N, Dh/2]
-    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    cos, sin = rope_cos_sin(positions, x.shape[-1], theta)
+    cos, sin = cos[:, None, :], sin[:, None, :]                          # [N, 1, Dh/2]
     x32 = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, 2)
     even, odd = x32[..., 0], x32[..., 1]
     out = jnp.stack([even * cos - odd * sin, even * sin + odd * cos], axis=-1)
     return out.reshape(x.shape).astype(x.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rope:
+    """A model's rotary embedding of q and k, which the model hands to its KV backend with
+    the un-rotated q and k (``KVBackend.write_attend``): a backend may apply it inside its
+    attention kernel. ``interleaved``: (even, odd) pairs (Huginn); else rotate-half."""
+    theta: float
+    interleaved: bool = False
+
+    def cos_sin(self, positions: jax.Array, head_dim: int) -> tuple[jax.Array, jax.Array]:
+        """(cos, sin) [N, head_dim // 2] float32 at positions [N]."""
+        return rope_cos_sin(positions, head_dim, self.theta)
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        """[N, H, Dh] -> [N, H, Dh] in x's dtype."""
+        return (rope_interleaved if self.interleaved else rope_rotate_half)(x, positions, self.theta)
 
 
 def swiglu(x: jax.Array, matmul, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from rltjax.config import ModelConfig
 from rltjax.models.base import KVBackend
-from rltjax.models.layers import over_layers, projection_source, rms_norm, rope_rotate_half, swiglu
+from rltjax.models.layers import over_layers, projection_source, rms_norm, Rope, swiglu
 from rltjax.models.params import TensorSpec, llama_stack_specs
 
 
@@ -86,7 +86,6 @@ class NanbeigeModel:
         """
         cfg = self.cfg
         n = state.shape[0]
-        positions = meta.positions                                       # [N] int32
 
         def layer_step(carry, xs):
             x, kv = carry
@@ -97,9 +96,8 @@ class NanbeigeModel:
             q = mm(h, lw.wq).reshape(n, cfg.num_heads, cfg.head_dim)    # [N, H, Dh]
             k = mm(h, lw.wk).reshape(n, cfg.num_kv_heads, cfg.head_dim)  # [N, Hkv, Dh]
             v = mm(h, lw.wv).reshape(n, cfg.num_kv_heads, cfg.head_dim)
-            q = rope_rotate_half(q, positions, cfg.rope_theta)
-            k = rope_rotate_half(k, positions, cfg.rope_theta)
-            out, kv = backend.write_attend(kv, layer, q, k, v, meta)               # [N, H, Dh]
+            rope = Rope(cfg.rope_theta)
+            out, kv = backend.write_attend(kv, layer, q, k, v, meta, rope)         # [N, H, Dh]
             attn = mm(out.reshape(n, cfg.q_width), lw.wo)                     # [N, D]
             x = x + attn
             x = x + swiglu(rms_norm(x, p.mlp_norm, cfg.norm_eps), mm, lw.w_gate, lw.w_up, lw.w_down)

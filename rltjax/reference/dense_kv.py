@@ -51,7 +51,9 @@ class DenseKVBackend:
     def matmul(self, x, w, layer):
         return skinny_matmul_ref(x, w, layer)
 
-    def write_attend(self, kv: DenseKV, layer, q, k, v, meta: DenseMeta):
+    def write_attend(self, kv: DenseKV, layer, q, k, v, meta: DenseMeta, rope=None):
+        if rope is not None:
+            q, k = rope(q, meta.positions), rope(k, meta.positions)
         kv = self.write(kv, layer, k, v, meta)
         return self.attend(kv, layer, q, meta), kv
 

@@ -48,3 +48,30 @@ def reference_model(name: str = "ouro-tiny", kv_layout: str = "last_exited", dty
     ckpt = load_fixture(name, dtype, overrides)
     return ReferenceModel(get_model(ckpt.cfg), ckpt.params, kv_layout=kv_layout,
                           exit_config=ExitConfig(mode=exit_mode, lookahead_seed=lookahead_seed))
+
+
+@pytest.fixture
+def lower_to_triton(monkeypatch):
+    """``lower(fn, *shape_dtype_structs)`` -> the Triton IR text of the (last) Pallas kernel in
+    ``jax.jit(fn)``, lowered for an H100-class GPU on any host (no GPU needed)."""
+    import jax
+    try:
+        from jax._src.pallas.triton import lowering, pallas_call_registration as reg
+        from jax.experimental.pallas import triton as plgpu
+        info = plgpu.get_gpu_info_from_version(plgpu.GpuVersion.H100)
+    except Exception as e:  # noqa: BLE001 - private API moved: nothing to check here
+        pytest.skip(f"Pallas Triton internals unavailable: {e}")
+    seen = []
+    orig = lowering.lower_jaxpr_to_triton_module
+
+    def spy(*a, **k):
+        res = orig(*a, **k)
+        seen.append(res.module.operation.get_asm())
+        return res
+    monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info", lambda: info)
+    monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", spy)
+
+    def lower(fn, *args):
+        jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+        return seen[-1]
+    return lower

@@ -4,6 +4,9 @@ kernel, prefill chunks through the prefill kernel, laid out in aligned query blo
 padding rows between chunks (the layout the GPU runs)."""
 from __future__ import annotations
 
+import dataclasses
+
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -26,7 +29,13 @@ SMALL = {"num_hidden_layers": 2, "layer_types": ["full_attention"] * 2, "hidden_
 @pytest.fixture(scope="module")
 def small_ouro():
     cfg = preset_config("ouro-1.4b", SMALL)
-    return cfg, random_checkpoint(cfg, seed=1, dtype="float32")
+    params = random_checkpoint(cfg, seed=1, dtype="float32")
+    # Norm weights other than ones, each its own: the fused residual-norm kernel must apply
+    # the right one of the two it takes.
+    rng = np.random.default_rng(2)
+    norms = {f: jnp.asarray(rng.uniform(0.5, 1.5, getattr(params.layers, f).shape), jnp.float32)
+             for f in ("attn_norm", "attn_post_norm", "mlp_norm", "mlp_post_norm")}
+    return cfg, dataclasses.replace(params, layers=dataclasses.replace(params.layers, **norms))
 
 
 def test_kernel_engine_matches_reference_with_aligned_prefill(small_ouro):

@@ -184,24 +184,8 @@ def test_kernel_only_limits():
 
 # ------------------------------------------------------------- Triton lowering, no GPU needed
 @pytest.fixture
-def triton_ir(monkeypatch):
+def triton_ir(lower_to_triton):
     """Lowers the kernel for an H100-class GPU on any host and returns its Triton IR text."""
-    try:
-        from jax._src.pallas.triton import lowering, pallas_call_registration as reg
-        from jax.experimental.pallas import triton as plgpu
-        info = plgpu.get_gpu_info_from_version(plgpu.GpuVersion.H100)
-    except Exception as e:  # noqa: BLE001 - private API moved: nothing to check here
-        pytest.skip(f"Pallas Triton internals unavailable: {e}")
-    seen = []
-    orig = lowering.lower_jaxpr_to_triton_module
-
-    def spy(*a, **k):
-        res = orig(*a, **k)
-        seen.append(res.module.operation.get_asm())
-        return res
-    monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info", lambda: info)
-    monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", spy)
-
     def lower(n, heads, num_kv, head_dim, page_size, num_pages, dtype, num_writes=0, rope=False, **kw):
         sd = jax.ShapeDtypeStruct
         pool = sd((num_kv, num_pages, page_size, head_dim), dtype)
@@ -211,9 +195,8 @@ def triton_ir(monkeypatch):
         if num_writes:     # the fused write (paged_attention_write): pages, offsets, RoPE cos / sin
             cos_sin = (sd((n, head_dim // 2), jnp.float32),) * 2 if rope else None
             args += ((sd((num_writes, n), jnp.int32), sd((n,), jnp.int32), cos_sin),)
-        fn = jax.jit(lambda *a: paged_attention_pallas(*a[:6], new_kv=a[6] if num_writes else None, **kw))
-        fn.trace(*args).lower(lowering_platforms=("cuda",))
-        return seen[-1]
+        return lower_to_triton(lambda *a: paged_attention_pallas(*a[:6], new_kv=a[6] if num_writes else None,
+                                                                 **kw), *args)
     return lower
 
 

@@ -42,6 +42,7 @@ import jax
 
 from rltjax.cache.kv_update import write_kv
 from kernels.paged_attention import paged_attention, paged_attention_write, paged_prefill_attention
+from kernels.residual_norm import kernel_unsupported as norm_unsupported, residual_norm
 from kernels.skinny_matmul import MAX_ROWS, kernel_unsupported, skinny_matmul
 
 
@@ -101,6 +102,12 @@ class PagedKVBackend:
             raise ValueError(f"ExecutionConfig.matmul_impl='pallas': a [{x.shape[1]}, {w.shape[-1]}] projection "
                              f"cannot run on the kernel: {why_not} (use matmul_impl='xla')")
         return skinny_matmul(x, w, layer, impl=impl, interpret=self.interpret)
+
+    def residual_norm(self, x, y, post_weight, next_weight, eps):
+        """One kernel for decode rows (``attn_impl``'s choice of Pallas), XLA otherwise."""
+        decode = self.decode_rows and not self.prefill_block_q
+        impl = self.attn_impl if decode and not norm_unsupported(x, post_weight, next_weight) else "xla"
+        return residual_norm(x, y, post_weight, next_weight, eps, impl=impl, interpret=self.interpret)
 
     def write(self, kv: PagedKV, layer, k, v, meta: PagedMeta) -> PagedKV:
         return write_kv(kv, layer, k, v, meta.write_page, meta.write_offset)

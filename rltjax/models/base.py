@@ -56,6 +56,12 @@ class KVBackend(Protocol):
         backend may fuse the three."""
         ...
 
+    def residual_norm(self, x: jax.Array, y: jax.Array, post_weight: jax.Array, next_weight: jax.Array,
+                      eps: float) -> tuple[jax.Array, jax.Array]:
+        """x, y [N, D] -> (x + rms_norm(y, post_weight), rms_norm(of that, next_weight)): a
+        sandwich layer's residual add and the next pre-norm (``kernels.residual_norm``)."""
+        ...
+
     def matmul(self, x: jax.Array, w: jax.Array, layer: jax.Array) -> jax.Array:
         """A layer's projection: x [N, K] @ w[layer] of a stacked [L, K, N'] weight -> [N, N'] in
         x's dtype (float32 accumulation). Stacked in, so a kernel can read the layer in place."""

@@ -12,13 +12,10 @@ import jax
 import jax.numpy as jnp
 
 from kernels.paged_attention_ref import rope_rotate_half_ref
+from kernels.residual_norm import rms_norm as upstream_rms_norm
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """[..., D] -> [..., D]; normalise in float32, cast back, then scale."""
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return weight * y.astype(x.dtype)
+rms_norm = upstream_rms_norm     # the models' RMSNorm, shared with the fused kernel's oracle
 
 
 def rope_inv_freq(head_dim: int, theta: float) -> jax.Array:
@@ -89,8 +86,10 @@ def causal_softmax_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax
     return out.astype(q.dtype)
 
 
-def over_layers(step, carry, layers, *, first_layer: int = 0):
+def over_layers(step, carry, layers, *, first_layer: int = 0, extra=None):
     """``step(carry, (layer, layer_params)) -> (carry, None)`` over the layers -> the final carry.
+    ``extra``: one more per-layer input, ``step(carry, (layer, layer_params, extra_i))``, in
+    the layers' form (a tuple of per-layer arrays for ``SplitLayers``, else stacked).
 
     ``layers`` is a stacked per-layer params tree (leading axis L): an unrolled ``lax.scan``
     (XLA folds the layer index: static slices read in place, and every layer's matmul fusion
@@ -107,11 +106,12 @@ def over_layers(step, carry, layers, *, first_layer: int = 0):
         # warm-up's host time.
         step_once = jax.jit(step)
         for i, layer_params in enumerate(layers.layers):
-            carry, _ = step_once(carry, (jnp.int32(first_layer + i), layer_params))
+            xs = (jnp.int32(first_layer + i), layer_params) + (() if extra is None else (extra[i],))
+            carry, _ = step_once(carry, xs)
         return carry
     num = jax.tree.leaves(layers)[0].shape[0]
     ids = first_layer + jnp.arange(num, dtype=jnp.int32)
-    carry, _ = jax.lax.scan(step, carry, (ids, layers), unroll=True)
+    carry, _ = jax.lax.scan(step, carry, (ids, layers) + (() if extra is None else (extra,)), unroll=True)
     return carry
 
 

@@ -6,6 +6,9 @@ and the head.
 
 Sandwich layer:  x += post_attn_norm(attn(attn_norm(x)))
                  x += post_mlp_norm(mlp(mlp_norm(x)))
+Each residual add runs with the pre-norm after it (``KVBackend.residual_norm``): the
+attention's with mlp_norm, the MLP's with the next layer's attn_norm (after the last
+layer: the shared model.norm, which is then the loop's output).
 (HF names: input_layernorm, input_layernorm_2, post_attention_layernorm,
 post_attention_layernorm_2.)
 """
@@ -19,7 +22,7 @@ import jax.numpy as jnp
 
 from rltjax.config import ModelConfig
 from rltjax.models.base import KVBackend
-from rltjax.models.layers import over_layers, projection_source, rms_norm, Rope, swiglu
+from rltjax.models.layers import SplitLayers, over_layers, projection_source, rms_norm, Rope, swiglu
 from rltjax.models.params import TensorSpec, llama_stack_specs
 
 
@@ -101,30 +104,35 @@ class OuroModel:
         n = state.shape[0]
 
         def layer_step(carry, xs):
-            x, kv = carry
-            layer, p = xs
+            x, h, kv = carry                  # h: this layer's attention pre-norm of x
+            layer, p, next_norm = xs          # next_norm: the next pre-norm (the final norm last)
             lw, index = projection_source(params.layers, p, layer)
             mm = lambda a, w: backend.matmul(a, w, index)               # noqa: E731
-            h = rms_norm(x, p.attn_norm, cfg.norm_eps)
             q = mm(h, lw.wq).reshape(n, cfg.num_heads, cfg.head_dim)    # [N, H, Dh]
             k = mm(h, lw.wk).reshape(n, cfg.num_kv_heads, cfg.head_dim)  # [N, Hkv, Dh]
             v = mm(h, lw.wv).reshape(n, cfg.num_kv_heads, cfg.head_dim)
             rope = Rope(cfg.rope_theta)
             out, kv = backend.write_attend(kv, layer, q, k, v, meta, rope)         # [N, H, Dh]
             attn = mm(out.reshape(n, cfg.q_width), lw.wo)                     # [N, D]
-            # The residual stream is materialised after each add (barriers): left to itself XLA
-            # fused chains of adds and norms across layers into the next norm's kernel and
-            # recomputed them there (3-5 us kernels instead of ~1.5 us on an H200).
-            x = jax.lax.optimization_barrier(x + rms_norm(attn, p.attn_post_norm, cfg.norm_eps))
-            mlp = swiglu(rms_norm(x, p.mlp_norm, cfg.norm_eps), mm, lw.w_gate, lw.w_up, lw.w_down)
-            x = jax.lax.optimization_barrier(x + rms_norm(mlp, p.mlp_post_norm, cfg.norm_eps))
-            return (x, kv), None
+            # x += post_norm(branch), then the next pre-norm: one kernel on the decode path.
+            x, h = backend.residual_norm(x, attn, p.attn_post_norm, p.mlp_norm, cfg.norm_eps)
+            mlp = swiglu(h, mm, lw.w_gate, lw.w_up, lw.w_down)
+            x, h = backend.residual_norm(x, mlp, p.mlp_post_norm, next_norm, cfg.norm_eps)
+            return (x, h, kv), None
 
         # Unrolled: static layer slices of the stacked weights. With a rolled scan the
         # per-layer dynamic slices made the projections ~2x slower on an H200
         # (docs/performance.md, "loop pass").
-        state, kv = over_layers(layer_step, (state, kv), params.layers)
-        state = rms_norm(state, params.norm, cfg.norm_eps)
+        layers = params.layers
+        if isinstance(layers, SplitLayers):
+            first_norm = layers.layers[0].attn_norm
+            next_norms = tuple(lp.attn_norm for lp in layers.layers[1:]) + (params.norm,)
+        else:
+            first_norm = layers.attn_norm[0]
+            next_norms = jnp.concatenate([layers.attn_norm[1:], params.norm[None]])     # [L, D]
+        h = rms_norm(state, first_norm, cfg.norm_eps)
+        _, state, kv = over_layers(layer_step, (state, h, kv), layers, extra=next_norms)
+        # state is now the final norm of the last layer's output (its "next pre-norm").
         gate_logit = state.astype(jnp.float32) @ params.gate_w.astype(jnp.float32) \
             + params.gate_b.astype(jnp.float32)
         return state, kv, gate_logit

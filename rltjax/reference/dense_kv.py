@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels.residual_norm import residual_norm_ref
 from kernels.skinny_matmul import skinny_matmul_ref
 from rltjax.models.layers import causal_softmax_attention
 
@@ -50,6 +51,9 @@ class DenseKVBackend:
 
     def matmul(self, x, w, layer):
         return skinny_matmul_ref(x, w, layer)
+
+    def residual_norm(self, x, y, post_weight, next_weight, eps):
+        return residual_norm_ref(x, y, post_weight, next_weight, eps)
 
     def write_attend(self, kv: DenseKV, layer, q, k, v, meta: DenseMeta, rope=None):
         if rope is not None:

@@ -118,14 +118,14 @@ class PagedKVBackend:
         fused = self.decode_rows and not self.prefill_block_q
         rope_in_kernel = fused and rope is not None and not rope.interleaved
         if rope is not None and not rope_in_kernel:
-            q, k = rope(q, meta.positions), rope(k, meta.positions)
+            q, k = rope(q), rope(k)
         if not fused:
             kv = self.write(kv, layer, k, v, meta)
             return self.attend(kv, layer, q, meta), kv
         out, k_pages, v_pages = paged_attention_write(
             q, k, v, kv.k, kv.v, meta.block_tables, meta.row_tables, meta.lengths, meta.write_page,
             meta.write_offset, layer=layer, impl=self.attn_impl, interpret=self.interpret,
-            rope=rope.cos_sin(meta.positions, q.shape[-1]) if rope_in_kernel else None)
+            rope=(rope.cos, rope.sin) if rope_in_kernel else None)
         return out, type(kv)(k_pages, v_pages)
 
     def attend(self, kv: PagedKV, layer, q, meta: PagedMeta):

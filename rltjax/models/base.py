@@ -51,9 +51,9 @@ class KVBackend(Protocol):
 
     def write_attend(self, kv: Any, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
                      meta: Any, rope: Any = None) -> tuple[jax.Array, Any]:
-        """What a layer calls -> (out, kv): ``rope`` (``models.layers.Rope``) rotates q and k at
-        ``meta.positions`` (None: q and k come rotated), then ``write``, then ``attend``. A
-        backend may fuse the three."""
+        """What a layer calls -> (out, kv): ``rope`` (``models.layers.Rope``, the pass's tables)
+        rotates q and k (None: they come rotated), then ``write``, then ``attend``. A backend
+        may fuse the three."""
         ...
 
     def residual_norm(self, x: jax.Array, y: jax.Array, post_weight: jax.Array, next_weight: jax.Array,

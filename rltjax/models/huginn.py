@@ -116,6 +116,7 @@ def state_init_key(seed_hi: jax.Array, seed_lo: jax.Array, position: jax.Array) 
 def _blocks(cfg: ModelConfig, blocks: HuginnBlocks, x, kv, meta, backend: KVBackend, offset: int):
     """Run n stacked sandwich blocks; block j uses KV layer offset + j. x [N, D] -> x, kv."""
     n, eps = x.shape[0], cfg.norm_eps
+    rope = Rope.at(meta.positions, cfg.head_dim, cfg.rope_theta, interleaved=True)   # once a pass
     split = (cfg.q_width, cfg.q_width + cfg.kv_width)
 
     def block_step(carry, xs):
@@ -129,7 +130,6 @@ def _blocks(cfg: ModelConfig, blocks: HuginnBlocks, x, kv, meta, backend: KVBack
         v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim)
         if p.qk_bias is not None:
             q, k = q + p.qk_bias[0], k + p.qk_bias[1]
-        rope = Rope(cfg.rope_theta, interleaved=True)
         out, kv = backend.write_attend(kv, layer, q, k, v, meta, rope)         # [N, H, Dh]
         attn = mm(out.reshape(n, cfg.q_width), src.wo)                     # [N, D]
         x = rms_norm(attn + x, p.norm_2, eps)

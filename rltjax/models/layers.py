@@ -30,14 +30,8 @@ def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax
     return jnp.cos(angles), jnp.sin(angles)
 
 
-def rope_rotate_half(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Llama/Qwen-style RoPE. x: [N, H, Dh], positions: [N] -> [N, H, Dh]."""
-    return rope_rotate_half_ref(x, *rope_cos_sin(positions, x.shape[-1], theta))
-
-
-def rope_interleaved(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """RoPE on interleaved (even, odd) pairs (Huginn). x: [N, H, Dh] -> [N, H, Dh]."""
-    cos, sin = rope_cos_sin(positions, x.shape[-1], theta)
+def rope_interleaved(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """RoPE on interleaved (even, odd) pairs (Huginn). x: [N, H, Dh], cos/sin [N, Dh/2] -> [N, H, Dh]."""
     cos, sin = cos[:, None, :], sin[:, None, :]                          # [N, 1, Dh/2]
     x32 = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, 2)
     even, odd = x32[..., 0], x32[..., 1]
@@ -45,21 +39,27 @@ def rope_interleaved(x: jax.Array, positions: jax.Array, theta: float) -> jax.Ar
     return out.reshape(x.shape).astype(x.dtype)
 
 
-@dataclasses.dataclass(frozen=True)
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
 class Rope:
-    """A model's rotary embedding of q and k, which the model hands to its KV backend with
-    the un-rotated q and k (``KVBackend.write_attend``): a backend may apply it inside its
-    attention kernel. ``interleaved``: (even, odd) pairs (Huginn); else rotate-half."""
-    theta: float
-    interleaved: bool = False
+    """A pass's rotary embedding: the angles' tables at its rows' positions, built once per
+    pass (``Rope.at``) and handed by every layer to its KV backend with the un-rotated q and
+    k (``KVBackend.write_attend``), which may apply it inside its attention kernel.
+    ``interleaved``: (even, odd) pairs (Huginn); else rotate-half (Llama / Qwen)."""
+    cos: jax.Array                                                       # [N, Dh/2] float32
+    sin: jax.Array                                                       # [N, Dh/2] float32
+    interleaved: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
-    def cos_sin(self, positions: jax.Array, head_dim: int) -> tuple[jax.Array, jax.Array]:
-        """(cos, sin) [N, head_dim // 2] float32 at positions [N]."""
-        return rope_cos_sin(positions, head_dim, self.theta)
+    @classmethod
+    def at(cls, positions: jax.Array, head_dim: int, theta: float, interleaved: bool = False) -> "Rope":
+        # Materialised once (a barrier): XLA otherwise recomputed the cos / sin fusion for
+        # every layer's attention kernel that reads them (24 extra kernels a pass on an H200).
+        cos, sin = jax.lax.optimization_barrier(rope_cos_sin(positions, head_dim, theta))
+        return cls(cos, sin, interleaved=interleaved)
 
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array) -> jax.Array:
         """[N, H, Dh] -> [N, H, Dh] in x's dtype."""
-        return (rope_interleaved if self.interleaved else rope_rotate_half)(x, positions, self.theta)
+        return (rope_interleaved if self.interleaved else rope_rotate_half_ref)(x, self.cos, self.sin)
 
 
 def swiglu(x: jax.Array, matmul, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:

@@ -86,6 +86,7 @@ class NanbeigeModel:
         """
         cfg = self.cfg
         n = state.shape[0]
+        rope = Rope.at(meta.positions, cfg.head_dim, cfg.rope_theta)   # once a pass
 
         def layer_step(carry, xs):
             x, kv = carry
@@ -96,7 +97,6 @@ class NanbeigeModel:
             q = mm(h, lw.wq).reshape(n, cfg.num_heads, cfg.head_dim)    # [N, H, Dh]
             k = mm(h, lw.wk).reshape(n, cfg.num_kv_heads, cfg.head_dim)  # [N, Hkv, Dh]
             v = mm(h, lw.wv).reshape(n, cfg.num_kv_heads, cfg.head_dim)
-            rope = Rope(cfg.rope_theta)
             out, kv = backend.write_attend(kv, layer, q, k, v, meta, rope)         # [N, H, Dh]
             attn = mm(out.reshape(n, cfg.q_width), lw.wo)                     # [N, D]
             x = x + attn

@@ -102,6 +102,7 @@ class OuroModel:
         """
         cfg = self.cfg
         n = state.shape[0]
+        rope = Rope.at(meta.positions, cfg.head_dim, cfg.rope_theta)   # once a pass
 
         def layer_step(carry, xs):
             x, h, kv = carry                  # h: this layer's attention pre-norm of x
@@ -111,7 +112,6 @@ class OuroModel:
             q = mm(h, lw.wq).reshape(n, cfg.num_heads, cfg.head_dim)    # [N, H, Dh]
             k = mm(h, lw.wk).reshape(n, cfg.num_kv_heads, cfg.head_dim)  # [N, Hkv, Dh]
             v = mm(h, lw.wv).reshape(n, cfg.num_kv_heads, cfg.head_dim)
-            rope = Rope(cfg.rope_theta)
             out, kv = backend.write_attend(kv, layer, q, k, v, meta, rope)         # [N, H, Dh]
             attn = mm(out.reshape(n, cfg.q_width), lw.wo)                     # [N, D]
             # x += post_norm(branch), then the next pre-norm: one kernel on the decode path.

@@ -57,7 +57,7 @@ class DenseKVBackend:
 
     def write_attend(self, kv: DenseKV, layer, q, k, v, meta: DenseMeta, rope=None):
         if rope is not None:
-            q, k = rope(q, meta.positions), rope(k, meta.positions)
+            q, k = rope(q), rope(k)
         kv = self.write(kv, layer, k, v, meta)
         return self.attend(kv, layer, q, meta), kv
 

@@ -18,6 +18,11 @@ tensor core shape constraints, no 16x padding); G >= 2 uses `plgpu.dot` with the
 head group padded (by masked loads and stores, no XLA copies) to at least 16
 rows, the tensor-core minimum.
 
+Fused write (``paged_attention_write``): q_ref is q | k | v [N, H + 2 Hkv, Dh]; split 0
+stores the row's new K/V; with RoPE, q and the new key are rotated in registers at full
+width (each column's rotate-half partner is a gather load), so the pool is still read in
+full-width blocks.
+
 num_splits == 1 writes the final [N, H, Dh] output in q's dtype directly;
 num_splits > 1 writes per-split normalized outputs and log-sum-exps (float32)
 that `combine_splits` merges in XLA.
@@ -82,10 +87,21 @@ def default_num_splits(num_rows: int, num_kv_heads: int, pages_per_table: int,
     return int(max(1, min(splits, most)))
 
 
-def _rotate(lo, hi, cos, sin):
-    """Rotate-half RoPE of one vector's halves, float32 terms as ``rope_rotate_half_ref``."""
-    lo32, hi32 = lo.astype(jnp.float32), hi.astype(jnp.float32)
-    return (lo32 * cos - hi32 * sin).astype(lo.dtype), (hi32 * cos + lo32 * sin).astype(hi.dtype)
+def _rope_tables(cos_ref, sin_ref, row, head_dim: int):
+    """Rotate-half RoPE at full width: x_rot = x * cos + x[partner] * signed_sin, with
+    partner(i) = i +- Dh/2 (a gather load) and the sine negated on the first half: the same
+    float32 terms as ``rope_rotate_half_ref`` (lo cos - hi sin, hi cos + lo sin), while K/V
+    stay one full-width block. -> (partner [Dh] int32, cos, signed_sin [Dh] float32)."""
+    col = jax.lax.broadcasted_iota(jnp.int32, (head_dim,), 0)
+    half = head_dim // 2
+    first = col < half
+    angle = jnp.where(first, col, col - half)
+    sin = plgpu.load(sin_ref.at[row, angle])
+    return jnp.where(first, col + half, angle), plgpu.load(cos_ref.at[row, angle]), jnp.where(first, -sin, sin)
+
+
+def _rotate(x, x_partner, cos, signed_sin):
+    return (x.astype(jnp.float32) * cos + x_partner.astype(jnp.float32) * signed_sin).astype(x.dtype)
 
 
 def _kernel(layer_ref, lengths_ref, row_tables_ref, block_tables_ref, q_ref, k_ref, v_ref, *refs,
@@ -97,8 +113,7 @@ def _kernel(layer_ref, lengths_ref, row_tables_ref, block_tables_ref, q_ref, k_r
     split = pl.program_id(2)
     layer = layer_ref[0]
     head_dim = q_ref.shape[-1]
-    # RoPE pairs column i with i + Dh/2: the head dim is read as its two halves.
-    chunks = ((0, head_dim // 2), (head_dim // 2, head_dim // 2)) if rope else head_dim_chunks(head_dim)
+    chunks = head_dim_chunks(head_dim)          # one chunk when RoPE runs here (Dh a power of two)
     block_k = pages_per_block * page_size
 
     length = jnp.clip(lengths_ref[row], 0, pages_per_table * page_size)
@@ -111,13 +126,13 @@ def _kernel(layer_ref, lengths_ref, row_tables_ref, block_tables_ref, q_ref, k_r
         num_heads = q_ref.shape[1] - 2 * num_kv
         if rope:
             cos_ref, sin_ref, *refs = refs
-            cos, sin = plgpu.load(cos_ref.at[row, :]), plgpu.load(sin_ref.at[row, :])   # [Dh/2] f32
+            partner, cos, signed_sin = _rope_tables(cos_ref, sin_ref, row, head_dim)
         write_page_ref, write_offset_ref, *out_refs = refs
         has_new = length > 0
         new_k = [plgpu.load(q_ref.at[row, num_heads + kvh, pl.ds(off, w)]) for off, w in chunks]  # [w] each
         new_v = [plgpu.load(q_ref.at[row, num_heads + num_kv + kvh, pl.ds(off, w)]) for off, w in chunks]
         if rope:
-            new_k = list(_rotate(*new_k, cos, sin))
+            new_k = [_rotate(new_k[0], plgpu.load(q_ref.at[row, num_heads + kvh, partner]), cos, signed_sin)]
         k_out_ref, v_out_ref = out_refs[-2:]
         out_refs = out_refs[:-2]
         offset = write_offset_ref[row]
@@ -151,7 +166,9 @@ def _kernel(layer_ref, lengths_ref, row_tables_ref, block_tables_ref, q_ref, k_r
     qs = [plgpu.load(q_ref.at[row, heads, pl.ds(off, width)], mask=head_ok[:, None], other=0)
           for off, width in chunks]                                      # [Gp, w] each
     if rope:
-        qs = list(_rotate(*qs, cos[None, :], sin[None, :]))
+        head_ids = kvh * group + jax.lax.broadcasted_iota(jnp.int32, (group_pad, 1), 0)
+        q_partner = plgpu.load(q_ref.at[row, head_ids, partner[None, :]], mask=head_ok[:, None], other=0)
+        qs = [_rotate(qs[0], q_partner, cos[None, :], signed_sin[None, :])]
     qs = [qc if use_dot else qc.astype(jnp.float32) * scale for qc in qs]
 
     def body(b, carry):

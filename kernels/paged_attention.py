@@ -6,7 +6,8 @@ Layout and semantics: `kernels.paged_attention_ref` (the oracle). impl:
   "auto"   pallas on GPU when the shapes are kernel-supported, xla otherwise.
 Three entry points: ``paged_attention`` (any rows; the decode kernel, one program per
 row), ``paged_attention_write`` (the same, each row first writing its new K/V, optionally
-after rotate-half RoPE of q and k: one kernel for a decode layer's rope, write and read) and ``paged_prefill_attention`` (rows in
+after rotate-half RoPE of q and k: one kernel for a decode layer's RoPE, write and
+read) and ``paged_prefill_attention`` (rows in
 aligned query blocks that share a table; a flash-style kernel that reads each KV block
 once per block of rows).
 Kernel-supported: page_size a power of two in 8..128, head_dim a multiple of 16 in
@@ -20,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels.paged_attention_ref import paged_attention_ref, paged_write_ref, rope_rotate_half_ref
+from kernels.triton_common import kernel_rope_supported
 
 # Query rows per prefill-kernel program; the engine aligns chunks to it. H200, Ouro shapes:
 # 32 was 1.2-1.6x faster than 16 at most shapes (scripts/bench_prefill.py, docs/performance.md).
@@ -135,8 +137,9 @@ def paged_attention_write(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pa
     -> (out [N, H, Dh], k_pages, v_pages). Donate the pools: they are updated in place.
 
     rope = (cos, sin) [N, Dh / 2] float32: q and k_new are rotated first
-    (``rope_rotate_half_ref``); the kernel does it in registers, from one [N, H + 2 Hkv, Dh]
-    array of q | k | v (the projections' output, so XLA need not slice it).
+    (``rope_rotate_half_ref``); the kernel does it in registers (power-of-two head_dim; XLA
+    rotates other sizes first). The kernel reads q | k | v as one [N, H + 2 Hkv, Dh] array,
+    concatenated here (one small XLA kernel a call).
 
     Precondition for the kernel (decode, where it holds by construction): a row with
     length > 0 writes its key at position lengths - 1 of its own table (row_tables); the
@@ -148,6 +151,8 @@ def paged_attention_write(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pa
     for name, x in (("k_new", k_new), ("v_new", v_new)):
         if x.shape != kv_shape:
             _fail(name, f"expected [N, Hkv, Dh] = {list(kv_shape)}, got shape {x.shape}")
+        if x.dtype != q.dtype:
+            _fail(name, f"dtype {x.dtype} differs from q's {q.dtype}")
     if write_page.ndim not in (1, 2) or write_page.shape[-1] != n or write_page.dtype != jnp.int32:
         _fail("write_page", f"expected int32 [{n}] or [M, {n}], got {write_page.dtype} {write_page.shape}")
     _check_index("write_offset", write_offset, 1)
@@ -159,8 +164,7 @@ def paged_attention_write(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pa
             _fail("rope", f"expected (cos, sin), float32 [{n}, {head_dim // 2}] each, and an even head_dim; got "
                   f"head_dim {head_dim}, {[(str(x.dtype), x.shape) for x in rope]}")
     impl = _resolve_impl(impl, q, k_pages)
-    if rope is not None and (impl == "xla" or head_dim & (head_dim - 1)):
-        # The kernel rotates power-of-two head_dims only (two power-of-two halves).
+    if rope is not None and (impl == "xla" or not kernel_rope_supported(head_dim)):
         q, k_new = rope_rotate_half_ref(q, *rope), rope_rotate_half_ref(k_new, *rope)
         rope = None
     if impl == "xla":
@@ -168,7 +172,7 @@ def paged_attention_write(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pa
         out = paged_attention_ref(q, k_pages, v_pages, block_tables, row_tables, lengths, layer=layer, scale=scale)
         return out, k_pages, v_pages
     from kernels.pallas_triton import paged_attention_pallas
-    qkv = jnp.concatenate([q, k_new.astype(q.dtype), v_new.astype(q.dtype)], axis=1)   # [N, H + 2 Hkv, Dh]
+    qkv = jnp.concatenate([q, k_new, v_new], axis=1)                      # [N, H + 2 Hkv, Dh]
     return paged_attention_pallas(qkv, k_pages, v_pages, block_tables, row_tables, lengths, layer=layer,
                                   scale=scale, pages_per_block=pages_per_block, num_splits=num_splits,
                                   interpret=interpret, new_kv=(write_page, write_offset, rope))

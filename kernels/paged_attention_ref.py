@@ -74,7 +74,8 @@ def rope_rotate_half_ref(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Ar
     """Rotate-half RoPE: x [N, H, Dh], cos/sin [N, Dh / 2] float32 -> [N, H, Dh] in x's dtype.
 
     With x = (lo, hi) halves: (lo cos - hi sin, hi cos + lo sin), computed in float32 and
-    cast back once (the upstream models' numerics; the kernel computes the same terms)."""
+    cast back once; the kernel computes the same terms. (Equal to the upstream PyTorch code
+    in float32; its bfloat16 runs round cos / sin and each term to bfloat16.)"""
     half = x.shape[-1] // 2
     x32 = x.astype(jnp.float32)
     lo, hi = x32[..., :half], x32[..., half:]

@@ -58,7 +58,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels.triton_common import cdiv, head_dim_chunks, is_pow2, next_pow2, stacked_pool
+from kernels.triton_common import cdiv, head_dim_chunks, is_pow2, kernel_rope_supported, next_pow2, stacked_pool
 
 NEG_INF = float("-inf")
 TARGET_BLOCK_TOKENS = 64        # keys per inner iteration (default pages_per_block), Dh <= 128
@@ -280,7 +280,7 @@ def paged_attention_pallas(q, k_pages, v_pages, block_tables, row_tables, length
     rope = new_kv is not None and new_kv[2] is not None
     if new_kv is not None:
         num_heads -= 2 * num_kv                  # q is q | k_new | v_new
-    if rope and (head_dim < 32 or not is_pow2(head_dim)):
+    if rope and not kernel_rope_supported(head_dim):
         raise ValueError(f"in-kernel RoPE needs a power-of-two head_dim >= 32, got {head_dim}")
     pages_per_table = block_tables.shape[1]
     group = num_heads // num_kv

@@ -15,6 +15,11 @@ def next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
+def kernel_rope_supported(head_dim: int) -> bool:
+    """The decode kernel rotates (rotate-half RoPE) power-of-two head_dims in registers."""
+    return head_dim >= 32 and is_pow2(head_dim)
+
+
 def cdiv(a, b: int):
     """ceil(a / b) of a traced a >= 0 (truncating division is floor division there)."""
     return jax.lax.div(a + (b - 1), b)

@@ -31,11 +31,13 @@ def small_ouro():
     cfg = preset_config("ouro-1.4b", SMALL)
     params = random_checkpoint(cfg, seed=1, dtype="float32")
     # Norm weights other than ones, each its own: the fused residual-norm kernel must apply
-    # the right one of the two it takes.
+    # the right one of the two it takes (the final norm runs in the last layer's kernel).
     rng = np.random.default_rng(2)
     norms = {f: jnp.asarray(rng.uniform(0.5, 1.5, getattr(params.layers, f).shape), jnp.float32)
              for f in ("attn_norm", "attn_post_norm", "mlp_norm", "mlp_post_norm")}
-    return cfg, dataclasses.replace(params, layers=dataclasses.replace(params.layers, **norms))
+    final_norm = jnp.asarray(rng.uniform(0.5, 1.5, params.norm.shape), jnp.float32)   # the last kernel's
+    return cfg, dataclasses.replace(params, norm=final_norm,
+                                    layers=dataclasses.replace(params.layers, **norms))
 
 
 def test_kernel_engine_matches_reference_with_aligned_prefill(small_ouro):

@@ -54,11 +54,14 @@ def test_reference_is_the_sandwich_formula():
         np.testing.assert_allclose(np.asarray(got_h), h, rtol=1e-5, atol=1e-5)
 
 
-def test_validation_and_fallback():
+def test_validation_and_fallback(monkeypatch):
     x, y, w1, w2 = make_case(np.random.default_rng(2), 3, 96, jnp.float32)
     with pytest.raises(ValueError, match="power of two"):                    # 96: XLA only
         residual_norm(x, y, w1, w2, EPS, impl="pallas", interpret=True)
-    residual_norm(x, y, w1, w2, EPS, impl="auto")                            # falls back
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")               # "auto" as on a GPU
+    for got, want in zip(residual_norm(x, y, w1, w2, EPS, impl="auto"), residual_norm_ref(x, y, w1, w2, EPS)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))     # fell back to XLA
+    monkeypatch.undo()
     with pytest.raises(ValueError, match="post_weight"):
         residual_norm(x, y, w1[:5], w2, EPS, impl="xla")
     with pytest.raises(ValueError, match="x, y"):

@@ -103,10 +103,15 @@ class PagedKVBackend:
                              f"cannot run on the kernel: {why_not} (use matmul_impl='xla')")
         return skinny_matmul(x, w, layer, impl=impl, interpret=self.interpret)
 
+    @property
+    def fuses_decode(self) -> bool:
+        """Decode rows through the fused kernels (write + RoPE + attention, residual-norm)."""
+        return self.decode_rows and not self.prefill_block_q
+
     def residual_norm(self, x, y, post_weight, next_weight, eps):
         """One kernel for decode rows (``attn_impl``'s choice of Pallas), XLA otherwise."""
-        decode = self.decode_rows and not self.prefill_block_q
-        impl = self.attn_impl if decode and not norm_unsupported(x, post_weight, next_weight) else "xla"
+        fused = self.fuses_decode and not norm_unsupported(x, post_weight, next_weight)
+        impl = self.attn_impl if fused else "xla"
         return residual_norm(x, y, post_weight, next_weight, eps, impl=impl, interpret=self.interpret)
 
     def write(self, kv: PagedKV, layer, k, v, meta: PagedMeta) -> PagedKV:
@@ -115,7 +120,7 @@ class PagedKVBackend:
     def write_attend(self, kv: PagedKV, layer, q, k, v, meta: PagedMeta, rope=None):
         """``rope``, ``write``, then ``attend`` -> (out, kv). Decode rows (``decode_rows``) run
         as one kernel, which also applies a rotate-half ``rope``."""
-        fused = self.decode_rows and not self.prefill_block_q
+        fused = self.fuses_decode
         rope_in_kernel = fused and rope is not None and not rope.interleaved
         if rope is not None and not rope_in_kernel:
             q, k = rope(q), rope(k)

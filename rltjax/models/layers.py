@@ -1,8 +1,9 @@
 """Numerics shared by the model files: RMSNorm, RoPE, SwiGLU, projections.
 
-Precision rules (they match the upstream PyTorch code): norms and RoPE are
-computed in float32 and cast back to the activation dtype; matmuls run in the
-parameter dtype; logits and exit signals are float32.
+Precision rules: norms and RoPE are computed in float32 and cast back to the
+activation dtype; matmuls run in the parameter dtype; logits and exit signals are
+float32. (In float32 this is the upstream PyTorch code exactly; its bfloat16 RoPE
+rounds cos / sin and each term to bfloat16, ours rounds once.)
 """
 from __future__ import annotations
 

@@ -129,7 +129,7 @@ class OuroModel:
             next_norms = tuple(lp.attn_norm for lp in layers.layers[1:]) + (params.norm,)
         else:
             first_norm = layers.attn_norm[0]
-            next_norms = jnp.concatenate([layers.attn_norm[1:], params.norm[None]])     # [L, D]
+            next_norms = jnp.concatenate([layers.attn_norm[1:], params.norm[None].astype(layers.attn_norm.dtype)])
         h = rms_norm(state, first_norm, cfg.norm_eps)
         _, state, kv = over_layers(layer_step, (state, h, kv), layers, extra=next_norms)
         # state is now the final norm of the last layer's output (its "next pre-norm").

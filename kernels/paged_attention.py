@@ -125,6 +125,14 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                                   num_splits=num_splits, interpret=interpret)
 
 
+def merge_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """[N, H, Dh], [N, Hkv, Dh] x 2 -> [N, H + 2 Hkv, Dh], concatenated flat: when q, k, v are
+    adjacent column slices of one projection's output (Huginn's q|k|v weight; on a GPU also
+    XLA's merged q/k/v dots), XLA folds the concatenate back into that output, no copy."""
+    n, head_dim = q.shape[0], q.shape[-1]
+    return jnp.concatenate([x.reshape(n, -1) for x in (q, k, v)], axis=1).reshape(n, -1, head_dim)
+
+
 def paged_attention_write(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pages: jax.Array,
                           v_pages: jax.Array, block_tables: jax.Array, row_tables: jax.Array,
                           lengths: jax.Array, write_page: jax.Array, write_offset: jax.Array, *,
@@ -139,7 +147,7 @@ def paged_attention_write(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pa
     rope = (cos, sin) [N, Dh / 2] float32: q and k_new are rotated first
     (``rope_rotate_half_ref``); the kernel does it in registers (power-of-two head_dim; XLA
     rotates other sizes first). The kernel reads q | k | v as one [N, H + 2 Hkv, Dh] array,
-    concatenated here (one small XLA kernel a call).
+    concatenated here (free when they are slices of one projection, else one small copy).
 
     Precondition for the kernel (decode, where it holds by construction): a row with
     length > 0 writes its key at position lengths - 1 of its own table (row_tables); the
@@ -172,7 +180,7 @@ def paged_attention_write(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pa
         out = paged_attention_ref(q, k_pages, v_pages, block_tables, row_tables, lengths, layer=layer, scale=scale)
         return out, k_pages, v_pages
     from kernels.pallas_triton import paged_attention_pallas
-    qkv = jnp.concatenate([q, k_new, v_new], axis=1)                      # [N, H + 2 Hkv, Dh]
+    qkv = merge_qkv(q, k_new, v_new)
     return paged_attention_pallas(qkv, k_pages, v_pages, block_tables, row_tables, lengths, layer=layer,
                                   scale=scale, pages_per_block=pages_per_block, num_splits=num_splits,
                                   interpret=interpret, new_kv=(write_page, write_offset, rope))

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from kernels.paged_attention import paged_attention_write
+from kernels.paged_attention import merge_qkv, paged_attention_write
 from rltjax.models.layers import rope_cos_sin
 
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
@@ -104,6 +104,22 @@ def test_rope_in_kernel_is_rotate_half():
     got = np.asarray(k)[0][:, pages, offsets].transpose(1, 0, 2)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)      # float32 angles at ~500
     np.testing.assert_allclose(np.asarray(out[0]), np.repeat(np.asarray(case[2][0]), 2, axis=0), rtol=1e-6)
+
+
+def test_merged_qkv_of_one_projection_is_not_copied():
+    """q, k, v split from one projection's output: the kernel's q | k | v operand is that
+    output again, with no concatenate left after XLA's simplification (the shaped
+    [N, H, Dh] concatenate would keep one, a copy kernel per layer on the GPU)."""
+    n, heads, num_kv, head_dim = 4, 6, 2, 64
+
+    def split_merge(x):                                                  # x: [N, (H + 2 Hkv) Dh]
+        q, k, v = jnp.split(x, [heads * head_dim, (heads + num_kv) * head_dim], axis=-1)
+        return merge_qkv(q.reshape(n, heads, head_dim), k.reshape(n, num_kv, head_dim),
+                         v.reshape(n, num_kv, head_dim))
+    x = jnp.arange(n * (heads + 2 * num_kv) * head_dim, dtype=jnp.float32).reshape(n, -1)
+    np.testing.assert_array_equal(np.asarray(split_merge(x)), np.asarray(x).reshape(n, -1, head_dim))
+    hlo = jax.jit(split_merge).lower(x).compile().as_text()
+    assert "concatenate" not in hlo and "slice" not in hlo
 
 
 def test_padded_rows_write_nothing_and_read_zeros():

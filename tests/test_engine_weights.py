@@ -1,6 +1,7 @@
 """The engine holds one copy of the weights, per layer: built from a checkpoint directory,
-the loaded stacked arrays are gone once it is ready (the KV pool is sized without them), and
-only its decode backend fuses the K/V write into attention."""
+the loaded stacked arrays are gone once it is ready (the KV pool is sized without them), each
+layer's q / k / v are one fused weight (not also held apart), and only its decode backend
+fuses the K/V write into attention."""
 from __future__ import annotations
 
 import gc
@@ -41,5 +42,9 @@ def test_engine_from_a_checkpoint_keeps_only_the_split_weights(monkeypatch):
     gc.collect()
     assert loaded and all(ref() is None for ref in loaded), "a stacked layer array outlived the start-up"
     assert isinstance(engine.runner.params.layers, SplitLayers)
+    cfg = engine.cfg
+    for layer in engine.runner.params.layers.layers:     # q | k | v as one weight, not also apart
+        assert layer.wq is None and layer.wk is None and layer.wv is None
+        assert layer.wqkv.shape == (cfg.hidden_size, cfg.q_width + 2 * cfg.kv_width)
     # prefill chunks read each other's writes: only the decode backend may fuse them into attention
     assert engine.runner.backend.decode_rows and not engine.runner.prefill_backend.decode_rows

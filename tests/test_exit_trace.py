@@ -85,9 +85,10 @@ def test_fingerprint_sees_one_changed_weight():
     base = model_fingerprint(llm.engine.cfg, params)
     assert base == llm.engine.model_fingerprint()
     layers = list(params.layers.layers)
-    wq = np.asarray(layers[1].wq).copy()
-    wq[3, 5] = np.nextafter(wq[3, 5], np.float32(np.inf))            # one ulp in one element
-    layers[1] = dataclasses.replace(layers[1], wq=jax.numpy.asarray(wq))
+    wqkv = np.asarray(layers[1].wqkv).copy()                 # q | k | v fused per layer
+    col = llm.engine.cfg.q_width + 5                          # a column of wk
+    wqkv[3, col] = np.nextafter(wqkv[3, col], np.float32(np.inf))    # one ulp in one element
+    layers[1] = dataclasses.replace(layers[1], wqkv=jax.numpy.asarray(wqkv))
     changed = dataclasses.replace(params, layers=SplitLayers(tuple(layers)))
     assert model_fingerprint(llm.engine.cfg, changed) != base
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from typing import Any, Sequence
 
 import jax
@@ -27,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rltjax.engine_config import ExitConfig
-from rltjax.models.layers import SplitLayers
+from rltjax.models.layers import SplitLayers, unfuse_qkv
 from rltjax.sampling_params import SamplingParams
 
 FORMAT = "rltjax-exit-trace/1"
@@ -50,12 +51,10 @@ def _leaf_digest(x: jax.Array) -> jax.Array:
 _POSITION_HASH = 2654435761      # _leaf_digest's position weights: i * _POSITION_HASH + 1
 
 
-def _stacked_digest(layers: tuple) -> jax.Array:
-    """``_leaf_digest`` of jnp.stack(layers), from the layers' own digests: stacked, layer l's
-    element i sits at l * m + i, so its weight gains l * m * _POSITION_HASH (uint32 sums wrap,
-    so the split is exact); no stacked copy is built."""
-    digests = [_leaf_digest(x) for x in layers]
-    m = layers[0].size
+def _stacked_digest(digests: list, m: int) -> jax.Array:
+    """``_leaf_digest`` of a stack from its layers' digests (each layer m elements): stacked,
+    layer l's element i sits at l * m + i, so its weight gains l * m * _POSITION_HASH (uint32
+    sums wrap, so the split is exact); no stacked copy is built."""
     total, weighted = jnp.uint32(0), jnp.uint32(0)
     for layer, d in enumerate(digests):
         shift = jnp.uint32((layer * m * _POSITION_HASH) % 2**32)
@@ -63,16 +62,23 @@ def _stacked_digest(layers: tuple) -> jax.Array:
     return jnp.stack([total, weighted])
 
 
-def _stacked_view(params):
+def _stacked_view(cfg, params):
     """(shapes, digests): two trees shaped like ``params`` with its layer stacks stacked, split
-    (``SplitLayers``) or not, so the fingerprint does not depend on the layout."""
+    (``SplitLayers``, q | k | v fused or not) or not, so the fingerprint does not depend on the
+    layout."""
     shapes, digests = {}, {}
     for f in dataclasses.fields(params):
         value = getattr(params, f.name)
         if isinstance(value, SplitLayers):
-            shapes[f.name] = jax.tree.map(lambda *xs: jax.ShapeDtypeStruct((len(xs),) + xs[0].shape, xs[0].dtype),
-                                          *value.layers)
-            digests[f.name] = jax.tree.map(lambda *xs: _stacked_digest(xs), *value.layers)
+            layer_digests, shape = [], None
+            for layer in value.layers:          # one layer's unfused q / k / v copies at a time
+                plain = unfuse_qkv(layer, cfg.q_width, cfg.kv_width)
+                layer_digests.append(jax.tree.map(_leaf_digest, plain))
+                shape = shape or jax.tree.map(
+                    lambda x: jax.ShapeDtypeStruct((len(value.layers),) + x.shape, x.dtype), plain)
+            shapes[f.name] = shape
+            digests[f.name] = jax.tree.map(lambda s, *ds: _stacked_digest(ds, math.prod(s.shape[1:])),
+                                           shape, *layer_digests)
         elif value is not None:
             shapes[f.name] = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), value)
             digests[f.name] = jax.tree.map(_leaf_digest, value)
@@ -83,7 +89,7 @@ def model_fingerprint(cfg, params) -> str:
     """sha256 over the config and every weight's name, shape, dtype and bit digest. Layer
     stacks count as stacked whether they are or are held per layer (``SplitLayers``)."""
     h = hashlib.sha256(json.dumps(dataclasses.asdict(cfg), sort_keys=True, default=str).encode())
-    shapes, digests = _stacked_view(params)
+    shapes, digests = _stacked_view(cfg, params)
     for (path, leaf), digest in zip(jax.tree_util.tree_leaves_with_path(shapes), jax.tree.leaves(digests)):
         h.update(f"{jax.tree_util.keystr(path)}:{leaf.shape}:{leaf.dtype}".encode())
         h.update(np.asarray(digest).tobytes())

@@ -63,6 +63,35 @@ class Rope:
         return (rope_interleaved if self.interleaved else rope_rotate_half_ref)(x, self.cos, self.sin)
 
 
+def project_qkv(h: jax.Array, lw, matmul, cfg) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """h [N, D] -> q [N, H, Dh], k, v [N, Hkv, Dh]: through the fused q | k | v weight where the
+    layer holds one (``fuse_qkv``), else the three projections."""
+    n = h.shape[0]
+    if lw.wqkv is not None:
+        q, k, v = jnp.split(matmul(h, lw.wqkv), (cfg.q_width, cfg.q_width + cfg.kv_width), axis=-1)
+    else:
+        q, k, v = matmul(h, lw.wq), matmul(h, lw.wk), matmul(h, lw.wv)
+    return (q.reshape(n, cfg.num_heads, cfg.head_dim), k.reshape(n, cfg.num_kv_heads, cfg.head_dim),
+            v.reshape(n, cfg.num_kv_heads, cfg.head_dim))
+
+
+def fuse_qkv(layer):
+    """A per-layer params tree with wq / wk / wv (Ouro, Nanbeige) -> the same with one
+    ``wqkv`` [D, (H + 2 Hkv) * Dh] instead (wq / wk / wv None); any other tree as is."""
+    if getattr(layer, "wq", None) is None or not hasattr(layer, "wqkv"):
+        return layer
+    wqkv = jnp.concatenate([layer.wq, layer.wk, layer.wv], axis=-1)
+    return dataclasses.replace(layer, wqkv=wqkv, wq=None, wk=None, wv=None)
+
+
+def unfuse_qkv(layer, q_width: int, kv_width: int):
+    """``fuse_qkv``'s inverse (column slices, copies): wq / wk / wv back from wqkv."""
+    if getattr(layer, "wqkv", None) is None or not hasattr(layer, "wq"):   # Huginn: wqkv is its own
+        return layer
+    wq, wk, wv = jnp.split(layer.wqkv, (q_width, q_width + kv_width), axis=-1)
+    return dataclasses.replace(layer, wq=wq, wk=wk, wv=wv, wqkv=None)
+
+
 def swiglu(x: jax.Array, matmul, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
     """[N, D] -> [N, D]; ``matmul(x, w)`` applies one projection (w_gate/w_up [.., D, F],
     w_down [.., F, D]: the backend's matmul picks the layer of stacked weights)."""
@@ -149,8 +178,9 @@ class SplitLayers:
 
     @classmethod
     def split(cls, stacked) -> "SplitLayers":
+        """Per-layer copies, q | k | v fused (``fuse_qkv``) one layer at a time."""
         num = jax.tree.leaves(stacked)[0].shape[0]
-        return cls(tuple(jax.tree.map(lambda a: a[i], stacked) for i in range(num)))
+        return cls(tuple(fuse_qkv(jax.tree.map(lambda a: a[i], stacked)) for i in range(num)))
 
 
 def split_layer_stacks(params):

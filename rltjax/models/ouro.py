@@ -22,7 +22,8 @@ import jax.numpy as jnp
 
 from rltjax.config import ModelConfig
 from rltjax.models.base import KVBackend
-from rltjax.models.layers import SplitLayers, over_layers, projection_source, rms_norm, Rope, swiglu
+from rltjax.models.layers import (SplitLayers, over_layers, project_qkv, projection_source, rms_norm, Rope,
+                                  swiglu)
 from rltjax.models.params import TensorSpec, llama_stack_specs
 
 
@@ -40,6 +41,10 @@ class OuroLayers:
     w_gate: jax.Array          # [L, D, F]
     w_up: jax.Array            # [L, D, F]
     w_down: jax.Array          # [L, F, D]
+    # Per-layer trees of the engine (``split_layer_stacks``) hold q | k | v as one weight
+    # [D, (H + 2 Hkv) * Dh] instead of wq / wk / wv (None there): one GEMM whose output the
+    # decode kernel reads as is.
+    wqkv: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -109,9 +114,7 @@ class OuroModel:
             layer, p, next_norm = xs          # next_norm: the next pre-norm (the final norm last)
             lw, index = projection_source(params.layers, p, layer)
             mm = lambda a, w: backend.matmul(a, w, index)               # noqa: E731
-            q = mm(h, lw.wq).reshape(n, cfg.num_heads, cfg.head_dim)    # [N, H, Dh]
-            k = mm(h, lw.wk).reshape(n, cfg.num_kv_heads, cfg.head_dim)  # [N, Hkv, Dh]
-            v = mm(h, lw.wv).reshape(n, cfg.num_kv_heads, cfg.head_dim)
+            q, k, v = project_qkv(h, lw, mm, cfg)                          # [N, H | Hkv, Dh]
             out, kv = backend.write_attend(kv, layer, q, k, v, meta, rope)         # [N, H, Dh]
             attn = mm(out.reshape(n, cfg.q_width), lw.wo)                     # [N, D]
             # x += post_norm(branch), then the next pre-norm: one kernel on the decode path.

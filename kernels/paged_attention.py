@@ -127,8 +127,9 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 
 def merge_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """[N, H, Dh], [N, Hkv, Dh] x 2 -> [N, H + 2 Hkv, Dh], concatenated flat: when q, k, v are
-    adjacent column slices of one projection's output (Huginn's q|k|v weight; on a GPU also
-    XLA's merged q/k/v dots), XLA folds the concatenate back into that output, no copy."""
+    adjacent column slices of one projection's output (the engine's fused q | k | v weight,
+    RoPE in the kernel), XLA folds the concatenate back into that output, no copy. (Where
+    XLA transforms q or k first, e.g. Huginn's bias and interleaved RoPE, one copy remains.)"""
     n, head_dim = q.shape[0], q.shape[-1]
     return jnp.concatenate([x.reshape(n, -1) for x in (q, k, v)], axis=1).reshape(n, -1, head_dim)
 

@@ -24,6 +24,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from checkpoints.random_init import random_checkpoint  # noqa: E402
+from rltjax.models.layers import split_layer_stacks  # noqa: E402
 from rltjax.cache.paged_kv import PagedKVBackend, PagedMeta  # noqa: E402
 from rltjax.cache.sizing import allocate_paged_kv, kv_bytes_per_token_per_plane  # noqa: E402
 from rltjax.models.base import get_model  # noqa: E402
@@ -100,7 +101,7 @@ def main(argv=None):
         args.batches, args.contexts, args.attn, args.matmul, args.iters = [2], [40], ["xla"], ["xla"], 3
     else:
         cfg = preset_config(args.preset)
-    params = random_checkpoint(cfg, seed=0, dtype="bfloat16")
+    params = split_layer_stacks(random_checkpoint(cfg, seed=0, dtype="bfloat16"))   # the engine's layout
     model = get_model(cfg)
     rows = []
     for attn, matmul in [(a, m) for a in args.attn for m in args.matmul]:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import json
 
 import jax
@@ -121,6 +122,19 @@ def test_orbax_round_trip_is_bit_identical(tmp_path, dtype):
     other = dataclasses.replace(cfg, num_kv_heads=4)
     with pytest.raises(CheckpointError, match=r"'layers.wk' has shape \[3, 64, 32\]"):
         restore_params(tmp_path, param_template(other, dtype))
+
+
+@pytest.mark.parametrize("name", ["ouro-tiny", "nanbeige-tiny"])
+def test_saved_params_tree_is_the_checkpoint_tensors(name):
+    """The params tree Orbax saves and restores is exactly the checkpoint's tensors: an extra
+    field (even one left None, e.g. the engine's fused q | k | v) would change the tree on disk,
+    and directories converted before it would no longer load."""
+    cfg = load_hf_config(FIXTURES / name)
+    template = param_template(cfg, "float32")
+    leaves = jax.tree_util.tree_leaves(template, is_leaf=lambda x: x is None)
+    assert all(leaf is not None for leaf in leaves)
+    module = importlib.import_module(f"rltjax.models.{cfg.arch}")
+    assert set(flatten_params(template)) == {spec.param for spec in module.hf_tensor_specs(cfg)}
 
 
 @pytest.mark.parametrize("fixture", [OURO, GQA])

@@ -209,7 +209,10 @@ def _assert_loop_reads_weights_in_place(hlo: str, step: str, engine) -> list[str
     assert loops, f"no {step} while loop in the compiled HLO"
     body = _called_computations(hlo, re.search(r"body=%?([\w.\-]+)", loops[0]).group(1))
     layer = engine.runner.params.layers.layers[0]          # the runner holds them split (SplitLayers)
-    per_layer = {",".join(map(str, w.shape)) for w in (layer.wqkv, layer.w_gate, layer.w_down)}
+    cfg = engine.cfg
+    shapes = [layer.wqkv.shape, layer.w_gate.shape, layer.w_down.shape,       # and q / k / v pieces
+              (cfg.hidden_size, cfg.q_width), (cfg.hidden_size, cfg.kv_width)]
+    per_layer = {",".join(map(str, shape)) for shape in shapes}
     outputs = tuple(f"= f32[{lead}{dims}]" for dims in per_layer for lead in ("", "1,"))
     slices = [line.strip()[:120] for comp in body for line in comp.splitlines()
               if re.search(r"\b(dynamic-)?slice\(", line) and any(o in line for o in outputs)]

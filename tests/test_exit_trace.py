@@ -16,7 +16,7 @@ from conftest import FIXTURES
 from rltjax.engine.exit_trace import ExitTrace, TraceMismatchError, model_fingerprint
 from rltjax.engine_config import CacheConfig, ExecutionConfig, ExitConfig
 from rltjax.entrypoints.llm import LLM
-from rltjax.models.layers import SplitLayers, split_layer_stacks
+from rltjax.models.layers import FusedQKVLayer, SplitLayers, split_layer_stacks
 from rltjax.sampling_params import SamplingParams
 
 PROMPTS = [[5, 17, 42, 8, 99, 3], [7, 7, 120, 64], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
@@ -88,7 +88,7 @@ def test_fingerprint_sees_one_changed_weight():
     wqkv = np.asarray(layers[1].wqkv).copy()                 # q | k | v fused per layer
     col = llm.engine.cfg.q_width + 5                          # a column of wk
     wqkv[3, col] = np.nextafter(wqkv[3, col], np.float32(np.inf))    # one ulp in one element
-    layers[1] = dataclasses.replace(layers[1], wqkv=jax.numpy.asarray(wqkv))
+    layers[1] = FusedQKVLayer(layers[1].layer, jax.numpy.asarray(wqkv))
     changed = dataclasses.replace(params, layers=SplitLayers(tuple(layers)))
     assert model_fingerprint(llm.engine.cfg, changed) != base
 

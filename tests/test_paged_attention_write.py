@@ -121,6 +121,12 @@ def test_merged_qkv_of_one_projection_is_not_copied():
     hlo = jax.jit(split_merge).lower(x).compile().as_text()
     assert "concatenate" not in hlo and "slice" not in hlo
 
+    def shaped(x):                                                       # the contrast
+        q, k, v = jnp.split(x, [heads * head_dim, (heads + num_kv) * head_dim], axis=-1)
+        return jnp.concatenate([q.reshape(n, heads, head_dim), k.reshape(n, num_kv, head_dim),
+                                v.reshape(n, num_kv, head_dim)], axis=1)
+    assert "concatenate" in jax.jit(shaped).lower(x).compile().as_text()
+
 
 def test_padded_rows_write_nothing_and_read_zeros():
     """Length 0 with page 0 (a padded row): no store lands, the output row is zeros; a row

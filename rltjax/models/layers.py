@@ -65,9 +65,9 @@ class Rope:
 
 def project_qkv(h: jax.Array, lw, matmul, cfg) -> tuple[jax.Array, jax.Array, jax.Array]:
     """h [N, D] -> q [N, H, Dh], k, v [N, Hkv, Dh]: through the fused q | k | v weight where the
-    layer holds one (``fuse_qkv``), else the three projections."""
+    layer holds one (``FusedQKVLayer``), else the three projections."""
     n = h.shape[0]
-    if lw.wqkv is not None:
+    if isinstance(lw, FusedQKVLayer):
         q, k, v = jnp.split(matmul(h, lw.wqkv), (cfg.q_width, cfg.q_width + cfg.kv_width), axis=-1)
     else:
         q, k, v = matmul(h, lw.wq), matmul(h, lw.wk), matmul(h, lw.wv)
@@ -75,21 +75,42 @@ def project_qkv(h: jax.Array, lw, matmul, cfg) -> tuple[jax.Array, jax.Array, ja
             v.reshape(n, cfg.num_kv_heads, cfg.head_dim))
 
 
+@jax.tree_util.register_pytree_node_class
+class FusedQKVLayer:
+    """One layer's params (Ouro, Nanbeige) with q | k | v as one weight ``wqkv``
+    [D, (H + 2 Hkv) * Dh]: one GEMM, whose output the decode kernel reads as is. Every other
+    field reads through to ``layer`` (whose wq / wk / wv are None). The stacked params keep
+    their own dataclasses, so saved checkpoints do not change."""
+
+    def __init__(self, layer, wqkv):
+        self.layer, self.wqkv = layer, wqkv
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["layer"], name)
+
+    def tree_flatten(self):
+        return (self.layer, self.wqkv), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children)
+
+
 def fuse_qkv(layer):
-    """A per-layer params tree with wq / wk / wv (Ouro, Nanbeige) -> the same with one
-    ``wqkv`` [D, (H + 2 Hkv) * Dh] instead (wq / wk / wv None); any other tree as is."""
-    if getattr(layer, "wq", None) is None or not hasattr(layer, "wqkv"):
+    """A per-layer params tree with wq / wk / wv -> ``FusedQKVLayer``; any other tree as is
+    (Huginn's layers hold their own fused wqkv)."""
+    if getattr(layer, "wq", None) is None:
         return layer
     wqkv = jnp.concatenate([layer.wq, layer.wk, layer.wv], axis=-1)
-    return dataclasses.replace(layer, wqkv=wqkv, wq=None, wk=None, wv=None)
+    return FusedQKVLayer(dataclasses.replace(layer, wq=None, wk=None, wv=None), wqkv)
 
 
 def unfuse_qkv(layer, q_width: int, kv_width: int):
-    """``fuse_qkv``'s inverse (column slices, copies): wq / wk / wv back from wqkv."""
-    if getattr(layer, "wqkv", None) is None or not hasattr(layer, "wq"):   # Huginn: wqkv is its own
+    """``fuse_qkv``'s inverse (column slices, copies): the layer's own tree with wq / wk / wv."""
+    if not isinstance(layer, FusedQKVLayer):
         return layer
     wq, wk, wv = jnp.split(layer.wqkv, (q_width, q_width + kv_width), axis=-1)
-    return dataclasses.replace(layer, wq=wq, wk=wk, wv=wv, wqkv=None)
+    return dataclasses.replace(layer.layer, wq=wq, wk=wk, wv=wv)
 
 
 def swiglu(x: jax.Array, matmul, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:

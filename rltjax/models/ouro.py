@@ -41,10 +41,6 @@ class OuroLayers:
     w_gate: jax.Array          # [L, D, F]
     w_up: jax.Array            # [L, D, F]
     w_down: jax.Array          # [L, F, D]
-    # Per-layer trees of the engine (``split_layer_stacks``) hold q | k | v as one weight
-    # [D, (H + 2 Hkv) * Dh] instead of wq / wk / wv (None there): one GEMM whose output the
-    # decode kernel reads as is.
-    wqkv: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass

@@ -46,11 +46,12 @@ def write_plane_mask(plane, max_loops, num_planes: int):
     return (planes >= plane[None, :]) & (planes < max_loops.clip(max=num_planes)[None, :])
 
 
-def write_through_pages(plane_tables: jax.Array, plane: jax.Array, max_loops: jax.Array, positions: jax.Array,
-                        active: jax.Array, block_tables: jax.Array, page_size: int) -> jax.Array:
-    """Pages of ``write_plane_mask`` for B rows on the device -> [planes, B] (0 outside a
-    row's write planes, and for inactive rows: dropped). plane_tables [B, planes] each row's block
-    table per plane; plane, max_loops, positions [B] int32; active [B] bool."""
+def write_through_pages(plane_tables, plane, max_loops, positions, active, block_tables, page_size: int):
+    """Pages of ``write_plane_mask`` for B rows -> [planes, B] int32 (0 outside a row's write
+    planes, and for inactive rows: dropped). plane_tables [B, planes] each row's block table per
+    plane; plane, max_loops, positions [B] int; active [B] bool. numpy in (the step path's host
+    batches), numpy out; jax in (decode windows, on the device), jax out."""
+    xp = np if isinstance(block_tables, np.ndarray) else jnp
     through = active[None, :] & write_plane_mask(plane, max_loops, plane_tables.shape[1])    # [P, B]
-    block = jnp.maximum(positions, 0) // page_size
-    return jnp.where(through, block_tables[plane_tables.T, block[None, :]], 0)
+    block = xp.maximum(positions, 0) // page_size
+    return xp.where(through, block_tables[plane_tables.T, block[None, :]], 0).astype(xp.int32)

@@ -13,7 +13,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from rltjax.cache.kv_update import write_plane_mask
+from rltjax.cache.kv_update import write_through_pages
 from rltjax.engine.runner import BoundaryRows
 from rltjax.engine.scheduler import Scheduler
 from rltjax.engine.sequence import Request
@@ -107,9 +107,8 @@ class BatchBuilder:
         plane_tables = np.array([r.tables[:self.num_planes] for r in rows], np.int32)
         plane_tables = plane_tables.reshape(len(rows), self.num_planes)                       # [N, P]
         caps = np.array([r.max_loops if self.layered else 1 for r in rows])
-        through = write_plane_mask(np.array(planes), caps, self.num_planes)                  # [P, N]
-        pages = self.scheduler.block_tables.array[plane_tables, (positions // self.page_size)[:, None]]
-        write_page = np.where(through, pages.T, 0).astype(np.int32)
+        write_page = write_through_pages(plane_tables, np.array(planes), caps, positions, np.ones(len(rows), bool),
+                                         self.scheduler.block_tables.array, self.page_size)     # [P, N]
         starting = np.array([r.loops_done == 0 for r in rows])
         return (np.array([r.slot for r in rows], np.int32), np.array([r.output_token_ids[-1] for r in rows], np.int32),
                 starting, positions, write_page, positions % self.page_size,

@@ -6,22 +6,25 @@ Semantics: x @ w[layer] with float32 accumulation (`skinny_matmul_ref`). impl:
   "xla"    the reference, XLA's own dot (any backend, any shape);
   "pallas" the weight-streaming Pallas Triton kernel (`kernels.pallas_skinny`);
            interpret=True runs it on CPU.
-There is no "auto": on an H200 at Ouro-1.4B shapes the kernel beat XLA over a whole loop
-pass only at M = 1 (by 10%; up to 2x on single projections at M = 1 and 8) and lost at the
-engine's decode buckets
-(M >= 8: a pass took 3.9 ms against XLA's 2.6 ms at M = 8; docs/performance.md), so XLA
-is the default and the kernel is opt-in until it is tuned.
+`kernel_config` picks the kernel's blocks and K splits from the shape. Measured on an
+H200 at 1-8 rows (docs/performance.md, ninth session): for K <= 2048 one pass over K
+(no split, narrow column tiles, the output rounded in the kernel) took 8.7 us at
+Ouro-1.4B's q|k|v (2048 x 6144) and 5.3 us at o (2048 x 2048), against XLA's split-K
+GEMM plus its reduction, 9.8 and 5.8 us; at down (5632 x 2048) and the gate / up pair
+XLA stays ahead, so the engine's "auto" puts only the attention projections here
+(``PagedKVBackend.kernel_shapes``).
 Kernel-supported: M <= MAX_ROWS, K and N multiples of 16 (blocks are the largest powers
-of two up to the requested block_k / block_n that divide them), bfloat16 / float16 /
-float32 weights. A Mosaic GPU or jax-triton port replaces the
-"pallas" branch and nothing else.
+of two up to the configured ones that divide them), bfloat16 / float16 / float32
+weights in x's dtype. A Mosaic GPU or jax-triton port replaces the "pallas" branch and
+nothing else.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from kernels.pallas_skinny import DEFAULT_BLOCK_K, DEFAULT_BLOCK_N, skinny_matmul_pallas
+from kernels.pallas_skinny import choose_splits, skinny_matmul_pallas
+from kernels.triton_common import next_pow2
 
 MAX_ROWS = 64           # beyond this XLA's tiled GEMMs fill the GPU by themselves
 KERNEL_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -45,7 +48,7 @@ def fit_block(dim: int, preferred: int) -> int | None:
     return None
 
 
-def kernel_unsupported(x, w, block_n: int = DEFAULT_BLOCK_N, block_k: int = DEFAULT_BLOCK_K) -> str | None:
+def kernel_unsupported(x, w, block_n: int = 16, block_k: int = 16) -> str | None:
     """Why the kernel cannot take these shapes/dtypes (None when it can)."""
     (m, k), n = x.shape, w.shape[-1]
     if m > MAX_ROWS:
@@ -62,11 +65,31 @@ def kernel_unsupported(x, w, block_n: int = DEFAULT_BLOCK_N, block_k: int = DEFA
     return None
 
 
+SINGLE_PASS_MAX_K = 2048    # one program streams all of K up to this (measured); longer K is split
+
+
+def kernel_config(m: int, k: int, n: int, block_n: int | None = None, block_k: int | None = None,
+                  k_splits: int | None = None) -> dict:
+    """The kernel's blocks, K splits, warps and pipeline stages for an [m, k] @ [k, n] product
+    (the H200 measurements of the module docstring); explicit arguments override."""
+    single = k <= SINGLE_PASS_MAX_K
+    if single:   # narrow tiles: enough programs without splitting K
+        bn, bk, warps, stages = (16, 256, 2, 5) if n <= 2048 else (32, 128, 2, 5)
+    else:
+        bn, bk, warps, stages = 64, 128, 4, 3
+    bn, bk = fit_block(n, block_n or bn), fit_block(k, block_k or bk)
+    if k_splits is None:
+        k_splits = 1 if single else choose_splits(k, n, bn, bk)
+    if m > 16:      # wider row tiles: fewer stages fit in shared memory
+        stages = 2 if m >= 64 else 3
+    return dict(block_n=bn, block_k=bk, k_splits=k_splits, num_warps=warps, num_stages=stages)
+
+
 def skinny_matmul(x: jax.Array, w: jax.Array, layer=None, *, impl: str = "xla", interpret: bool = False,
-                  block_n: int = DEFAULT_BLOCK_N, block_k: int = DEFAULT_BLOCK_K,
+                  block_n: int | None = None, block_k: int | None = None,
                   k_splits: int | None = None) -> jax.Array:
     """x [M, K] @ w [K, N] (or w[layer] of a stacked [L, K, N]; layer an int32 scalar, may be
-    traced) -> [M, N] in x's dtype."""
+    traced) -> [M, N] in x's dtype. block_n / block_k / k_splits override `kernel_config`."""
     if impl not in IMPLS:
         raise ValueError(f"skinny_matmul: impl: choose one of {IMPLS}, got {impl!r}")
     if x.ndim != 2 or w.ndim not in (2, 3):
@@ -75,16 +98,20 @@ def skinny_matmul(x: jax.Array, w: jax.Array, layer=None, *, impl: str = "xla", 
         raise ValueError(f"skinny_matmul: x has K={x.shape[1]} but w has K={w.shape[-2]}")
     if (w.ndim == 3) != (layer is not None):
         raise ValueError("skinny_matmul: a stacked [L, K, N] weight needs layer=, a [K, N] one must not get it")
-    why_not = kernel_unsupported(x, w, block_n, block_k)
+    why_not = kernel_unsupported(x, w, block_n or 16, block_k or 16)
     if impl == "pallas" and why_not:
         raise ValueError(f"skinny_matmul: {why_not}")
     if impl == "xla":
         return skinny_matmul_ref(x, w, layer)
+    (m, k), n = x.shape, w.shape[-1]
+    config = kernel_config(m, k, n, block_n, block_k, k_splits)
+    if (k // config["block_k"]) % config["k_splits"]:
+        raise ValueError(f"skinny_matmul: k_splits={k_splits} must divide K / block_k = {k // config['block_k']}")
+    # the kernel's tiles take power-of-two rows (the engine's buckets are); others are padded here
+    xp = jnp.pad(x, ((0, next_pow2(m) - m), (0, 0))) if m & (m - 1) else x
     if w.ndim == 2:
         w, layer = w[None], 0
-    layer = jnp.asarray(layer, jnp.int32).reshape(1)
-    block_n, block_k = fit_block(w.shape[-1], block_n), fit_block(w.shape[-2], block_k)
-    if k_splits is not None and (w.shape[-2] // block_k) % k_splits:
-        raise ValueError(f"skinny_matmul: k_splits={k_splits} must divide K / block_k = {w.shape[-2] // block_k}")
-    return skinny_matmul_pallas(x, w, layer, block_n=block_n, block_k=block_k, k_splits=k_splits,
-                                interpret=interpret)
+    out = skinny_matmul_pallas(xp, w, jnp.asarray(layer, jnp.int32).reshape(1), interpret=interpret, **config)
+    if config["k_splits"] > 1:
+        out = out.sum(axis=0).astype(x.dtype)
+    return out[:m]

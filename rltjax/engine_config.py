@@ -16,7 +16,7 @@ EXIT_MODES = ("ouro", "ouro_delayed", "random_lookahead", "trace", "fixed", "lat
 KV_LAYOUTS = ("last_exited", "shared")
 SCHEDULER_MODES = ("refill", "no_refill")
 ATTN_IMPLS = ("auto", "xla", "pallas")
-MATMUL_IMPLS = ("xla", "pallas")
+MATMUL_IMPLS = ("auto", "xla", "pallas")
 WINDOW_TRIPS = ("auto", "early_stop", "fixed")
 # K of decode windows when ExecutionConfig.decode_window is None and windows can run. On an
 # H200 (Ouro-1.4B shapes) K=16 beat step-by-step at 1, 8 and 32 streams (docs/performance.md).
@@ -151,9 +151,12 @@ class ExecutionConfig:
     """How device work is compiled and dispatched.
 
     attn_impl: paged attention implementation (``auto`` = Pallas on GPU, XLA elsewhere).
-    matmul_impl: decode projections (at most ``kernels.skinny_matmul.MAX_ROWS`` rows): ``xla``
-    (XLA's dot, the default: faster at the engine's decode buckets on an H200) or ``pallas``
-    (the weight-streaming kernel, opt-in); prefill batches always use XLA's dot.
+    matmul_impl: decode projections: ``auto`` (the default: on a GPU, the attention projections
+    (q|k|v, o) of decode batches of up to 16 rows run on the weight-streaming Pallas kernel,
+    which beat XLA's split-K GEMMs there on an H200; the rest is XLA's dot), ``xla`` (XLA's
+    dot everywhere) or ``pallas`` (every projection of at most
+    ``kernels.skinny_matmul.MAX_ROWS`` rows on the kernel: slower than XLA at gate / up and
+    down); prefill batches always use XLA's dot.
     interpret: run the Pallas kernels in interpret mode (CPU testing of the "pallas" impls).
     decode_window: K > 0 runs decode as device-side windows of up to K loop passes
     (``rltjax.engine.decode_window``) whenever every running request is decoding; 0 runs
@@ -174,7 +177,7 @@ class ExecutionConfig:
     compilation_cache_dir: XLA's persistent compilation cache (None disables it).
     """
     attn_impl: str = "auto"
-    matmul_impl: str = "xla"
+    matmul_impl: str = "auto"
     interpret: bool = False
     decode_window: int | None = None
     window_trip: str = "auto"

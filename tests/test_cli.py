@@ -93,7 +93,7 @@ def test_execution_flags_reach_the_engine_config():
     ex = configs_from_args(p.parse_args(["--decode-window", "4", "--async-scheduling",
                                          "--exit-mode", "ouro_delayed"]))["execution_config"]
     assert ex.decode_window == 4 and ex.async_scheduling is True
-    assert default.matmul_impl == "xla" and dict(default.xla_options) == {}
+    assert default.matmul_impl == "auto" and dict(default.xla_options) == {}
     ex = configs_from_args(p.parse_args([
         "--matmul-impl", "pallas", "--xla-option", "xla_gpu_enable_command_buffer=FUSION,WHILE",
         "--xla-option", "xla_gpu_graph_min_graph_size=1", "--xla-option", "xla_cpu_enable_fast_math=false"]))

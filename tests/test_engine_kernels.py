@@ -77,3 +77,32 @@ def test_kernel_engine_matches_reference_with_aligned_prefill(small_ouro):
         starts = [i for i in range(len(pos)) if pos[i] >= 0 and (i == 0 or pos[i - 1] != pos[i] - 1)]
         assert all(i % PREFILL_BLOCK_Q == 0 for i in starts)
         assert len(pos) <= 80
+
+
+def test_auto_matmul_runs_the_attention_projections_on_the_kernel(small_ouro, monkeypatch):
+    """matmul_impl "auto" as on a GPU: the decode rows' q|k|v and o projections (and only those
+    shapes) go through the weight-streaming kernel, and the engine still equals the oracle."""
+    import jax
+    from kernels import skinny_matmul as sm
+    cfg, params = small_ouro
+    shapes = []
+    real = sm.skinny_matmul_pallas
+    monkeypatch.setattr(sm, "skinny_matmul_pallas", lambda x, w, *a, **k: shapes.append(w.shape[1:]) or real(x, w, *a, **k))
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")       # the interpret flag still runs them on CPU
+    engine = build_engine(
+        None, params=params, cfg=cfg, cache_config=CacheConfig(kv_layout="last_exited", page_size=8),
+        scheduler_config=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, prefill_chunk_size=32),
+        exit_config=ExitConfig(mode="ouro"),
+        execution_config=ExecutionConfig(attn_impl="pallas", matmul_impl="auto", interpret=True, compile_ahead=False,
+                                         compilation_cache_dir=None, show_progress=False))
+    rng = np.random.default_rng(5)
+    arrivals = [(0, f"r{i}", rng.integers(3, cfg.vocab_size, n).tolist(),
+                 SamplingParams(max_tokens=4, temperature=0.0, exit_threshold=0.5, ignore_eos=True, logprobs=1))
+                for i, n in enumerate((11, 6))]
+    outputs = run_workload(engine, arrivals)
+    ref = ReferenceModel(get_model(cfg), params, kv_layout="last_exited", exit_config=ExitConfig(mode="ouro"))
+    for _, rid, prompt, sp in arrivals:
+        check_equal(outputs[rid], ref.generate(prompt, sp, request_id=rid))
+    D, qkv = cfg.hidden_size, cfg.q_width + 2 * cfg.kv_width
+    assert set(shapes) == {(D, qkv), (cfg.q_width, D)}
+    assert_all_pages_free(engine)

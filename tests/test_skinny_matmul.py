@@ -1,7 +1,12 @@
 """The weight-streaming projection kernel (interpret mode on CPU) against a float64 numpy
 product: row counts 1..64, stacked and plain weights, block sizes and K splits; the entry
-point's validation; and, on a GPU, the compiled kernel at Ouro-1.4B's shapes."""
+point's validation; the engine backend's choice of path; the kernel lowered to Triton
+without a GPU (rows below the 16-row dot tile replicated in registers, no padding copy,
+one split writing the output dtype); and, on a GPU, the compiled kernel at Ouro-1.4B's
+shapes."""
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -9,8 +14,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from kernels.pallas_skinny import choose_splits, padded_rows
-from kernels.skinny_matmul import MAX_ROWS, fit_block, skinny_matmul, skinny_matmul_ref
+from kernels.pallas_skinny import choose_splits
+from kernels.skinny_matmul import MAX_ROWS, fit_block, kernel_config, skinny_matmul, skinny_matmul_ref
 
 # relative Frobenius error vs float64: float32 accumulation, then rounding to the output dtype
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 8e-3}
@@ -45,10 +50,14 @@ def test_kernel_matches_float64_product(m, k_blocks, n_blocks, block_k, block_n,
 def test_default_blocks_fit_any_multiple_of_16():
     assert fit_block(5632, 256) == 256 and fit_block(2048, 128) == 128 and fit_block(96, 128) == 32
     assert fit_block(48, 256) == 16 and fit_block(40, 256) is None
-    assert padded_rows(1) == 16 and padded_rows(17) == 32 and padded_rows(64) == 64
-    # splits rise towards MIN_PROGRAMS, capped at K / block_k (2048 x 2048 at 128 x 256: 8)
-    assert choose_splits(2048, 2048, 128, 256) == 8 and choose_splits(2048, 2048, 128, 128) == 16
-    assert choose_splits(5632, 2048, 128, 256) == 22 and choose_splits(2048, 49152, 128, 256) == 1
+    # splits: the smallest divisor of K / block_k giving >= MIN_PROGRAMS (256) programs; at 64 x 128
+    # blocks Ouro-1.4B's down (5632 x 2048): 11 (8 does not divide 44)
+    assert choose_splits(5632, 2048, 64, 128) == 11 and choose_splits(2048, 49152, 64, 128) == 1
+    assert choose_splits(256, 64, 64, 128) == 2          # fewer K blocks than it wants: one step each
+    # K <= 2048: one pass, narrow tiles (o: 128 programs of 16 columns); longer K is split
+    assert kernel_config(8, 2048, 2048) == dict(block_n=16, block_k=256, k_splits=1, num_warps=2, num_stages=5)
+    assert kernel_config(1, 2048, 6144)["block_n"] == 32 and kernel_config(1, 2048, 6144)["k_splits"] == 1
+    assert kernel_config(8, 5632, 2048)["k_splits"] == 11 and kernel_config(64, 2048, 2048)["num_stages"] == 2
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((3, 96)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((96, 48)), jnp.float32)
@@ -105,3 +114,43 @@ def test_engine_backend_names_the_setting_when_the_kernel_cannot_run():
         backend.matmul(x, w, 1)
     big = jnp.ones((MAX_ROWS + 1, 40), jnp.float32)          # beyond the kernel's rows: XLA's dot
     np.testing.assert_array_equal(np.asarray(backend.matmul(big, w, 1)), np.asarray(skinny_matmul_ref(big, w, 1)))
+
+
+@pytest.mark.parametrize("rows", [1, 8, 16])
+def test_lowers_to_triton_without_padding(lower_to_triton, rows):
+    """Few rows go in as they are (no XLA pad: the kernel replicates them up to the 16-row
+    dot tile); one split stores [rows, N] in x's dtype, so nothing runs after the kernel."""
+    sd = jax.ShapeDtypeStruct
+    fn = lambda x, w: skinny_matmul(x, w, impl="pallas")                  # noqa: E731
+    args = sd((rows, 2048), jnp.bfloat16), sd((2048, 2048), jnp.bfloat16)
+    ir = lower_to_triton(fn, *args)
+    assert "tt.dot" in ir and "tensor<16x256xbf16>" in ir       # the 16-row tile, block_k 256
+    assert jax.eval_shape(fn, *args).shape == (rows, 2048)
+    hlo = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "stablehlo.pad" not in hlo and "stablehlo.reduce" not in hlo and "stablehlo.convert" not in hlo
+
+
+def test_backend_auto_takes_the_kernel_for_its_shapes_on_gpu(monkeypatch):
+    """matmul_impl "auto": the kernel for decode rows up to AUTO_MAX_ROWS whose weight shape
+    is one of kernel_shapes, on a GPU; XLA's dot for anything else."""
+    from kernels import skinny_matmul as sm
+    from rltjax.cache.paged_kv import AUTO_MAX_ROWS, PagedKVBackend
+    rng = np.random.default_rng(4)
+    w = jnp.asarray(rng.standard_normal((2, 256, 64)) / 16, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((8, 256)), jnp.float32)
+    big = jnp.asarray(rng.standard_normal((AUTO_MAX_ROWS * 2, 256)), jnp.float32)
+    calls = []
+    real = sm.skinny_matmul_pallas
+    monkeypatch.setattr(sm, "skinny_matmul_pallas", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    auto = PagedKVBackend(attn_impl="pallas", matmul_impl="auto", decode_rows=True, interpret=True,
+                          kernel_shapes=((256, 64),))
+    want = skinny_matmul_ref(x, w, 1)
+    np.testing.assert_array_equal(np.asarray(auto.matmul(x, w, 1)), np.asarray(want))    # CPU: XLA's dot
+    assert calls == []
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert rel_err(auto.matmul(x, w, 1), x, w[1]) < TOL[jnp.float32] and calls == [(8, 256)]
+    for backend, rows in ((auto, big), (dataclasses.replace(auto, kernel_shapes=((64, 256),)), x),
+                          (dataclasses.replace(auto, decode_rows=False), x),
+                          (dataclasses.replace(auto, matmul_impl="xla"), x)):
+        np.testing.assert_array_equal(np.asarray(backend.matmul(rows, w, 1)), np.asarray(skinny_matmul_ref(rows, w, 1)))
+    assert calls == [(8, 256)]

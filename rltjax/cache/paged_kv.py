@@ -45,6 +45,8 @@ from kernels.paged_attention import paged_attention, paged_attention_write, page
 from kernels.residual_norm import kernel_unsupported as norm_unsupported, residual_norm
 from kernels.skinny_matmul import MAX_ROWS, kernel_unsupported, skinny_matmul
 
+AUTO_MAX_ROWS = 16      # matmul_impl "auto": the kernel for decode batches up to this many rows
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
@@ -81,9 +83,13 @@ class PagedKVBackend:
     interpret runs the Pallas kernels in interpret mode (CPU tests).
     prefill_block_q: > 0 reads through the prefill kernel (``paged_prefill_attention``):
     the rows must come in aligned blocks of this many rows that share a table.
-    matmul_impl: "xla" | "pallas" for the projections of batches of at most
-    ``kernels.skinny_matmul.MAX_ROWS`` rows; larger batches use XLA's dot. (The engine's
-    prefill backend always says "xla".)
+    matmul_impl: the projections of batches of at most ``kernels.skinny_matmul.MAX_ROWS``
+    rows: "xla" (XLA's dot), "pallas" (all of them on the weight-streaming kernel) or
+    "auto" (on a GPU, decode batches of up to AUTO_MAX_ROWS rows whose weight shape
+    [K, N] is in ``kernel_shapes`` run on the kernel; the rest XLA's dot). Larger
+    batches use XLA's dot. (The engine's prefill backend always says "xla".)
+    kernel_shapes: for "auto", the weight shapes the kernel beats XLA at (the runner
+    names the attention projections: q|k|v and o; ``kernels.skinny_matmul``).
     decode_rows: the caller promises every row is the newest token of its own request and
     writes its K/V at its position in the table it reads (lengths - 1), so no row reads
     another's write of this call: ``write_attend`` may then fuse the write into the
@@ -95,13 +101,21 @@ class PagedKVBackend:
     prefill_block_q: int = 0
     matmul_impl: str = "xla"
     decode_rows: bool = False
+    kernel_shapes: tuple[tuple[int, int], ...] = ()
 
     def matmul(self, x, w, layer):
-        impl = self.matmul_impl if x.shape[0] <= MAX_ROWS else "xla"
+        impl = "pallas" if self.matmul_impl == "pallas" and x.shape[0] <= MAX_ROWS else "xla"
         if impl == "pallas" and (why_not := kernel_unsupported(x, w)):
             raise ValueError(f"ExecutionConfig.matmul_impl='pallas': a [{x.shape[1]}, {w.shape[-1]}] projection "
-                             f"cannot run on the kernel: {why_not} (use matmul_impl='xla')")
+                             f"cannot run on the kernel: {why_not} (use matmul_impl='xla' or 'auto')")
+        if self._auto_on_kernel(x, w):
+            impl = "pallas"
         return skinny_matmul(x, w, layer, impl=impl, interpret=self.interpret)
+
+    def _auto_on_kernel(self, x, w) -> bool:
+        return (self.matmul_impl == "auto" and self.decode_rows and x.shape[0] <= AUTO_MAX_ROWS
+                and tuple(w.shape[-2:]) in self.kernel_shapes and jax.default_backend() == "gpu"
+                and not kernel_unsupported(x, w))
 
     @property
     def fuses_decode(self) -> bool:

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels.paged_attention import DEFAULT_BLOCK_Q, kernel_unsupported
+from kernels.skinny_matmul import SINGLE_PASS_MAX_K
 from rltjax.cache.paged_kv import PagedKV, PagedKVBackend, PagedMeta
 from rltjax.engine.decode_window import RowsRead, WindowOutputs, WindowRows
 from rltjax.engine.device_steps import DeviceSteps
@@ -93,7 +94,7 @@ class PendingSignals:
 
 class ModelRunner:
     def __init__(self, model, params, kv: PagedKV, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 attn_impl: str, lookahead_w: np.ndarray, num_planes: int, matmul_impl: str = "xla",
+                 attn_impl: str, lookahead_w: np.ndarray, num_planes: int, matmul_impl: str = "auto",
                  boundary_kv: PagedKV | None = None, xla_options: tuple = (),
                  prefill_write_planes: int | None = None, raw_signal: bool = False, interpret: bool = False,
                  chunked_prefill: bool = True, window_spec: dict | None = None, window_trace_width: int = 1):
@@ -125,8 +126,14 @@ class ModelRunner:
         self.bkv = boundary_kv
         self.steps = DeviceSteps.build(xla_options)   # xla_options: (name, value) pairs
         # loop, head, embed steps and windows: one row per request (the fused decode write holds)
+        # matmul_impl "auto": the fused q|k|v and the o projection on the weight-streaming kernel,
+        # where it runs one pass over K (the shapes measured faster than XLA: Ouro's)
+        cfg = self.cfg
+        attention_shapes = tuple(shape for shape in ((cfg.hidden_size, cfg.q_width + 2 * cfg.kv_width),
+                                                     (cfg.q_width, cfg.hidden_size))
+                                 if shape[0] <= SINGLE_PASS_MAX_K)
         self.backend = PagedKVBackend(attn_impl=attn_impl, interpret=interpret, matmul_impl=matmul_impl,
-                                      decode_rows=True)
+                                      decode_rows=True, kernel_shapes=attention_shapes)
         probe = jax.ShapeDtypeStruct((1, self.cfg.num_heads, self.cfg.head_dim), kv.k.dtype)
         uses_kernel = attn_impl == "pallas" or (attn_impl == "auto" and jax.default_backend() == "gpu"
                                                 and kernel_unsupported(probe, kv.k) is None)

@@ -43,9 +43,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("execution")
     g.add_argument("--attn-impl", default="auto", choices=ATTN_IMPLS,
                    help="paged attention: auto = Pallas kernel on GPU, XLA elsewhere")
-    g.add_argument("--matmul-impl", default="xla", choices=MATMUL_IMPLS,
-                   help="decode projections (<= 64 rows): XLA's dot, or the weight-streaming Pallas kernel "
-                        "(opt-in: slower than XLA at decode batches >= 8 on an H200)")
+    g.add_argument("--matmul-impl", default="auto", choices=MATMUL_IMPLS,
+                   help="decode projections: auto = on GPU, q|k|v and o of <= 16 decode rows on the "
+                        "weight-streaming Pallas kernel, XLA's dot for the rest; xla = XLA's dot; "
+                        "pallas = the kernel for every projection of <= 64 rows")
     g.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
                    help="an XLA compiler option for every engine executable (repeatable), e.g. "
                         "xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUSTOM_CALL,WHILE,CONDITIONAL")

@@ -1,11 +1,18 @@
-"""Decode projections: the weight-streaming Pallas kernel vs XLA's dot, in GB/s of weights read.
+"""Decode projections: the weight-streaming Pallas kernel vs XLA's dot, kernel time per layer.
 
     python scripts/bench_skinny.py --out skinny.json                 # GPU, Ouro-1.4B shapes
-    python scripts/bench_skinny.py --rows 1 8 --block-n 64 128 --block-k 128 256
+    python scripts/bench_skinny.py --rows 1 8 --shapes o qkv --block-n 16 32 --block-k 128 256
     python scripts/bench_skinny.py --quick          # CPU smoke run (interpret mode, tiny shapes)
 
-Each timing runs the projection over all L layers of a stacked [L, K, N] weight in one
-jitted call (more bytes than the L2 holds, as in a real pass) and reports time per layer.
+Each measurement runs one projection over L layers' own [K, N] weights (as the engine
+holds them after splitting its layer stacks; more bytes than the L2 holds, as in a real
+pass), each layer with its own input, in one jitted call. On a GPU the time is the sum
+of the call's kernel durations from a profiler trace (XLA: its GEMM and any split-K
+reduction after it; the kernel: itself and, with k_splits > 1, the sum of its partials),
+median over --iters calls, divided by L: launch gaps and host dispatch are not in it.
+Without a GPU (--quick) it is wall-clock time of the call. The kernel runs at
+`kernels.skinny_matmul.kernel_config` for the shape ("config") and at every point of the
+--block-n x --block-k x --k-splits x --num-warps x --num-stages grid given ("sweep").
 """
 from __future__ import annotations
 
@@ -15,6 +22,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -22,86 +30,118 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from kernels.pallas_skinny import choose_splits  # noqa: E402
-from kernels.skinny_matmul import kernel_unsupported, skinny_matmul  # noqa: E402
+from kernels.pallas_skinny import skinny_matmul_pallas  # noqa: E402
+from kernels.skinny_matmul import kernel_config, kernel_unsupported, skinny_matmul  # noqa: E402
+from rltjax.benchmarks.kernel_trace import device_kernels, load_events  # noqa: E402
 
-SHAPES = {"qkvo 2048x2048": (2048, 2048), "gate/up 2048x5632": (2048, 5632),
-          "down 5632x2048": (5632, 2048), "lm_head 2048x49152": (2048, 49152), "tiny 64x96": (64, 96)}
-
-
-def time_per_layer(fn, x, w, iters: int) -> float:
-    jax.block_until_ready(fn(x, w))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(x, w))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) / w.shape[0]
+SHAPES = {"qkv": (2048, 6144), "o": (2048, 2048), "gate": (2048, 5632), "down": (5632, 2048),
+          "lm_head": (2048, 49152), "tiny": (64, 96)}
 
 
-def all_layers(impl: str, **kw):
-    """Every layer's projection of one input, summed: one jitted call over the whole stack."""
-    @jax.jit
-    def fn(x, w):
-        # a different input per layer: XLA would otherwise merge the dots into one over
-        # concatenated weights (which overflowed shared memory at 32 rows on an H200)
-        return sum(skinny_matmul(x * (1 + layer), w, layer, impl=impl, **kw).astype(jnp.float32)
-                   for layer in range(w.shape[0]))
-    return fn
+def per_layer_us(fn, xs, ws, iters: int) -> float:
+    """Median time of one call over all layers, divided by the layer count (microseconds)."""
+    jax.block_until_ready(fn(xs, ws))
+    if jax.default_backend() != "gpu":
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(xs, ws))
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times) * 1e6 / len(ws)
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            for _ in range(iters):
+                jax.block_until_ready(fn(xs, ws))
+        kernels = device_kernels(load_events(trace_dir))
+    return statistics.median(kernel_time_per_call(kernels)) / len(ws)
+
+
+def kernel_time_per_call(kernels: list[dict], gap_us: float = 50.0) -> list[float]:
+    """Kernel time (sum of durations) of each call: the host waits for each call before the
+    next, so calls are the runs of kernels separated by idle gaps longer than ``gap_us``."""
+    sums, last_end = [], None
+    for e in sorted(kernels, key=lambda e: e["ts"]):
+        if last_end is None or e["ts"] - last_end > gap_us:
+            sums.append(0.0)
+        sums[-1] += e["dur"]
+        last_end = max(last_end or e["ts"], e["ts"] + e["dur"])
+    return sums
+
+
+def projection(impl: str, interpret: bool, **config):
+    """All layers' projections of their own inputs: a tuple out, so nothing else runs."""
+    if impl == "xla" or not config:
+        return jax.jit(lambda xs, ws: tuple(skinny_matmul(x, w, impl=impl, interpret=interpret)
+                                            for x, w in zip(xs, ws)))
+    layer = jnp.zeros((1,), jnp.int32)
+
+    def one(x, w):
+        out = skinny_matmul_pallas(x, w[None], layer, interpret=interpret, **config)
+        return out if config["k_splits"] == 1 else out.sum(axis=0).astype(x.dtype)
+    return jax.jit(lambda xs, ws: tuple(one(x, w) for x, w in zip(xs, ws)))
+
+
+def sweep_configs(args, m, k, n):
+    for bn, bk, splits, warps, stages in itertools.product(args.block_n, args.block_k, args.k_splits,
+                                                           args.num_warps, args.num_stages):
+        shapes = jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((k, n), jnp.bfloat16)
+        if n % bn or k % bk or (k // bk) % splits or kernel_unsupported(*shapes, bn, bk):
+            continue
+        yield dict(block_n=bn, block_k=bk, k_splits=splits, num_warps=warps, num_stages=stages)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
-    p.add_argument("--shapes", nargs="+", default=list(SHAPES)[:4], choices=list(SHAPES))
-    p.add_argument("--block-n", type=int, nargs="+", default=[64, 128, 256])
-    p.add_argument("--block-k", type=int, nargs="+", default=[128, 256])
-    p.add_argument("--split-scale", type=int, nargs="+", default=[1, 2],
-                   help="multiples of the default split count to try")
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--interpret", action="store_true", help="Pallas interpret mode (CPU)")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16], help="powers of two (the engine's buckets)")
+    p.add_argument("--shapes", nargs="+", default=["qkv", "o", "gate", "down"], choices=list(SHAPES))
+    p.add_argument("--block-n", type=int, nargs="*", default=[], help="sweep: column tiles")
+    p.add_argument("--block-k", type=int, nargs="*", default=[128, 256], help="sweep: K steps")
+    p.add_argument("--k-splits", type=int, nargs="*", default=[1], help="sweep: K splits")
+    p.add_argument("--num-warps", type=int, nargs="*", default=[2, 4])
+    p.add_argument("--num-stages", type=int, nargs="*", default=[3, 5])
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--iters", type=int, default=10)
     p.add_argument("--quick", action="store_true", help="tiny shape in interpret mode (CPU smoke run)")
     p.add_argument("--out")
     args = p.parse_args(argv)
+    interpret = args.quick
+    if any(m & (m - 1) for m in args.rows):
+        raise SystemExit(f"bench_skinny: --rows {args.rows}: the kernel takes power-of-two row counts")
     if args.quick:
-        args.shapes, args.rows, args.block_n, args.block_k = ["tiny 64x96"], [1, 5], [16, 32], [16, 32]
-        args.split_scale, args.iters, args.interpret = [1], 2, True
+        args.shapes, args.rows, args.layers, args.iters = ["tiny"], [1, 4], 2, 2
+        args.block_n, args.block_k, args.k_splits, args.num_warps, args.num_stages = [16, 32], [16, 32], [1, 2], [4], [3]
     key = jax.random.key(0)
-    rows_out = []
+    results = []
     for name in args.shapes:
         k, n = SHAPES[name]
-        layers = 2 if args.quick else max(2, (256 << 20) // (k * n * 2))   # >= 256 MiB of weights a call
-        w = (0.02 * jax.random.normal(key, (layers, k, n), jnp.float32)).astype(jnp.bfloat16)
+        ws = [(0.02 * jax.random.normal(jax.random.fold_in(key, i), (k, n), jnp.float32)).astype(jnp.bfloat16)
+              for i in range(args.layers)]
+        gb = k * n * 2 / 1e3                       # GB/s = bytes / us / 1e3
         for m in args.rows:
-            x = jax.random.normal(jax.random.fold_in(key, m), (m, k), jnp.bfloat16)
-            gbs = lambda s: k * n * 2 / s / 1e9
-            xla_s = time_per_layer(all_layers("xla"), x, w, args.iters)
-            best = None
-            for bn, bk, scale in itertools.product(args.block_n, args.block_k, args.split_scale):
-                if kernel_unsupported(x, w, bn, bk) or k % bk or n % bn:
-                    continue
-                splits = choose_splits(k, n, bn, bk)
-                if (k // bk) % (splits * scale):
-                    continue
-                s = time_per_layer(all_layers("pallas", block_n=bn, block_k=bk, k_splits=splits * scale,
-                                              interpret=args.interpret), x, w, args.iters)
-                if best is None or s < best[0]:
-                    best = (s, bn, bk, splits * scale)
-            if best is None:
-                raise SystemExit(f"bench_skinny: no --block-n / --block-k / --split-scale combination fits "
-                                 f"{name} (K={k}, N={n})")
-            fn = all_layers("pallas", block_n=best[1], block_k=best[2], k_splits=best[3], interpret=args.interpret)
-            ref = all_layers("xla")(x, w)
-            err = float(jnp.linalg.norm(fn(x, w) - ref) / jnp.linalg.norm(ref))
-            row = dict(shape=name, rows=m, rel_err_vs_xla=err, xla_us=xla_s * 1e6, xla_gbs=gbs(xla_s), pallas_us=best[0] * 1e6,
-                       pallas_gbs=gbs(best[0]), block_n=best[1], block_k=best[2], k_splits=best[3])
-            rows_out.append(row)
-            print(f"{name:20s} M={m:<3d} xla {row['xla_us']:7.1f} us ({row['xla_gbs']:6.0f} GB/s)   pallas "
-                  f"{row['pallas_us']:7.1f} us ({row['pallas_gbs']:6.0f} GB/s) bn={best[1]} bk={best[2]} "
-                  f"S={best[3]}", flush=True)
+            xs = [jax.random.normal(jax.random.fold_in(key, 1000 + i), (m, k), jnp.bfloat16)
+                  for i in range(args.layers)]
+            ref = projection("xla", False)(xs, ws)
+            row = dict(shape=name, k=k, n=n, rows=m, xla_us=per_layer_us(projection("xla", False), xs, ws, args.iters))
+            default = kernel_config(m, k, n)
+            points = [("config", default)] + [("sweep", c) for c in sweep_configs(args, m, k, n)]
+            row["kernel"] = []
+            for label, config in points:
+                fn = projection("pallas", interpret, **config)
+                got = fn(xs, ws)
+                err = max(float(jnp.linalg.norm((g - r).astype(jnp.float32)) / jnp.linalg.norm(r.astype(jnp.float32)))
+                          for g, r in zip(got, ref))
+                row["kernel"].append(dict(label=label, **config, us=per_layer_us(fn, xs, ws, args.iters),
+                                          rel_err_vs_xla=err))
+            best = min(row["kernel"], key=lambda r: r["us"])
+            results.append(row)
+            cfg = row["kernel"][0]
+            print(f"{name:8s} {k}x{n} M={m:<3d} xla {row['xla_us']:7.2f} us ({gb / row['xla_us']:5.0f} GB/s) | "
+                  f"config {cfg['us']:7.2f} us | best {best['us']:7.2f} us ({gb / best['us']:5.0f} GB/s) "
+                  f"bn={best['block_n']} bk={best['block_k']} S={best['k_splits']} w={best['num_warps']} "
+                  f"st={best['num_stages']}", flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(jax=jax.__version__, device=jax.devices()[0].device_kind, results=rows_out), f, indent=1)
+            json.dump(dict(jax=jax.__version__, device=jax.devices()[0].device_kind, results=results), f, indent=1)
     return 0
 
 

@@ -82,9 +82,13 @@ def test_bench_skinny_quick(tmp_path):
     out = tmp_path / "skinny.json"
     run_script("bench_skinny.py", "--quick", "--out", str(out))
     rows = json.loads(out.read_text())["results"]
-    assert [r["rows"] for r in rows] == [1, 5]
-    assert all(r["rel_err_vs_xla"] < 1e-2 and r["pallas_us"] > 0 and r["xla_us"] > 0 for r in rows)
-    assert all(r["block_n"] in (16, 32) and r["block_k"] in (16, 32) for r in rows)
+    assert [r["rows"] for r in rows] == [1, 4]
+    for r in rows:
+        assert r["xla_us"] > 0 and r["kernel"][0]["label"] == "config"
+        # the sweep: 64 x 96 fits block_k 16 / 32 and block_n 16 / 32, each at 1 and 2 K splits
+        swept = {(c["block_n"], c["block_k"], c["k_splits"]) for c in r["kernel"][1:]}
+        assert swept == {(bn, bk, s) for bn in (16, 32) for bk in (16, 32) for s in (1, 2)}
+        assert all(c["rel_err_vs_xla"] < 1e-2 and c["us"] > 0 for c in r["kernel"])
 
 
 def test_profile_loop_pass_quick(tmp_path):
@@ -120,3 +124,16 @@ def test_source_digest_names_the_code_not_the_git_metadata(tmp_path):
     engine = b / "rltjax" / "engine" / "runner.py"
     engine.write_text(engine.read_text() + "\n")
     assert source_digest(b) != source_digest(a)
+
+
+def test_bench_skinny_splits_a_trace_into_calls():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench_skinny", ROOT / "scripts" / "bench_skinny.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    k = lambda ts, dur: dict(ts=ts, dur=dur)                                   # noqa: E731
+    # two calls (back-to-back kernels, one overlapping its neighbour), 200 us of host wait between
+    kernels = [k(300.0, 4.0), k(0.0, 5.0), k(6.0, 3.0), k(8.0, 2.0), k(305.0, 1.5)]
+    assert bench.kernel_time_per_call(kernels) == [10.0, 5.5]
+    assert bench.kernel_time_per_call(kernels, gap_us=500.0) == [15.5]
+    assert bench.kernel_time_per_call([]) == []

@@ -151,6 +151,10 @@ class ExecutionConfig:
     """How device work is compiled and dispatched.
 
     attn_impl: paged attention implementation (``auto`` = Pallas on GPU, XLA elsewhere).
+    attn_num_splits: the decode attention kernel's key splits per row (flash-decoding; the
+    splits' partial results are combined after it). None (default) picks
+    ``kernels.pallas_triton.default_num_splits`` per batch bucket; set it to tune (like
+    SGLang's ``--triton-attention-num-kv-splits``). Prefill and the XLA path ignore it.
     matmul_impl: decode projections: ``auto`` (the default: on a GPU, the attention projections
     (q|k|v, o) of decode batches of up to 16 rows run on the weight-streaming Pallas kernel,
     which beat XLA's split-K GEMMs there on an H200; the rest is XLA's dot), ``xla`` (XLA's
@@ -177,6 +181,7 @@ class ExecutionConfig:
     compilation_cache_dir: XLA's persistent compilation cache (None disables it).
     """
     attn_impl: str = "auto"
+    attn_num_splits: int | None = None
     matmul_impl: str = "auto"
     interpret: bool = False
     decode_window: int | None = None
@@ -190,6 +195,10 @@ class ExecutionConfig:
     def __post_init__(self) -> None:
         if self.attn_impl not in ATTN_IMPLS:
             _bad("ExecutionConfig", "attn_impl", self.attn_impl, f"choose one of {ATTN_IMPLS}")
+        if self.attn_num_splits is not None and (
+                not isinstance(self.attn_num_splits, int) or isinstance(self.attn_num_splits, bool)
+                or not 1 <= self.attn_num_splits <= 64):
+            _bad("ExecutionConfig", "attn_num_splits", self.attn_num_splits, "must be None or an integer in [1, 64]")
         if self.matmul_impl not in MATMUL_IMPLS:
             _bad("ExecutionConfig", "matmul_impl", self.matmul_impl, f"choose one of {MATMUL_IMPLS}")
         if self.decode_window is not None and (

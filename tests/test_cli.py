@@ -93,16 +93,23 @@ def test_execution_flags_reach_the_engine_config():
     ex = configs_from_args(p.parse_args(["--decode-window", "4", "--async-scheduling",
                                          "--exit-mode", "ouro_delayed"]))["execution_config"]
     assert ex.decode_window == 4 and ex.async_scheduling is True
-    assert default.matmul_impl == "auto" and dict(default.xla_options) == {}
+    assert default.matmul_impl == "auto" and dict(default.xla_options) == {} and default.attn_num_splits is None
     ex = configs_from_args(p.parse_args([
-        "--matmul-impl", "pallas", "--xla-option", "xla_gpu_enable_command_buffer=FUSION,WHILE",
+        "--attn-num-splits", "3", "--matmul-impl", "pallas", "--xla-option", "xla_gpu_enable_command_buffer=FUSION,WHILE",
         "--xla-option", "xla_gpu_graph_min_graph_size=1", "--xla-option", "xla_cpu_enable_fast_math=false"]))
-    assert ex["execution_config"].matmul_impl == "pallas"
+    assert ex["execution_config"].matmul_impl == "pallas" and ex["execution_config"].attn_num_splits == 3
     assert dict(ex["execution_config"].xla_options) == {"xla_gpu_enable_command_buffer": "FUSION,WHILE",
                                                         "xla_gpu_graph_min_graph_size": 1,
                                                         "xla_cpu_enable_fast_math": False}
     with pytest.raises(ValueError, match="expected NAME=VALUE"):
         configs_from_args(p.parse_args(["--xla-option", "xla_gpu_graph_min_graph_size"]))
+
+
+@pytest.mark.parametrize("splits", [0, 65, 2.0, True])
+def test_attn_num_splits_is_checked(splits):
+    from rltjax.engine_config import EngineConfigError, ExecutionConfig
+    with pytest.raises(EngineConfigError, match=r"attn_num_splits.*integer in \[1, 64\]"):
+        ExecutionConfig(attn_num_splits=splits)
 
 
 @pytest.mark.parametrize("options, match", [({"gpu_thing": 1}, "names are XLA debug options"),

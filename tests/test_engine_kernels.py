@@ -79,22 +79,26 @@ def test_kernel_engine_matches_reference_with_aligned_prefill(small_ouro):
         assert len(pos) <= 80
 
 
-def test_auto_matmul_runs_the_attention_projections_on_the_kernel(small_ouro, monkeypatch):
+def test_auto_matmul_and_set_splits(small_ouro, monkeypatch):
     """matmul_impl "auto" as on a GPU: the decode rows' q|k|v and o projections (and only those
-    shapes) go through the weight-streaming kernel, and the engine still equals the oracle."""
+    shapes) go through the weight-streaming kernel; attn_num_splits reaches the decode
+    attention kernel; the engine still equals the oracle."""
     import jax
-    from kernels import skinny_matmul as sm
+    from kernels import pallas_triton, skinny_matmul as sm
     cfg, params = small_ouro
-    shapes = []
+    shapes, splits = [], []
     real = sm.skinny_matmul_pallas
     monkeypatch.setattr(sm, "skinny_matmul_pallas", lambda x, w, *a, **k: shapes.append(w.shape[1:]) or real(x, w, *a, **k))
+    real_attention = pallas_triton.paged_attention_pallas
+    monkeypatch.setattr(pallas_triton, "paged_attention_pallas",
+                        lambda *a, **k: splits.append(k["num_splits"]) or real_attention(*a, **k))
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")       # the interpret flag still runs them on CPU
     engine = build_engine(
         None, params=params, cfg=cfg, cache_config=CacheConfig(kv_layout="last_exited", page_size=8),
         scheduler_config=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, prefill_chunk_size=32),
         exit_config=ExitConfig(mode="ouro"),
-        execution_config=ExecutionConfig(attn_impl="pallas", matmul_impl="auto", interpret=True, compile_ahead=False,
-                                         compilation_cache_dir=None, show_progress=False))
+        execution_config=ExecutionConfig(attn_impl="pallas", matmul_impl="auto", attn_num_splits=3, interpret=True,
+                                         compile_ahead=False, compilation_cache_dir=None, show_progress=False))
     rng = np.random.default_rng(5)
     arrivals = [(0, f"r{i}", rng.integers(3, cfg.vocab_size, n).tolist(),
                  SamplingParams(max_tokens=4, temperature=0.0, exit_threshold=0.5, ignore_eos=True, logprobs=1))
@@ -105,4 +109,5 @@ def test_auto_matmul_runs_the_attention_projections_on_the_kernel(small_ouro, mo
         check_equal(outputs[rid], ref.generate(prompt, sp, request_id=rid))
     D, qkv = cfg.hidden_size, cfg.q_width + 2 * cfg.kv_width
     assert set(shapes) == {(D, qkv), (cfg.q_width, D)}
+    assert splits and set(splits) == {3}
     assert_all_pages_free(engine)

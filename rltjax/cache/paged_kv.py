@@ -90,6 +90,7 @@ class PagedKVBackend:
     batches use XLA's dot. (The engine's prefill backend always says "xla".)
     kernel_shapes: for "auto", the weight shapes the kernel beats XLA at (the runner
     names the attention projections: q|k|v and o; ``kernels.skinny_matmul``).
+    num_splits: the decode attention kernel's key splits per row (None: its default).
     decode_rows: the caller promises every row is the newest token of its own request and
     writes its K/V at its position in the table it reads (lengths - 1), so no row reads
     another's write of this call: ``write_attend`` may then fuse the write into the
@@ -102,6 +103,7 @@ class PagedKVBackend:
     matmul_impl: str = "xla"
     decode_rows: bool = False
     kernel_shapes: tuple[tuple[int, int], ...] = ()
+    num_splits: int | None = None
 
     def matmul(self, x, w, layer):
         impl = "pallas" if self.matmul_impl == "pallas" and x.shape[0] <= MAX_ROWS else "xla"
@@ -144,7 +146,7 @@ class PagedKVBackend:
         out, k_pages, v_pages = paged_attention_write(
             q, k, v, kv.k, kv.v, meta.block_tables, meta.row_tables, meta.lengths, meta.write_page,
             meta.write_offset, layer=layer, impl=self.attn_impl, interpret=self.interpret,
-            rope=(rope.cos, rope.sin) if rope_in_kernel else None)
+            rope=(rope.cos, rope.sin) if rope_in_kernel else None, num_splits=self.num_splits)
         return out, type(kv)(k_pages, v_pages)
 
     def attend(self, kv: PagedKV, layer, q, meta: PagedMeta):
@@ -154,4 +156,5 @@ class PagedKVBackend:
         if self.prefill_block_q:
             return paged_prefill_attention(*args, layer=layer, impl=self.attn_impl, interpret=self.interpret,
                                            block_q=self.prefill_block_q)
-        return paged_attention(*args, layer=layer, impl=self.attn_impl, interpret=self.interpret)
+        return paged_attention(*args, layer=layer, impl=self.attn_impl, interpret=self.interpret,
+                               num_splits=self.num_splits)

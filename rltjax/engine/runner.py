@@ -95,6 +95,7 @@ class PendingSignals:
 class ModelRunner:
     def __init__(self, model, params, kv: PagedKV, *, max_num_seqs: int, max_num_batched_tokens: int,
                  attn_impl: str, lookahead_w: np.ndarray, num_planes: int, matmul_impl: str = "auto",
+                 attn_num_splits: int | None = None,
                  boundary_kv: PagedKV | None = None, xla_options: tuple = (),
                  prefill_write_planes: int | None = None, raw_signal: bool = False, interpret: bool = False,
                  chunked_prefill: bool = True, window_spec: dict | None = None, window_trace_width: int = 1):
@@ -133,7 +134,7 @@ class ModelRunner:
                                                      (cfg.q_width, cfg.hidden_size))
                                  if shape[0] <= SINGLE_PASS_MAX_K)
         self.backend = PagedKVBackend(attn_impl=attn_impl, interpret=interpret, matmul_impl=matmul_impl,
-                                      decode_rows=True, kernel_shapes=attention_shapes)
+                                      decode_rows=True, kernel_shapes=attention_shapes, num_splits=attn_num_splits)
         probe = jax.ShapeDtypeStruct((1, self.cfg.num_heads, self.cfg.head_dim), kv.k.dtype)
         uses_kernel = attn_impl == "pallas" or (attn_impl == "auto" and jax.default_backend() == "gpu"
                                                 and kernel_unsupported(probe, kv.k) is None)

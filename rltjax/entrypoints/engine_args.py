@@ -43,6 +43,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("execution")
     g.add_argument("--attn-impl", default="auto", choices=ATTN_IMPLS,
                    help="paged attention: auto = Pallas kernel on GPU, XLA elsewhere")
+    g.add_argument("--attn-num-splits", type=int, default=None, metavar="N",
+                   help="decode attention kernel: key splits per row (default: picked per batch bucket)")
     g.add_argument("--matmul-impl", default="auto", choices=MATMUL_IMPLS,
                    help="decode projections: auto = on GPU, q|k|v and o of <= 16 decode rows on the "
                         "weight-streaming Pallas kernel, XLA's dot for the rest; xla = XLA's dot; "
@@ -102,7 +104,8 @@ def configs_from_args(args: argparse.Namespace) -> dict:
             max_prefill_batches_before_decode=args.max_prefill_batches_before_decode,
             min_coda_batch_size=args.min_coda_batch_size, max_model_len=args.max_model_len),
         exit_config=ExitConfig(mode=args.exit_mode, lookahead_seed=args.lookahead_seed),
-        execution_config=ExecutionConfig(attn_impl=args.attn_impl, matmul_impl=args.matmul_impl,
+        execution_config=ExecutionConfig(attn_impl=args.attn_impl, attn_num_splits=args.attn_num_splits,
+                                         matmul_impl=args.matmul_impl,
                                          xla_options=parse_xla_options(args.xla_option),
                                          compile_ahead=not args.no_compile_ahead,
                                          decode_window=args.decode_window, window_trip=args.window_trip,

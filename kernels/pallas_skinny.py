@@ -3,8 +3,8 @@
     x [M, K] @ w[layer] [K, N] -> [M, N] in x's dtype (k_splits = 1)
                                -> partial sums [S, M, N] float32 (k_splits = S > 1)
 
-Decode runs every projection at M = 1..16 rows, where the cost is reading the weight
-once. The grid is (N / block_n, S): each program owns one column tile over 1/S of K
+At decode batch sizes (the engine's buckets up to 16 rows for "auto", 64 for "pallas")
+a projection's cost is reading the weight once. The grid is (N / block_n, S): each program owns one column tile over 1/S of K
 and streams its [K/S, block_n] slab in block_k steps into a float32 accumulator.
 With S = 1 the program writes its tile rounded to x's dtype: no reduction kernel and
 no conversion kernel run after it, which is what makes it beat XLA's split-K GEMMs
@@ -95,6 +95,9 @@ def skinny_matmul_pallas(x, w, layer, *, block_n: int, block_k: int, k_splits: i
     """x [M, K] (M a power of two), w [L, K, N], layer [1] int32 -> [M, N] in x's dtype
     (k_splits = 1) or [S, M, N] float32 partial sums (k_splits = S)."""
     m, k = x.shape
+    if m < 1 or m & (m - 1):
+        raise ValueError(f"skinny_matmul_pallas: x has {m} rows; the kernel takes a power of two "
+                         f"(skinny_matmul pads)")
     n = w.shape[-1]
     steps = k // block_k // k_splits
     if k_splits == 1:

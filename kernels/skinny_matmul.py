@@ -69,9 +69,13 @@ SINGLE_PASS_MAX_K = 2048    # one program streams all of K up to this (measured)
 
 
 def kernel_config(m: int, k: int, n: int, block_n: int | None = None, block_k: int | None = None,
-                  k_splits: int | None = None) -> dict:
+                  k_splits: int | None = None, num_warps: int | None = None, num_stages: int | None = None) -> dict:
     """The kernel's blocks, K splits, warps and pipeline stages for an [m, k] @ [k, n] product
-    (the H200 measurements of the module docstring); explicit arguments override."""
+    (m: the padded, power-of-two row count); explicit arguments override. One pass over K
+    with narrow tiles up to SINGLE_PASS_MAX_K (the H200 measurements of the module
+    docstring, at 1-8 rows); longer K split across programs (64 x 128 blocks, the split
+    kernel's best at Ouro's down projection); fewer pipeline stages from 32 rows, where the
+    row tile grows (64-row tiles at three stages overflowed shared memory on an H200)."""
     single = k <= SINGLE_PASS_MAX_K
     if single:   # narrow tiles: enough programs without splitting K
         bn, bk, warps, stages = (16, 256, 2, 5) if n <= 2048 else (32, 128, 2, 5)
@@ -82,14 +86,15 @@ def kernel_config(m: int, k: int, n: int, block_n: int | None = None, block_k: i
         k_splits = 1 if single else choose_splits(k, n, bn, bk)
     if m > 16:      # wider row tiles: fewer stages fit in shared memory
         stages = 2 if m >= 64 else 3
-    return dict(block_n=bn, block_k=bk, k_splits=k_splits, num_warps=warps, num_stages=stages)
+    return dict(block_n=bn, block_k=bk, k_splits=k_splits, num_warps=num_warps or warps,
+                num_stages=num_stages or stages)
 
 
 def skinny_matmul(x: jax.Array, w: jax.Array, layer=None, *, impl: str = "xla", interpret: bool = False,
-                  block_n: int | None = None, block_k: int | None = None,
-                  k_splits: int | None = None) -> jax.Array:
+                  block_n: int | None = None, block_k: int | None = None, k_splits: int | None = None,
+                  num_warps: int | None = None, num_stages: int | None = None) -> jax.Array:
     """x [M, K] @ w [K, N] (or w[layer] of a stacked [L, K, N]; layer an int32 scalar, may be
-    traced) -> [M, N] in x's dtype. block_n / block_k / k_splits override `kernel_config`."""
+    traced) -> [M, N] in x's dtype. The keyword sizes override `kernel_config` (tuning)."""
     if impl not in IMPLS:
         raise ValueError(f"skinny_matmul: impl: choose one of {IMPLS}, got {impl!r}")
     if x.ndim != 2 or w.ndim not in (2, 3):
@@ -101,14 +106,21 @@ def skinny_matmul(x: jax.Array, w: jax.Array, layer=None, *, impl: str = "xla", 
     why_not = kernel_unsupported(x, w, block_n or 16, block_k or 16)
     if impl == "pallas" and why_not:
         raise ValueError(f"skinny_matmul: {why_not}")
+    if k_splits is not None and k_splits < 1:
+        raise ValueError(f"skinny_matmul: k_splits={k_splits} must be >= 1")
     if impl == "xla":
         return skinny_matmul_ref(x, w, layer)
     (m, k), n = x.shape, w.shape[-1]
-    config = kernel_config(m, k, n, block_n, block_k, k_splits)
-    if (k // config["block_k"]) % config["k_splits"]:
-        raise ValueError(f"skinny_matmul: k_splits={k_splits} must divide K / block_k = {k // config['block_k']}")
+    if m == 0:
+        return jnp.zeros((0, n), x.dtype)
     # the kernel's tiles take power-of-two rows (the engine's buckets are); others are padded here
-    xp = jnp.pad(x, ((0, next_pow2(m) - m), (0, 0))) if m & (m - 1) else x
+    rows = next_pow2(m)
+    config = kernel_config(rows, k, n, block_n, block_k, k_splits, num_warps, num_stages)
+    if (k // config["block_k"]) % config["k_splits"]:
+        raise ValueError(f"skinny_matmul: k_splits={k_splits} must divide K / block_k = {k} / {config['block_k']} "
+                         f"= {k // config['block_k']} (block_k is the largest power of two <= the one asked "
+                         f"that divides K)")
+    xp = jnp.pad(x, ((0, rows - m), (0, 0))) if rows != m else x
     if w.ndim == 2:
         w, layer = w[None], 0
     out = skinny_matmul_pallas(xp, w, jnp.asarray(layer, jnp.int32).reshape(1), interpret=interpret, **config)

@@ -157,7 +157,8 @@ class ExecutionConfig:
     SGLang's ``--triton-attention-num-kv-splits``). Prefill and the XLA path ignore it.
     matmul_impl: decode projections: ``auto`` (the default: on a GPU, the attention projections
     (q|k|v, o) of decode batches of up to 16 rows run on the weight-streaming Pallas kernel,
-    which beat XLA's split-K GEMMs there on an H200; the rest is XLA's dot), ``xla`` (XLA's
+    which beat XLA's split-K GEMMs there on an H200 (measured at 1 and 8 rows); the rest is
+    XLA's dot; where attention runs on XLA, everything does), ``xla`` (XLA's
     dot everywhere) or ``pallas`` (every projection of at most
     ``kernels.skinny_matmul.MAX_ROWS`` rows on the kernel: slower than XLA at gate / up and
     down); prefill batches always use XLA's dot.

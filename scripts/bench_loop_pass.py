@@ -27,6 +27,7 @@ from checkpoints.random_init import random_checkpoint  # noqa: E402
 from rltjax.models.layers import split_layer_stacks  # noqa: E402
 from rltjax.cache.paged_kv import PagedKVBackend, PagedMeta  # noqa: E402
 from rltjax.cache.sizing import allocate_paged_kv, kv_bytes_per_token_per_plane  # noqa: E402
+from rltjax.engine.runner import auto_matmul_shapes  # noqa: E402
 from rltjax.models.base import get_model  # noqa: E402
 from rltjax.presets import preset_config  # noqa: E402
 
@@ -46,7 +47,8 @@ def build_pass(model, params, cfg, batch, context, page_size, attn, compiler_opt
                      write_offset=jnp.full((batch,), context % page_size, jnp.int32),
                      row_tables=jnp.arange(batch, dtype=jnp.int32),
                      lengths=positions + 1, block_tables=tables)
-    backend = PagedKVBackend(attn_impl=attn, matmul_impl=matmul, decode_rows=True)   # one row per request
+    backend = PagedKVBackend(attn_impl=attn, matmul_impl=matmul, decode_rows=True,     # one row per request
+                             kernel_shapes=auto_matmul_shapes(cfg))
 
     def one_pass(params, state, kv, meta):
         return model.loop(params, state, None, kv, meta, backend)
@@ -83,8 +85,9 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="ouro-1.4b")
     p.add_argument("--attn", nargs="+", default=["pallas", "xla"], choices=["pallas", "xla"])
-    p.add_argument("--matmul", nargs="+", default=["xla", "pallas"], choices=["pallas", "xla"],
-                   help="decode projections: XLA's dot or the weight-streaming kernel")
+    p.add_argument("--matmul", nargs="+", default=["xla", "auto"], choices=["auto", "pallas", "xla"],
+                   help="decode projections: XLA's dot, the weight-streaming kernel for the attention "
+                        "projections (auto, on GPU), or the kernel for all")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--contexts", type=int, nargs="+", default=[450, 1000])
     p.add_argument("--page-size", type=int, default=16)

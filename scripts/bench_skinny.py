@@ -30,8 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from kernels.pallas_skinny import skinny_matmul_pallas  # noqa: E402
-from kernels.skinny_matmul import kernel_config, kernel_unsupported, skinny_matmul  # noqa: E402
+from kernels.skinny_matmul import fit_block, kernel_config, kernel_unsupported, skinny_matmul  # noqa: E402
 from rltjax.benchmarks.kernel_trace import device_kernels, load_events  # noqa: E402
 
 SHAPES = {"qkv": (2048, 6144), "o": (2048, 2048), "gate": (2048, 5632), "down": (5632, 2048),
@@ -52,11 +51,15 @@ def per_layer_us(fn, xs, ws, iters: int) -> float:
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
             for _ in range(iters):
                 jax.block_until_ready(fn(xs, ws))
+                time.sleep(0.002)            # an idle gap the trace splits calls at
         kernels = device_kernels(load_events(trace_dir))
-    return statistics.median(kernel_time_per_call(kernels)) / len(ws)
+    per_call = kernel_time_per_call(kernels)
+    if len(per_call) != iters:
+        raise RuntimeError(f"bench_skinny: the trace split into {len(per_call)} calls, expected {iters}")
+    return statistics.median(per_call) / len(ws)
 
 
-def kernel_time_per_call(kernels: list[dict], gap_us: float = 50.0) -> list[float]:
+def kernel_time_per_call(kernels: list[dict], gap_us: float = 1000.0) -> list[float]:
     """Kernel time (sum of durations) of each call: the host waits for each call before the
     next, so calls are the runs of kernels separated by idle gaps longer than ``gap_us``."""
     sums, last_end = [], None
@@ -70,22 +73,15 @@ def kernel_time_per_call(kernels: list[dict], gap_us: float = 50.0) -> list[floa
 
 def projection(impl: str, interpret: bool, **config):
     """All layers' projections of their own inputs: a tuple out, so nothing else runs."""
-    if impl == "xla" or not config:
-        return jax.jit(lambda xs, ws: tuple(skinny_matmul(x, w, impl=impl, interpret=interpret)
-                                            for x, w in zip(xs, ws)))
-    layer = jnp.zeros((1,), jnp.int32)
-
-    def one(x, w):
-        out = skinny_matmul_pallas(x, w[None], layer, interpret=interpret, **config)
-        return out if config["k_splits"] == 1 else out.sum(axis=0).astype(x.dtype)
-    return jax.jit(lambda xs, ws: tuple(one(x, w) for x, w in zip(xs, ws)))
+    return jax.jit(lambda xs, ws: tuple(skinny_matmul(x, w, impl=impl, interpret=interpret, **config)
+                                        for x, w in zip(xs, ws)))
 
 
 def sweep_configs(args, m, k, n):
     for bn, bk, splits, warps, stages in itertools.product(args.block_n, args.block_k, args.k_splits,
                                                            args.num_warps, args.num_stages):
         shapes = jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((k, n), jnp.bfloat16)
-        if n % bn or k % bk or (k // bk) % splits or kernel_unsupported(*shapes, bn, bk):
+        if fit_block(n, bn) != bn or fit_block(k, bk) != bk or (k // bk) % splits or kernel_unsupported(*shapes, bn, bk):
             continue
         yield dict(block_n=bn, block_k=bk, k_splits=splits, num_warps=warps, num_stages=stages)
 

@@ -111,3 +111,23 @@ def test_auto_matmul_and_set_splits(small_ouro, monkeypatch):
     assert set(shapes) == {(D, qkv), (cfg.q_width, D)}
     assert splits and set(splits) == {3}
     assert_all_pages_free(engine)
+
+
+def test_auto_matmul_stays_on_xla_where_attention_does(small_ouro, monkeypatch):
+    """attn_impl "xla" keeps every Pallas kernel out, the projections' too, even on a GPU."""
+    import jax
+    from kernels import skinny_matmul as sm
+    cfg, params = small_ouro
+    calls = []
+    monkeypatch.setattr(sm, "skinny_matmul_pallas", lambda *a, **k: calls.append(a))
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    engine = build_engine(
+        None, params=params, cfg=cfg, cache_config=CacheConfig(kv_layout="last_exited", page_size=8),
+        scheduler_config=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, prefill_chunk_size=32),
+        exit_config=ExitConfig(mode="ouro"),
+        execution_config=ExecutionConfig(attn_impl="xla", matmul_impl="auto", compile_ahead=False,
+                                         compilation_cache_dir=None, show_progress=False))
+    assert engine.runner.backend.kernel_shapes == ()
+    outputs = run_workload(engine, [(0, "r0", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0,
+                                                                        ignore_eos=True))])
+    assert len(outputs["r0"].token_ids) == 3 and calls == []

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from kernels.pallas_skinny import choose_splits
+from kernels.pallas_skinny import choose_splits, skinny_matmul_pallas
 from kernels.skinny_matmul import MAX_ROWS, fit_block, kernel_config, skinny_matmul, skinny_matmul_ref
 
 # relative Frobenius error vs float64: float32 accumulation, then rounding to the output dtype
@@ -82,6 +82,8 @@ def test_default_is_xla_and_equals_the_reference():
     ((4, 64), (64, 32), None, dict(impl="pallas", block_k=8), "block_k=8: blocks must be at least 16"),
     ((4, 64), (64, 32), None, dict(impl="triton"), "choose one of"),
     ((4, 64), (64, 32), None, dict(impl="pallas", block_k=16, k_splits=3), "k_splits=3 must divide"),
+    ((4, 96), (96, 32), None, dict(impl="pallas", block_k=64, k_splits=2), r"K / block_k = 96 / 32 = 3"),
+    ((4, 64), (64, 32), None, dict(impl="pallas", k_splits=0), "k_splits=0 must be >= 1"),
 ])
 def test_bad_calls_are_named(x_shape, w_shape, layer, kw, match):
     with pytest.raises(ValueError, match=match):
@@ -96,8 +98,8 @@ def test_mixed_dtypes_are_refused_by_the_kernel():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 8, 32, 64])
-@pytest.mark.parametrize("k, n", [(2048, 2048), (2048, 5632), (5632, 2048), (2048, 49152)])
+@pytest.mark.parametrize("m", [1, 8, 16, 32, 64])
+@pytest.mark.parametrize("k, n", [(2048, 2048), (2048, 6144), (2048, 5632), (5632, 2048), (2048, 49152)])
 def test_compiled_kernel_on_gpu(m, k, n):
     rng = np.random.default_rng(m + k + n)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
@@ -138,7 +140,8 @@ def test_backend_auto_takes_the_kernel_for_its_shapes_on_gpu(monkeypatch):
     rng = np.random.default_rng(4)
     w = jnp.asarray(rng.standard_normal((2, 256, 64)) / 16, jnp.float32)
     x = jnp.asarray(rng.standard_normal((8, 256)), jnp.float32)
-    big = jnp.asarray(rng.standard_normal((AUTO_MAX_ROWS * 2, 256)), jnp.float32)
+    edge = jnp.asarray(rng.standard_normal((AUTO_MAX_ROWS, 256)), jnp.float32)
+    big = jnp.asarray(rng.standard_normal((AUTO_MAX_ROWS + 1, 256)), jnp.float32)
     calls = []
     real = sm.skinny_matmul_pallas
     monkeypatch.setattr(sm, "skinny_matmul_pallas", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
@@ -149,8 +152,29 @@ def test_backend_auto_takes_the_kernel_for_its_shapes_on_gpu(monkeypatch):
     assert calls == []
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert rel_err(auto.matmul(x, w, 1), x, w[1]) < TOL[jnp.float32] and calls == [(8, 256)]
+    assert rel_err(auto.matmul(edge, w, 1), edge, w[1]) < TOL[jnp.float32] and calls[-1] == (AUTO_MAX_ROWS, 256)
+    del calls[1:]
     for backend, rows in ((auto, big), (dataclasses.replace(auto, kernel_shapes=((64, 256),)), x),
                           (dataclasses.replace(auto, decode_rows=False), x),
                           (dataclasses.replace(auto, matmul_impl="xla"), x)):
         np.testing.assert_array_equal(np.asarray(backend.matmul(rows, w, 1)), np.asarray(skinny_matmul_ref(rows, w, 1)))
     assert calls == [(8, 256)]
+
+
+def test_zero_rows_and_unpadded_kernel_calls():
+    w = jnp.ones((64, 32), jnp.float32)
+    out = skinny_matmul(jnp.ones((0, 64), jnp.float32), w, impl="pallas", interpret=True)
+    assert out.shape == (0, 32) and out.dtype == jnp.float32
+    with pytest.raises(ValueError, match="3 rows; the kernel takes a power of two"):
+        skinny_matmul_pallas(jnp.ones((3, 64), jnp.float32), w[None], jnp.zeros((1,), jnp.int32), block_n=16,
+                             block_k=16, interpret=True)
+
+
+def test_auto_shapes_per_preset():
+    """The runner names Ouro's attention projections (K <= 2048) for "auto" and nothing for
+    Nanbeige's or Huginn's wider K."""
+    from rltjax.engine.runner import auto_matmul_shapes
+    from rltjax.presets import preset_config
+    assert auto_matmul_shapes(preset_config("ouro-1.4b")) == ((2048, 6144), (2048, 2048))
+    assert auto_matmul_shapes(preset_config("nanbeige4.2-3b")) == ()
+    assert auto_matmul_shapes(preset_config("huginn-0125")) == ()

@@ -92,6 +92,16 @@ class PendingSignals:
         return LoopSignals(None, None, signals[0]) if self.raw_signal else LoopSignals(*signals, None)
 
 
+def auto_matmul_shapes(cfg) -> tuple[tuple[int, int], ...]:
+    """matmul_impl "auto"'s kernel shapes (``PagedKVBackend.kernel_shapes``): the fused q|k|v and
+    the o projection, where the weight-streaming kernel runs one pass over K, the regime it
+    beat XLA in on an H200 (Ouro's shapes; none for Nanbeige's or Huginn's wider K). The
+    runner passes them only where attention runs on the Pallas kernels (attn_impl "xla", or
+    "auto" off a GPU, keeps every projection on XLA's dot)."""
+    shapes = ((cfg.hidden_size, cfg.q_width + 2 * cfg.kv_width), (cfg.q_width, cfg.hidden_size))
+    return tuple(shape for shape in shapes if shape[0] <= SINGLE_PASS_MAX_K)
+
+
 class ModelRunner:
     def __init__(self, model, params, kv: PagedKV, *, max_num_seqs: int, max_num_batched_tokens: int,
                  attn_impl: str, lookahead_w: np.ndarray, num_planes: int, matmul_impl: str = "auto",
@@ -127,17 +137,12 @@ class ModelRunner:
         self.bkv = boundary_kv
         self.steps = DeviceSteps.build(xla_options)   # xla_options: (name, value) pairs
         # loop, head, embed steps and windows: one row per request (the fused decode write holds)
-        # matmul_impl "auto": the fused q|k|v and the o projection on the weight-streaming kernel,
-        # where it runs one pass over K (the shapes measured faster than XLA: Ouro's)
-        cfg = self.cfg
-        attention_shapes = tuple(shape for shape in ((cfg.hidden_size, cfg.q_width + 2 * cfg.kv_width),
-                                                     (cfg.q_width, cfg.hidden_size))
-                                 if shape[0] <= SINGLE_PASS_MAX_K)
-        self.backend = PagedKVBackend(attn_impl=attn_impl, interpret=interpret, matmul_impl=matmul_impl,
-                                      decode_rows=True, kernel_shapes=attention_shapes, num_splits=attn_num_splits)
         probe = jax.ShapeDtypeStruct((1, self.cfg.num_heads, self.cfg.head_dim), kv.k.dtype)
         uses_kernel = attn_impl == "pallas" or (attn_impl == "auto" and jax.default_backend() == "gpu"
                                                 and kernel_unsupported(probe, kv.k) is None)
+        self.backend = PagedKVBackend(attn_impl=attn_impl, interpret=interpret, matmul_impl=matmul_impl,
+                                      decode_rows=True, num_splits=attn_num_splits,
+                                      kernel_shapes=auto_matmul_shapes(self.cfg) if uses_kernel else ())
         self.prefill_alignment = PREFILL_BLOCK_Q if chunked_prefill and uses_kernel else 1
         # prefill is compute-bound: its projections stay on XLA's dot whatever matmul_impl says
         self.prefill_backend = dataclasses.replace(self.backend, matmul_impl="xla", decode_rows=False,

@@ -106,12 +106,13 @@ class PagedKVBackend:
     num_splits: int | None = None
 
     def matmul(self, x, w, layer):
-        impl = "pallas" if self.matmul_impl == "pallas" and x.shape[0] <= MAX_ROWS else "xla"
-        if impl == "pallas" and (why_not := kernel_unsupported(x, w)):
-            raise ValueError(f"ExecutionConfig.matmul_impl='pallas': a [{x.shape[1]}, {w.shape[-1]}] projection "
-                             f"cannot run on the kernel: {why_not} (use matmul_impl='xla' or 'auto')")
-        if self._auto_on_kernel(x, w):
+        if self.matmul_impl == "pallas" and x.shape[0] <= MAX_ROWS:
+            if why_not := kernel_unsupported(x, w):
+                raise ValueError(f"ExecutionConfig.matmul_impl='pallas': a [{x.shape[1]}, {w.shape[-1]}] projection "
+                                 f"cannot run on the kernel: {why_not} (use matmul_impl='xla' or 'auto')")
             impl = "pallas"
+        else:
+            impl = "pallas" if self._auto_on_kernel(x, w) else "xla"
         return skinny_matmul(x, w, layer, impl=impl, interpret=self.interpret)
 
     def _auto_on_kernel(self, x, w) -> bool:

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from rltjax.config import ModelConfig
 from rltjax.models.base import KVBackend
-from rltjax.models.layers import over_layers, projection_source, rms_norm, Rope
+from rltjax.models.layers import over_layers, project_qkv, projection_source, rms_norm, Rope
 from rltjax.models.params import TensorSpec
 
 HF_IGNORED_TENSORS = ("freqs_cis",)   # RoPE table: recomputed from rope_base
@@ -117,17 +117,13 @@ def _blocks(cfg: ModelConfig, blocks: HuginnBlocks, x, kv, meta, backend: KVBack
     """Run n stacked sandwich blocks; block j uses KV layer offset + j. x [N, D] -> x, kv."""
     n, eps = x.shape[0], cfg.norm_eps
     rope = Rope.at(meta.positions, cfg.head_dim, cfg.rope_theta, interleaved=True)   # once a pass
-    split = (cfg.q_width, cfg.q_width + cfg.kv_width)
 
     def block_step(carry, xs):
         x, kv = carry
         layer, p = xs
         src, index = projection_source(blocks, p, layer - offset)      # block index into the stack
         mm = lambda a, w: backend.matmul(a, w, index)                   # noqa: E731
-        q, k, v = jnp.split(mm(rms_norm(x, p.norm_1, eps), src.wqkv), split, axis=-1)
-        q = q.reshape(n, cfg.num_heads, cfg.head_dim)                      # [N, H, Dh]
-        k = k.reshape(n, cfg.num_kv_heads, cfg.head_dim)                   # [N, Hkv, Dh]
-        v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim)
+        q, k, v = project_qkv(rms_norm(x, p.norm_1, eps), src, mm, cfg)    # [N, H | Hkv, Dh]
         if p.qk_bias is not None:
             q, k = q + p.qk_bias[0], k + p.qk_bias[1]
         out, kv = backend.write_attend(kv, layer, q, k, v, meta, rope)         # [N, H, Dh]

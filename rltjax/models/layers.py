@@ -64,10 +64,10 @@ class Rope:
 
 
 def project_qkv(h: jax.Array, lw, matmul, cfg) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """h [N, D] -> q [N, H, Dh], k, v [N, Hkv, Dh]: through the fused q | k | v weight where the
-    layer holds one (``FusedQKVLayer``), else the three projections."""
+    """h [N, D] -> q [N, H, Dh], k, v [N, Hkv, Dh]: through the fused q | k | v weight ``wqkv``
+    where the layer holds one (``FusedQKVLayer``, Huginn's blocks), else the three projections."""
     n = h.shape[0]
-    if isinstance(lw, FusedQKVLayer):
+    if getattr(lw, "wqkv", None) is not None:
         q, k, v = jnp.split(matmul(h, lw.wqkv), (cfg.q_width, cfg.q_width + cfg.kv_width), axis=-1)
     else:
         q, k, v = matmul(h, lw.wq), matmul(h, lw.wk), matmul(h, lw.wv)

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from rltjax.benchmarks.report import source_digest
 
 ROOT = Path(__file__).parent.parent
@@ -52,6 +54,27 @@ def test_bench_cdb_quick(tmp_path):
     assert all(r["compiles_during_run"]["count"] == 0 for r in info["results"]), info["results"]
     assert s["async_speedup"] > 0 and s["window_fraction_of_ideal"] > 0
     assert info["source"]["source_digest"] == source_digest(ROOT)
+    b = s["schedule_bound"]          # 3 requests on 3 rows: the batch drains once, at the end
+    assert b["passes_fixed"] == 11 * 4 and b["occupancy_fixed"] == 1.0 and 0 < b["bound_fraction"] <= 1
+
+
+def test_bench_cdb_queues_more_requests_than_rows(tmp_path):
+    """--num-requests above --concurrency: the extra requests wait for rows, every one is
+    replayed, and only the executors asked for run."""
+    out = tmp_path / "cdb.json"
+    text = run_script("bench_cdb.py", "--quick", "--concurrency", "2", "--num-requests", "5", "--prompt-len", "8",
+                      "--output-len", "6", "--decode-window", "4", "--executors", "window", "--out", str(out))
+    info = json.loads(out.read_text())
+    assert info["num_requests"] == 5 and [(r["depth"], r["executor"]) for r in info["results"]] == [
+        ("fixed", "window"), ("trace", "window")]
+    assert all(r["compiles_during_run"]["count"] == 0 for r in info["results"]), info["results"]
+    s = info["summary"]
+    assert "step_speedup" not in s and "full_depth_overhead_step_vs_back_to_back" not in s
+    # 5 requests x 5 decode tokens x 4 loops on 2 rows: 3 rounds of 20 passes
+    assert s["schedule_bound"]["passes_fixed"] == 60
+    assert s["window_fraction_of_schedule_bound"] == pytest.approx(
+        s["window_speedup"] / (s["ideal_speedup"] * s["schedule_bound"]["bound_fraction"]))
+    assert "schedule bound:" in text
 
 
 def test_bench_loop_pass_quick(tmp_path):

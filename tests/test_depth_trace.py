@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rltjax.benchmarks import depth_trace
 from test_bench_serving import ENGINE, SMALL, run_script
@@ -74,3 +76,37 @@ def test_startup_child_compiles_the_trace_replay_engine(capsys):
                          "--trace-depth-probs", "0.25", "0.25", "0.25", "0.25"]) == 0
     info = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert info["compile_s"] > 0 and info["engine"]["max_num_seqs"] == 2 and info["engine"]["exit_mode"] == "trace"
+
+
+def _passes_pass_by_pass(passes_per_request, slots):
+    """Oracle: advance every busy row one loop per pass; rows take queued requests in order."""
+    queue, rows, passes = list(passes_per_request), [None] * slots, 0
+    while queue or any(r is not None for r in rows):
+        for i in range(slots):
+            while rows[i] is None and queue:
+                n = queue.pop(0)
+                rows[i] = n if n > 0 else None           # a request with no decode passes is done at once
+        if all(r is None for r in rows):
+            break
+        passes += 1
+        rows = [None if r is None or r == 1 else r - 1 for r in rows]
+    return passes
+
+
+@given(st.lists(st.integers(0, 12), max_size=14), st.integers(1, 5))
+@settings(max_examples=200, deadline=None)
+def test_closed_loop_passes_match_a_pass_by_pass_schedule(passes, slots):
+    assert depth_trace.closed_loop_passes(passes, slots) == _passes_pass_by_pass(passes, slots)
+
+
+def test_schedule_bound_counts_the_drain():
+    # two rows; fixed depth 4 over 3 decode tokens = 12 passes each, perfectly packed
+    depths = [[4, 1, 1, 1], [4, 4, 4, 4], [4, 2, 2, 2], [4, 1, 1, 1]]
+    b = depth_trace.schedule_bound(depths, slots=2, num_loops=4)
+    assert (b["passes_fixed"], b["occupancy_fixed"]) == (24, 1.0)
+    # trace: 3, 12, 6, 3 passes; rows: [3, 6 -> 9, 3 -> 12] and [12] -> 12 passes for 24 busy
+    assert b["passes_trace"] == 12 and b["occupancy_trace"] == pytest.approx(24 / 24)
+    drained = depth_trace.schedule_bound(depths[:2], slots=2, num_loops=4)   # 3 and 12 passes
+    assert drained["passes_trace"] == 12 and drained["bound_fraction"] == pytest.approx(15 / 24)
+    with pytest.raises(ValueError, match="slots must be >= 1"):
+        depth_trace.closed_loop_passes([1], 0)

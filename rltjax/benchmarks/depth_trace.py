@@ -7,6 +7,7 @@ depth histogram. Request ids are the benchmark client's (``{tag}-{index}``).
 """
 from __future__ import annotations
 
+import heapq
 from typing import Sequence
 
 import numpy as np
@@ -44,3 +45,34 @@ def describe(depths: dict[str, list[int]], probs: Sequence[float], seed: int) ->
     return dict(kind="drawn", probs=list(map(float, probs)), seed=seed, requests=len(depths),
                 decode_tokens=int(flat.size), mean_depth=float(flat.mean()) if flat.size else None,
                 histogram=hist)
+
+
+def closed_loop_passes(passes_per_request: Sequence[int], slots: int) -> int:
+    """Loop passes a perfect closed-loop scheduler needs: ``slots`` rows, requests admitted
+    in order, each into the first row that frees up, a row advancing one loop per pass.
+    (List scheduling: the makespan of the requests' pass counts on ``slots`` rows.)"""
+    if slots < 1:
+        raise ValueError(f"slots must be >= 1, got {slots}")
+    free_at = [0] * min(slots, max(1, len(passes_per_request)))
+    heapq.heapify(free_at)
+    for n in passes_per_request:
+        heapq.heappush(free_at, heapq.heappop(free_at) + int(n))
+    return max(free_at)
+
+
+def schedule_bound(depths: Sequence[Sequence[int]], slots: int, num_loops: int) -> dict:
+    """What a perfect engine can reach on this request set when a pass costs the same
+    however many rows are busy (the weight-bound regime): the trace's slot occupancy
+    against fixed depth's. Each request's decode passes are its depths after entry 0
+    (the first token comes out of prefill, which both runs pay alike).
+
+    ``bound_fraction`` = occupancy(trace) / occupancy(fixed): the share of DESIGN's ideal
+    speed-up the workload itself allows. Below 1 when rows sit idle while the last,
+    deepest requests finish (few requests per row: the batch drains)."""
+    trace = [int(sum(d[1:])) for d in depths]
+    fixed = [num_loops * max(0, len(d) - 1) for d in depths]
+    p_trace, p_fixed = closed_loop_passes(trace, slots), closed_loop_passes(fixed, slots)
+    occ_trace = sum(trace) / (slots * p_trace) if p_trace else 1.0
+    occ_fixed = sum(fixed) / (slots * p_fixed) if p_fixed else 1.0
+    return dict(passes_trace=p_trace, passes_fixed=p_fixed, occupancy_trace=occ_trace,
+                occupancy_fixed=occ_fixed, bound_fraction=occ_trace / occ_fixed)

@@ -31,8 +31,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--scheduler-mode", default="refill", choices=SCHEDULER_MODES,
                    help="refill: Continuous Depth Batching; no_refill: a cohort loops until all rows exit")
     g.add_argument("--max-num-seqs", type=int, default=16, help="requests running at once")
-    g.add_argument("--max-num-batched-tokens", type=int, default=256, help="prefill tokens per step")
-    g.add_argument("--prefill-chunk-size", type=int, default=128, help="prompt tokens per request per step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens,
+                   help="prefill tokens per step")
+    g.add_argument("--prefill-chunk-size", type=int, default=SchedulerConfig.prefill_chunk_size,
+                   help="prompt tokens per request per step")
     g.add_argument("--max-prefill-batches-before-decode", type=int, default=1)
     g.add_argument("--min-coda-batch-size", type=int, default=1,
                    help="heads wait for this many rows unless no loop work remains")

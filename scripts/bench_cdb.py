@@ -64,9 +64,14 @@ def parse(argv):
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out")
+    p.add_argument("--trace-dir", default=None,
+                   help="after each timed run, profile one more run of --trace-requests requests here: GPU "
+                        "busy vs span and the GPU time of each executable (prefill, windows, heads, loop passes)")
+    p.add_argument("--trace-requests", type=int, default=None, help="requests in the profiled run (default: C)")
     args = p.parse_args(argv)
-    if args.num_requests is not None and args.num_requests < 1:
-        p.error(f"--num-requests must be >= 1, got {args.num_requests}")
+    for flag in ("num_requests", "trace_requests"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     return args
 
 
@@ -89,6 +94,25 @@ def run(engine, prompts, params, ids) -> tuple[float, dict, list, dict]:
     for rid in ids:
         engine.forget(rid)
     return wall, dict(engine.steps_by_kind), outs, compiles.report()
+
+
+def profile(engine, prompts, params, ids, trace_dir: str, n: int) -> dict:
+    """One more run of the first n requests under the profiler: GPU busy, span and time per
+    executable (ms), and the loop passes it ran."""
+    import jax
+
+    from rltjax.benchmarks.kernel_trace import device_kernels, load_events, summarise
+    n = min(n, len(ids))
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        wall, steps, _, _ = run(engine, prompts[:n], params, ids[:n])
+    s = summarise(device_kernels(load_events(trace_dir)))
+    out = dict(requests=n, wall_ms=wall * 1e3, busy_ms=s["busy_us"] / 1e3, span_ms=s["span_us"] / 1e3,
+               gpu_ms_by_executable={m: t / 1e3 for m, t in s["by_module"].items()},
+               window_passes=steps.get("window_passes", 0), step_loop_passes=steps.get("loop", 0))
+    print(f"  profiled {n} requests: wall {out['wall_ms']:.0f} ms, GPU busy {out['busy_ms']:.0f} / span "
+          f"{out['span_ms']:.0f} ms; " + ", ".join(f"{m} {t:.0f} ms" for m, t in out["gpu_ms_by_executable"].items()),
+          flush=True)
+    return out
 
 
 def main(argv=None) -> int:
@@ -162,6 +186,9 @@ def main(argv=None) -> int:
         rows.append(dict(depth=depth, executor=executor, scheduler=mode, seconds=wall,
                          output_tokens_per_s=N * args.output_len / wall, steps=steps,
                          compiles_during_run=compiles))
+        if args.trace_dir:
+            rows[-1]["profile"] = profile(eng, prompts, sp, ids, os.path.join(args.trace_dir, f"{depth}-{executor}-{mode}"),
+                                          args.trace_requests or C)
         if compiles["count"]:
             print(f"WARNING: {depth}/{executor}/{mode} compiled {compiles['count']} executable(s) inside the "
                   f"timed run ({compiles['seconds']:.1f}s)", flush=True)

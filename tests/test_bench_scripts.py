@@ -63,7 +63,8 @@ def test_bench_cdb_queues_more_requests_than_rows(tmp_path):
     replayed, and only the executors asked for run."""
     out = tmp_path / "cdb.json"
     text = run_script("bench_cdb.py", "--quick", "--concurrency", "2", "--num-requests", "5", "--prompt-len", "8",
-                      "--output-len", "6", "--decode-window", "4", "--executors", "window", "--out", str(out))
+                      "--output-len", "6", "--decode-window", "4", "--executors", "window", "--out", str(out),
+                      "--trace-dir", str(tmp_path / "trace"), "--trace-requests", "3")
     info = json.loads(out.read_text())
     assert info["num_requests"] == 5 and [(r["depth"], r["executor"]) for r in info["results"]] == [
         ("fixed", "window"), ("trace", "window")]
@@ -75,6 +76,11 @@ def test_bench_cdb_queues_more_requests_than_rows(tmp_path):
     assert s["window_fraction_of_schedule_bound"] == pytest.approx(
         s["window_speedup"] / (s["ideal_speedup"] * s["schedule_bound"]["bound_fraction"]))
     assert "schedule bound:" in text
+    # the profiled run (no GPU kernels on CPU): 3 requests, each a prefill token then 5 decode
+    # tokens of >= 1 pass, all in windows
+    for r in info["results"]:
+        assert r["profile"]["requests"] == 3 and r["profile"]["step_loop_passes"] == 0
+        assert r["profile"]["window_passes"] >= 5 and (tmp_path / "trace" / f"{r['depth']}-window-refill").is_dir()
 
 
 def test_bench_loop_pass_quick(tmp_path):

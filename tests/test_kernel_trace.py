@@ -44,6 +44,8 @@ def test_same_fusion_name_in_two_executables_is_two_entries(tmp_path):
     assert [(t["module"], t["count"], t["mean_us"]) for t in s["top"]] == [
         ("jit_prefill_step", 0.25, 1300.0), ("jit_decode_window", 1.0, 2.0)]
     assert "input_scatter_fusion_48  [jit_prefill_step]" in format_summary(s)
+    assert s["by_module"] == {"jit_prefill_step": 325.0, "jit_decode_window": 2.0}
+    assert "by executable: jit_prefill_step 325 us, jit_decode_window 2 us" in format_summary(s)
 
 
 def test_missing_trace_is_named(tmp_path):

@@ -4,9 +4,10 @@
 
 Prints, per traced unit of work (``--per``): the kernel count, the time the GPU
 was busy (union of kernel intervals), the span from first kernel start to last
-kernel end, and the top kernels by total time, each named with the executable it
-ran in (the event's ``hlo_module``): XLA's fusion names repeat across executables,
-and a prefill step's kernel once passed for a decode window's. Busy much smaller than span means
+kernel end, the GPU time of each executable, and the top kernels by total time,
+each named with the executable it ran in (the event's ``hlo_module``): XLA's
+fusion names repeat across executables, and a prefill step's kernel once passed
+for a decode window's. Busy much smaller than span means
 the GPU waited for launches (host or launch overhead); busy close to span means
 the kernels themselves are the cost.
 """
@@ -53,13 +54,17 @@ def busy_time(kernels: list[dict]) -> float:
 
 def summarise(kernels: list[dict], per: int = 1, top: int = 15) -> dict:
     if not kernels:
-        return dict(kernels=0, busy_us=0.0, span_us=0.0, top=[])
+        return dict(kernels=0, busy_us=0.0, span_us=0.0, top=[], by_module={})
     span = max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)
     by_kernel: dict[tuple[str, str | None], list[float]] = collections.defaultdict(list)
     for e in kernels:
         by_kernel[(e["name"], e.get("args", {}).get("hlo_module"))].append(e["dur"])
     ranked = sorted(by_kernel.items(), key=lambda kv: -sum(kv[1]))[:top]
+    by_module: dict[str, float] = collections.defaultdict(float)
+    for (_, module), d in by_kernel.items():
+        by_module[str(module)] += sum(d) / per
     return dict(kernels=len(kernels) / per, busy_us=busy_time(kernels) / per, span_us=span / per,
+                by_module=dict(sorted(by_module.items(), key=lambda kv: -kv[1])),
                 top=[dict(name=name[:90], module=module, count=len(d) / per, total_us=sum(d) / per,
                           mean_us=sum(d) / len(d)) for (name, module), d in ranked])
 
@@ -71,6 +76,8 @@ def summarise_dir(trace_dir: str, per: int = 1, top: int = 15) -> dict:
 
 def format_summary(s: dict) -> str:
     lines = [f"kernels {s['kernels']:.0f}  busy {s['busy_us']:.0f} us  span {s['span_us']:.0f} us"]
+    if s.get("by_module"):
+        lines.append("  by executable: " + ", ".join(f"{m} {t:.0f} us" for m, t in s["by_module"].items()))
     lines += [f"  {t['total_us']:8.1f} us  x{t['count']:<5.0f} ({t['mean_us']:6.2f} us)  {t['name']}"
               + (f"  [{t['module']}]" if t.get("module") else "") for t in s["top"]]
     return "\n".join(lines)

@@ -295,6 +295,25 @@ def test_slot_for_matches_formula(page_size, pages, data):
         tables.slot_for(idx, -1, page_size)
 
 
+@given(page_size=st.integers(1, 16), pages=st.lists(st.integers(1, 999), min_size=1, max_size=8),
+       data=st.data())
+@settings(max_examples=100, deadline=None)
+def test_slots_for_equals_slot_for_per_position(page_size, pages, data):
+    tables = BlockTables(max_tables=3, max_pages_per_table=8)
+    idx, = tables.assign("s", num_planes=1)
+    tables.append_pages(idx, pages)
+    capacity = len(pages) * page_size
+    positions = np.array(data.draw(st.lists(st.integers(0, capacity - 1), max_size=40)), np.int32)
+    got_pages, got_offsets = tables.slots_for(idx, positions, page_size)
+    assert got_pages.dtype == got_offsets.dtype == np.int32
+    assert list(zip(got_pages.tolist(), got_offsets.tolist())) == [tables.slot_for(idx, int(p), page_size)
+                                                                   for p in positions]
+    bad = data.draw(st.sampled_from([-1, capacity, capacity + 7]))
+    mixed = np.insert(positions, data.draw(st.integers(0, len(positions))), bad)
+    with pytest.raises(BlockTableError, match=f"position {bad} is outside table {idx}"):
+        tables.slots_for(idx, mixed, page_size)
+
+
 def test_planes_get_distinct_tables_and_release_resets_rows():
     tables = BlockTables(max_tables=6, max_pages_per_table=4)
     deep = tables.assign("looped", num_planes=4)   # last_exited layout, R = 4

@@ -91,11 +91,25 @@ class BlockTables:
         self._check_in_use(table_idx)
         page_idx, offset = divmod(position, page_size)
         if position < 0 or page_idx >= self._num_pages[table_idx]:
-            raise BlockTableError(
-                f"position {position} is outside table {table_idx}: it holds "
-                f"{self._num_pages[table_idx]} page(s) of {page_size} = "
-                f"{self._num_pages[table_idx] * page_size} positions")
+            self._outside(table_idx, position, page_size)
         return int(self._array[table_idx, page_idx]), offset
+
+    def slots_for(self, table_idx: int, positions: np.ndarray, page_size: int) -> tuple[np.ndarray, np.ndarray]:
+        """``slot_for`` of many positions at once (a prompt chunk): ([n] pages, [n] offsets) int32."""
+        self._check_in_use(table_idx)
+        positions = np.asarray(positions, np.int64)
+        page_idx, offsets = np.divmod(positions, page_size)
+        if positions.size:
+            outside = (positions < 0) | (page_idx >= self._num_pages[table_idx])
+            if outside.any():
+                self._outside(table_idx, int(positions[np.argmax(outside)]), page_size)
+        return self._array[table_idx, page_idx].astype(np.int32), offsets.astype(np.int32)
+
+    def _outside(self, table_idx: int, position: int, page_size: int):
+        raise BlockTableError(
+            f"position {position} is outside table {table_idx}: it holds "
+            f"{self._num_pages[table_idx]} page(s) of {page_size} = "
+            f"{self._num_pages[table_idx] * page_size} positions")
 
     def release(self, seq_id: Hashable) -> list[int]:
         """Drop seq_id's tables, resetting their rows to scratch; returns their indices.

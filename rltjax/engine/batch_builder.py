@@ -64,26 +64,41 @@ class BatchBuilder:
             block_tables=self.on_device(tables))
 
     def prefill(self, chunks: list[tuple[Request, int, int]]) -> tuple:
-        """Arguments of ``ModelRunner.prefill`` for chunks (request, start, length)."""
+        """Arguments of ``ModelRunner.prefill`` for chunks (request, start, length). Rows
+        between chunks (alignment padding) have position -1 (they read nothing), the scratch
+        page and the dummy slot. Built per chunk, not per token: this runs on every admission."""
         R, align = self.num_loops, self.prefill_alignment
-        rows: list[tuple[Request, int] | None] = []          # None: padding up to the next chunk's start
-        for req, start, n in chunks:
-            rows += [None] * (-len(rows) % align) + [(req, p) for p in range(start, start + n)]
-        live = [r for r in rows if r is not None]
-        pick = lambda f, pad: [f(*r) if r is not None else pad for r in rows]
-        tokens = np.array(pick(lambda req, p: req.prompt_token_ids[p], 0), np.int32)
-        positions = np.array(pick(lambda req, p: p, -1), np.int32)          # -1: length 0, reads nothing
         # loop d writes plane d; the last loop also fills planes R..cap-1 (min(d, e) with e = R)
         planes = [d if self.layered else 0 for d in range(max(R, self.num_planes))]
-        slots = [pick(lambda req, p: self.slot(req, pl, p), (0, 0)) for pl in planes]   # padding: scratch
-        write_page = np.array([[s[0] for s in per_d] for per_d in slots], np.int32)
-        write_offset = np.array([s[1] for s in slots[0]], np.int32)
-        row_tables = np.array([pick(lambda req, p: req.tables[pl], 0) for pl in planes[:R]], np.int32)
-        out_slots = np.array(pick(lambda req, p: req.slot if p == req.prompt_len - 1 else self.dummy_slot,
-                                  self.dummy_slot), np.int32)
-        boundary = self.boundary_rows([r for r, _ in live], np.array([p for _, p in live], np.int32))
-        if boundary is not None and len(live) < len(rows):
-            boundary = boundary.scatter(np.array([r is not None for r in rows]))
+        starts, total = [], 0
+        for _, _, n in chunks:
+            total += -total % align
+            starts.append(total)
+            total += n
+        tokens = np.zeros(total, np.int32)
+        positions = np.full(total, -1, np.int32)
+        write_page = np.zeros((len(planes), total), np.int32)
+        write_offset = np.zeros(total, np.int32)
+        row_tables = np.zeros((R, total), np.int32)
+        out_slots = np.full(total, self.dummy_slot, np.int32)
+        live_reqs: list[Request] = []
+        live = np.zeros(total, bool)
+        tables = self.scheduler.block_tables
+        for (req, start, n), at in zip(chunks, starts):
+            rows = slice(at, at + n)
+            pos = np.arange(start, start + n, dtype=np.int32)
+            tokens[rows] = req.prompt_token_ids[start:start + n]
+            positions[rows] = pos
+            for i, plane in enumerate(planes):
+                write_page[i, rows], write_offset[rows] = tables.slots_for(req.tables[plane], pos, self.page_size)
+            row_tables[:, rows] = np.array([req.tables[plane] for plane in planes[:R]], np.int32)[:, None]
+            if start + n == req.prompt_len:
+                out_slots[at + n - 1] = req.slot
+            live[rows] = True
+            live_reqs += [req] * n
+        boundary = self.boundary_rows(live_reqs, positions[live])
+        if boundary is not None and len(live_reqs) < total:
+            boundary = boundary.scatter(live)
         return (tokens, positions, write_page, write_offset, row_tables, out_slots, self.block_tables(), boundary)
 
     def head(self, rows: list[Request]) -> tuple:

@@ -116,22 +116,36 @@ class CacheConfig:
         return max(num_loops, self.loop_cap(num_loops)) if self.kv_layout == "last_exited" else 1
 
 
+DEFAULT_PREFILL_TOKENS_KERNEL = 1024
+DEFAULT_PREFILL_TOKENS_XLA = 256
+DEFAULT_PREFILL_CHUNK = 512
+
+
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
     """Loop-level continuous batching (DESIGN section 2, Scheduling)."""
     mode: str = "refill"
     max_num_seqs: int = 16
-    # A prefill step is a pass of its own (decode rows wait), and each chunk reads the weights
-    # R times: chunks of 128 doubled a 256-token prompt's weight reads and put a synchronous
-    # step-path loop pass between its two halves. H200, Ouro-1.4B, ShareGPT C = 32: 2,988.7 ->
-    # 3,111.1 tok/s with 1024 / 512 (docs/performance.md, tenth session).
-    max_num_batched_tokens: int = 1024      # prefill token budget per step
-    prefill_chunk_size: int = 512           # per-request chunk ceiling
+    max_num_batched_tokens: int | None = None   # prefill token budget per step (None: with_prefill_defaults)
+    prefill_chunk_size: int | None = None       # per-request chunk ceiling (None: min(512, the budget))
     max_prefill_batches_before_decode: int = 1
     admission_scan_limit: int = 32
     max_admission_bypasses: int = 8
     min_coda_batch_size: int = 1
     max_model_len: int | None = None        # None: the model's position limit
+
+    def with_prefill_defaults(self, prefill_kernel: bool) -> "SchedulerConfig":
+        """The token budgets left unset, filled. A prefill step is a pass of its own (decode rows
+        wait) and each chunk reads the weights R times, so steps should be large: 128-token
+        chunks doubled a 256-token prompt's weight reads and put a synchronous loop pass between
+        its halves (H200, Ouro-1.4B, ShareGPT C = 32: 2,988.7 -> 3,111.1 tok/s with 1,024 / 512;
+        docs/performance.md, tenth session). On the Pallas prefill kernel: 1,024 tokens a step.
+        XLA's dense attention gathers every prompt token's whole block table (temporaries
+        grow with tokens x max_model_len), so there: 256."""
+        budget = self.max_num_batched_tokens or (DEFAULT_PREFILL_TOKENS_KERNEL if prefill_kernel
+                                                 else DEFAULT_PREFILL_TOKENS_XLA)
+        chunk = self.prefill_chunk_size or min(DEFAULT_PREFILL_CHUNK, budget)
+        return dataclasses.replace(self, max_num_batched_tokens=budget, prefill_chunk_size=chunk)
 
     def __post_init__(self) -> None:
         if self.mode not in SCHEDULER_MODES:
@@ -222,7 +236,8 @@ class ExecutionConfig:
 # (description, predicate over the configs that must NOT hold, fix). One row per rule.
 COMBINATION_RULES: list[tuple[str, Callable[..., bool], str]] = [
     ("prefill_chunk_size cannot exceed max_num_batched_tokens",
-     lambda c, s, e, x: s.prefill_chunk_size > s.max_num_batched_tokens,
+     lambda c, s, e, x: None not in (s.prefill_chunk_size, s.max_num_batched_tokens)
+     and s.prefill_chunk_size > s.max_num_batched_tokens,
      "lower SchedulerConfig.prefill_chunk_size or raise max_num_batched_tokens"),
     ("min_coda_batch_size cannot exceed max_num_seqs (heads would wait forever)",
      lambda c, s, e, x: s.min_coda_batch_size > s.max_num_seqs,

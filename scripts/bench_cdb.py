@@ -22,8 +22,9 @@ device (a decode window at fixed depth).
 The schedule bound separates the workload from the engine: with few requests per row the
 batch drains at the end (rows idle while the deepest requests finish), which no engine
 avoids. ``depth_trace.schedule_bound`` replays the trace's pass counts through a perfect
-closed-loop scheduler and reports the share of the ideal that leaves; achieved / (ideal x
-that share) is the engine's own efficiency.
+closed-loop scheduler (a pass costing the same however many rows are busy) and gives the
+factor by which the drain scales the ideal; achieved / (ideal x that factor) is the
+engine's own efficiency.
 """
 from __future__ import annotations
 
@@ -158,7 +159,8 @@ def main(argv=None) -> int:
         def __init__(self, engine):
             self.engine = engine
 
-    # recorded on the fastest executor asked for; every run below replays it
+    # recorded on the windows when they are asked for (the fastest), else step by step;
+    # every run below replays it
     eng = engine_for(ExitConfig(mode="trace", depths_by_request=drawn),
                      window=args.decode_window if "window" in args.executors else 0)
     run(eng, prompts[:1], dataclasses.replace(sp, max_tokens=4), ids[:1])          # warm
@@ -230,8 +232,8 @@ def main(argv=None) -> int:
                          for e in args.executors)
     print(f"ideal speed-up {ideal:.3f}; achieved: {achieved}")
     print(f"schedule bound: a perfect engine keeps {bound['occupancy_trace']:.1%} of the rows busy on this "
-          f"trace ({bound['occupancy_fixed']:.1%} at fixed depth), so it reaches {bound['bound_fraction']:.1%} "
-          f"of the ideal; achieved / bound: " + ", ".join(
+          f"trace ({bound['occupancy_fixed']:.1%} at fixed depth): the drain scales the ideal by "
+          f"{bound['bound_fraction']:.1%}; achieved / (ideal x that): " + ", ".join(
               f"{e} {summary[e + '_fraction_of_schedule_bound']:.1%}" for e in args.executors))
     if "no_refill_speedup" in summary:
         print(f"no_refill {summary['no_refill_speedup']:.3f}")

@@ -32,8 +32,9 @@ def per_token_prefill(tables, chunks, *, align, planes_n, layered):
 @settings(max_examples=60, deadline=None)
 def test_prefill_batch_equals_a_per_token_build(prompt_lens, align, layered, cap, data):
     planes_n = cap if layered else 1
-    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_model_len=64), num_pages=200, page_size=PAGE_SIZE,
-                      num_planes=planes_n, max_model_len=64, position_sequential_prefill=False)
+    config = SchedulerConfig(max_num_seqs=4, max_model_len=64).with_prefill_defaults(False)
+    sched = Scheduler(config, num_pages=200, page_size=PAGE_SIZE, num_planes=planes_n, max_model_len=64,
+                      position_sequential_prefill=False)
     for i, n in enumerate(prompt_lens):
         sched.add(Request(f"r{i}", list(range(100 * i, 100 * i + n)), SamplingParams(max_tokens=5), seed=i,
                           arrival_index=i, min_loops=1, max_loops=cap))

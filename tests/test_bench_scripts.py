@@ -54,7 +54,7 @@ def test_bench_cdb_quick(tmp_path):
     assert all(r["compiles_during_run"]["count"] == 0 for r in info["results"]), info["results"]
     assert s["async_speedup"] > 0 and s["window_fraction_of_ideal"] > 0
     assert info["source"]["source_digest"] == source_digest(ROOT)
-    b = s["schedule_bound"]          # 3 requests on 3 rows: the batch drains once, at the end
+    b = s["schedule_bound"]          # 3 requests on 3 rows: only the trace run drains (fixed rows end together)
     assert b["passes_fixed"] == 11 * 4 and b["occupancy_fixed"] == 1.0 and 0 < b["bound_fraction"] <= 1
 
 

@@ -108,5 +108,9 @@ def test_schedule_bound_counts_the_drain():
     assert b["passes_trace"] == 12 and b["occupancy_trace"] == pytest.approx(24 / 24)
     drained = depth_trace.schedule_bound(depths[:2], slots=2, num_loops=4)   # 3 and 12 passes
     assert drained["passes_trace"] == 12 and drained["bound_fraction"] == pytest.approx(15 / 24)
+    # 3 requests on 2 rows: at fixed depth the third runs alone (occupancy 36 / 48), the
+    # trace packs 3 + 6 behind 12: the drain scales the ideal up
+    uneven = depth_trace.schedule_bound(depths[1:], slots=2, num_loops=4)
+    assert uneven["occupancy_fixed"] == pytest.approx(36 / 48) and uneven["bound_fraction"] > 1
     with pytest.raises(ValueError, match="slots must be >= 1"):
         depth_trace.closed_loop_passes([1], 0)

@@ -204,3 +204,37 @@ def test_prefill_budget_counts_alignment_padding(budget, align, prompts, expecte
     assert [n for _, _, n in plan.chunks] == expected
     padded = sum(-(-n // align) * align for n in expected)
     assert padded <= max(budget, align)
+
+
+def test_prefill_budget_defaults_follow_the_prefill_attention():
+    """Unset budgets: 1,024 tokens a step where prefill attention runs on the Pallas kernel,
+    256 on XLA's dense attention (it gathers every token's whole table); the chunk ceiling is
+    min(512, the budget), so a small budget alone is valid. The runner's token buckets follow."""
+    from conftest import load_fixture
+    from rltjax.engine_config import (CacheConfig, EngineConfigError, ExecutionConfig, SchedulerConfig)
+    from rltjax.entrypoints.llm import build_engine
+    base = SchedulerConfig()
+    assert (base.max_num_batched_tokens, base.prefill_chunk_size) == (None, None)
+    assert base.with_prefill_defaults(True).max_num_batched_tokens == 1024
+    assert base.with_prefill_defaults(True).prefill_chunk_size == 512
+    assert base.with_prefill_defaults(False).prefill_chunk_size == 256
+    small = SchedulerConfig(max_num_batched_tokens=96).with_prefill_defaults(True)
+    assert (small.max_num_batched_tokens, small.prefill_chunk_size) == (96, 96)
+    kept = SchedulerConfig(max_num_batched_tokens=2048, prefill_chunk_size=64).with_prefill_defaults(False)
+    assert (kept.max_num_batched_tokens, kept.prefill_chunk_size) == (2048, 64)
+
+    ckpt = load_fixture("ouro-tiny", "float32", ())
+
+    def engine(scheduler_config, **execution):
+        return build_engine(None, params=ckpt.params, cfg=ckpt.cfg, cache_config=CacheConfig(page_size=8),
+                            scheduler_config=scheduler_config,
+                            execution_config=ExecutionConfig(compile_ahead=False, compilation_cache_dir=None,
+                                                             show_progress=False, **execution))
+    on_xla = engine(SchedulerConfig(max_num_seqs=2))                     # CPU: "auto" runs XLA's attention
+    assert (on_xla.scheduler.config.max_num_batched_tokens, on_xla.scheduler.config.prefill_chunk_size) == (256, 256)
+    assert max(on_xla.runner.token_buckets) == 256
+    on_kernel = engine(SchedulerConfig(max_num_seqs=2), attn_impl="pallas", interpret=True)
+    assert on_kernel.scheduler.config.max_num_batched_tokens == 1024
+    assert on_kernel.scheduler.config.prefill_chunk_size == 512 and max(on_kernel.runner.token_buckets) == 1024
+    with pytest.raises(EngineConfigError, match="prefill_chunk_size cannot exceed max_num_batched_tokens"):
+        engine(SchedulerConfig(max_num_seqs=2, prefill_chunk_size=512))   # the budget resolves to 256 here

@@ -31,6 +31,7 @@ def test_summary_of_a_known_trace(tmp_path):
     s = summarise(found, per=2)
     assert s["kernels"] == 1.5 and s["busy_us"] == 12.5 and s["span_us"] == 20.0
     assert s["top"][0] == dict(name="gemm", module=None, count=1.0, total_us=10.0, mean_us=10.0)
+    assert s["by_module"] == {"(no executable)": 15.0}     # event time, overlaps counted: above busy
 
 
 def test_same_fusion_name_in_two_executables_is_two_entries(tmp_path):

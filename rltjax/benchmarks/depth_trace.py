@@ -61,14 +61,16 @@ def closed_loop_passes(passes_per_request: Sequence[int], slots: int) -> int:
 
 
 def schedule_bound(depths: Sequence[Sequence[int]], slots: int, num_loops: int) -> dict:
-    """What a perfect engine can reach on this request set when a pass costs the same
-    however many rows are busy (the weight-bound regime): the trace's slot occupancy
-    against fixed depth's. Each request's decode passes are its depths after entry 0
-    (the first token comes out of prefill, which both runs pay alike).
+    """How the workload's drain scales DESIGN's ideal speed-up, which assumes full batches:
+    the trace's row occupancy under a perfect closed-loop scheduler (in-order admission, no
+    bypasses) against fixed depth's. Each request's decode passes are its depths after
+    entry 0 (the first token comes out of prefill, which both runs pay alike).
 
-    ``bound_fraction`` = occupancy(trace) / occupancy(fixed): the share of DESIGN's ideal
-    speed-up the workload itself allows. Below 1 when rows sit idle while the last,
-    deepest requests finish (few requests per row: the batch drains)."""
+    ``bound_fraction`` = occupancy(trace) / occupancy(fixed). An approximation: it takes a
+    pass to cost the same however many rows are busy (the weight-bound regime; the ideal
+    charges KV reads per row). Below 1 when rows sit idle while the last, deepest requests
+    finish (few requests per row); above 1 when the fixed-depth run drains more (requests
+    not a multiple of the rows)."""
     trace = [int(sum(d[1:])) for d in depths]
     fixed = [num_loops * max(0, len(d) - 1) for d in depths]
     p_trace, p_fixed = closed_loop_passes(trace, slots), closed_loop_passes(fixed, slots)

@@ -4,7 +4,8 @@
 
 Prints, per traced unit of work (``--per``): the kernel count, the time the GPU
 was busy (union of kernel intervals), the span from first kernel start to last
-kernel end, the GPU time of each executable, and the top kernels by total time,
+kernel end, the summed event time of each executable (events on every device stream,
+copies included, so it can exceed busy), and the top kernels by total time,
 each named with the executable it ran in (the event's ``hlo_module``): XLA's
 fusion names repeat across executables, and a prefill step's kernel once passed
 for a decode window's. Busy much smaller than span means
@@ -62,7 +63,7 @@ def summarise(kernels: list[dict], per: int = 1, top: int = 15) -> dict:
     ranked = sorted(by_kernel.items(), key=lambda kv: -sum(kv[1]))[:top]
     by_module: dict[str, float] = collections.defaultdict(float)
     for (_, module), d in by_kernel.items():
-        by_module[str(module)] += sum(d) / per
+        by_module[module or "(no executable)"] += sum(d) / per
     return dict(kernels=len(kernels) / per, busy_us=busy_time(kernels) / per, span_us=span / per,
                 by_module=dict(sorted(by_module.items(), key=lambda kv: -kv[1])),
                 top=[dict(name=name[:90], module=module, count=len(d) / per, total_us=sum(d) / per,

@@ -85,6 +85,8 @@ class BatchBuilder:
         live = np.zeros(total, bool)
         tables = self.scheduler.block_tables
         for (req, start, n), at in zip(chunks, starts):
+            if n <= 0:
+                continue
             rows = slice(at, at + n)
             pos = np.arange(start, start + n, dtype=np.int32)
             tokens[rows] = req.prompt_token_ids[start:start + n]

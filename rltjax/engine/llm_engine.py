@@ -27,7 +27,7 @@ from rltjax.engine.exit_policy import ExitPolicy
 from rltjax.engine.exit_trace import model_fingerprint
 from rltjax.engine.output_processor import OutputProcessor
 from rltjax.engine.outputs import RequestOutput
-from rltjax.engine.runner import ModelRunner
+from rltjax.engine.runner import ModelRunner, attention_uses_kernel
 from rltjax.engine.scheduler import Scheduler
 from rltjax.engine.sequence import Request, RequestRejectedError, Status, prompt_token_ids
 from rltjax.engine.warm_up import WarmUp, warm_up
@@ -43,8 +43,11 @@ class LLMEngine:
                  scheduler_config: SchedulerConfig, exit_config: ExitConfig,
                  execution_config: ExecutionConfig, max_model_len: int, boundary_kv: PagedKV | None = None):
         """boundary_kv: the boundary (prelude/coda) pool, for models with boundary stages."""
-        check_combination(cache_config, scheduler_config, exit_config, execution_config)
         self.cfg = model.cfg
+        # the prefill kernel runs where attention does and the KV is layered (chunked prefill)
+        scheduler_config = scheduler_config.with_prefill_defaults(
+            cache_config.kv_layout == "last_exited" and attention_uses_kernel(execution_config.attn_impl, self.cfg, kv))
+        check_combination(cache_config, scheduler_config, exit_config, execution_config)
         self.tokenizer = tokenizer
         self.cache_config = cache_config
         self.exit_config = exit_config

@@ -92,6 +92,14 @@ class PendingSignals:
         return LoopSignals(None, None, signals[0]) if self.raw_signal else LoopSignals(*signals, None)
 
 
+def attention_uses_kernel(attn_impl: str, cfg, kv: PagedKV) -> bool:
+    """Whether paged attention runs on the Pallas kernels ("auto": on a GPU, where they take
+    the model's shapes)."""
+    probe = jax.ShapeDtypeStruct((1, cfg.num_heads, cfg.head_dim), kv.k.dtype)
+    return attn_impl == "pallas" or (attn_impl == "auto" and jax.default_backend() == "gpu"
+                                     and kernel_unsupported(probe, kv.k) is None)
+
+
 def auto_matmul_shapes(cfg) -> tuple[tuple[int, int], ...]:
     """matmul_impl "auto"'s kernel shapes (``PagedKVBackend.kernel_shapes``): the fused q|k|v and
     the o projection, where the weight-streaming kernel runs one pass over K, the regime it
@@ -137,9 +145,7 @@ class ModelRunner:
         self.bkv = boundary_kv
         self.steps = DeviceSteps.build(xla_options)   # xla_options: (name, value) pairs
         # loop, head, embed steps and windows: one row per request (the fused decode write holds)
-        probe = jax.ShapeDtypeStruct((1, self.cfg.num_heads, self.cfg.head_dim), kv.k.dtype)
-        uses_kernel = attn_impl == "pallas" or (attn_impl == "auto" and jax.default_backend() == "gpu"
-                                                and kernel_unsupported(probe, kv.k) is None)
+        uses_kernel = attention_uses_kernel(attn_impl, self.cfg, kv)
         self.backend = PagedKVBackend(attn_impl=attn_impl, interpret=interpret, matmul_impl=matmul_impl,
                                       decode_rows=True, num_splits=attn_num_splits,
                                       kernel_shapes=auto_matmul_shapes(self.cfg) if uses_kernel else ())

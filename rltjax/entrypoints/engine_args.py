@@ -4,8 +4,10 @@ from __future__ import annotations
 import argparse
 import json
 
-from rltjax.engine_config import (ATTN_IMPLS, EXIT_MODES, MATMUL_IMPLS, KV_LAYOUTS, SCHEDULER_MODES, WINDOW_TRIPS,
-                                  CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig, default_cache_dir)
+from rltjax.engine_config import (ATTN_IMPLS, DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_TOKENS_KERNEL,
+                                  DEFAULT_PREFILL_TOKENS_XLA, EXIT_MODES, MATMUL_IMPLS, KV_LAYOUTS, SCHEDULER_MODES,
+                                  WINDOW_TRIPS, CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig,
+                                  default_cache_dir)
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,10 +33,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--scheduler-mode", default="refill", choices=SCHEDULER_MODES,
                    help="refill: Continuous Depth Batching; no_refill: a cohort loops until all rows exit")
     g.add_argument("--max-num-seqs", type=int, default=16, help="requests running at once")
-    g.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens,
-                   help="prefill tokens per step")
-    g.add_argument("--prefill-chunk-size", type=int, default=SchedulerConfig.prefill_chunk_size,
-                   help="prompt tokens per request per step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help=f"prefill tokens per step (default: {DEFAULT_PREFILL_TOKENS_KERNEL} where prefill attention "
+                        f"runs on the Pallas kernel, {DEFAULT_PREFILL_TOKENS_XLA} on XLA's)")
+    g.add_argument("--prefill-chunk-size", type=int, default=None,
+                   help=f"prompt tokens per request per step (default: min({DEFAULT_PREFILL_CHUNK}, the budget))")
     g.add_argument("--max-prefill-batches-before-decode", type=int, default=1)
     g.add_argument("--min-coda-batch-size", type=int, default=1,
                    help="heads wait for this many rows unless no loop work remains")

@@ -238,7 +238,9 @@ COMBINATION_RULES: list[tuple[str, Callable[..., bool], str]] = [
     ("prefill_chunk_size cannot exceed max_num_batched_tokens",
      lambda c, s, e, x: None not in (s.prefill_chunk_size, s.max_num_batched_tokens)
      and s.prefill_chunk_size > s.max_num_batched_tokens,
-     "lower SchedulerConfig.prefill_chunk_size or raise max_num_batched_tokens"),
+     "lower SchedulerConfig.prefill_chunk_size or raise max_num_batched_tokens (left unset, the budget is "
+     f"{DEFAULT_PREFILL_TOKENS_KERNEL} where prefill runs on the Pallas prefill kernel, else "
+     f"{DEFAULT_PREFILL_TOKENS_XLA})"),
     ("min_coda_batch_size cannot exceed max_num_seqs (heads would wait forever)",
      lambda c, s, e, x: s.min_coda_batch_size > s.max_num_seqs,
      "lower SchedulerConfig.min_coda_batch_size"),

@@ -67,7 +67,7 @@ def parse(argv):
     p.add_argument("--out")
     p.add_argument("--trace-dir", default=None,
                    help="after each timed run, profile one more run of --trace-requests requests here: GPU "
-                        "busy vs span and the GPU time of each executable (prefill, windows, heads, loop passes)")
+                        "busy vs span and the summed event time of each executable (prefill, windows, heads, loop passes)")
     p.add_argument("--trace-requests", type=int, default=None, help="requests in the profiled run (default: C)")
     args = p.parse_args(argv)
     for flag in ("num_requests", "trace_requests"):
@@ -98,8 +98,8 @@ def run(engine, prompts, params, ids) -> tuple[float, dict, list, dict]:
 
 
 def profile(engine, prompts, params, ids, trace_dir: str, n: int) -> dict:
-    """One more run of the first n requests under the profiler: GPU busy, span and time per
-    executable (ms), and the loop passes it ran."""
+    """One more run of the first n requests under the profiler: GPU busy, span and summed
+    event time per executable (ms; events on every device stream), and the loop passes it ran."""
     import jax
 
     from rltjax.benchmarks.kernel_trace import device_kernels, load_events, summarise
@@ -108,10 +108,10 @@ def profile(engine, prompts, params, ids, trace_dir: str, n: int) -> dict:
         wall, steps, _, _ = run(engine, prompts[:n], params, ids[:n])
     s = summarise(device_kernels(load_events(trace_dir)))
     out = dict(requests=n, wall_ms=wall * 1e3, busy_ms=s["busy_us"] / 1e3, span_ms=s["span_us"] / 1e3,
-               gpu_ms_by_executable={m: t / 1e3 for m, t in s["by_module"].items()},
+               event_ms_by_executable={m: t / 1e3 for m, t in s["by_module"].items()},
                window_passes=steps.get("window_passes", 0), step_loop_passes=steps.get("loop", 0))
     print(f"  profiled {n} requests: wall {out['wall_ms']:.0f} ms, GPU busy {out['busy_ms']:.0f} / span "
-          f"{out['span_ms']:.0f} ms; " + ", ".join(f"{m} {t:.0f} ms" for m, t in out["gpu_ms_by_executable"].items()),
+          f"{out['span_ms']:.0f} ms; " + ", ".join(f"{m} {t:.0f} ms" for m, t in out["event_ms_by_executable"].items()),
           flush=True)
     return out
 

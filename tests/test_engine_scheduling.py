@@ -236,5 +236,10 @@ def test_prefill_budget_defaults_follow_the_prefill_attention():
     on_kernel = engine(SchedulerConfig(max_num_seqs=2), attn_impl="pallas", interpret=True)
     assert on_kernel.scheduler.config.max_num_batched_tokens == 1024
     assert on_kernel.scheduler.config.prefill_chunk_size == 512 and max(on_kernel.runner.token_buckets) == 1024
-    with pytest.raises(EngineConfigError, match="prefill_chunk_size cannot exceed max_num_batched_tokens"):
+    with pytest.raises(EngineConfigError, match=r"prefill_chunk_size cannot exceed max_num_batched_tokens.*left "
+                                                 r"unset, the budget is 1024 .* else 256"):
         engine(SchedulerConfig(max_num_seqs=2, prefill_chunk_size=512))   # the budget resolves to 256 here
+    from rltjax.engine.scheduler import Scheduler
+    with pytest.raises(ValueError, match="with_prefill_defaults"):
+        Scheduler(SchedulerConfig(), num_pages=8, page_size=8, num_planes=1, max_model_len=64,
+                  position_sequential_prefill=False)

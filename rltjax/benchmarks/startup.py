@@ -85,6 +85,8 @@ def build_engine_from_args(args, *, max_num_seqs: int, max_model_len: int, cache
                         engine=dict(max_num_seqs=sched.config.max_num_seqs, max_model_len=sched.max_model_len,
                                     num_pages=sched.allocator.num_pages, page_size=sched.page_size,
                                     num_planes=sched.num_planes, kv_layout=engine.cache_config.kv_layout,
+                                    max_num_batched_tokens=sched.config.max_num_batched_tokens,
+                                    prefill_chunk_size=sched.config.prefill_chunk_size,
                                     exit_mode=engine.exit_config.mode,
                                     dtype=str(engine.runner.params.embed.dtype)))
 

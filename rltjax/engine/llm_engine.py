@@ -45,8 +45,9 @@ class LLMEngine:
         """boundary_kv: the boundary (prelude/coda) pool, for models with boundary stages."""
         self.cfg = model.cfg
         # the prefill kernel runs where attention does and the KV is layered (chunked prefill)
-        scheduler_config = scheduler_config.with_prefill_defaults(
-            cache_config.kv_layout == "last_exited" and attention_uses_kernel(execution_config.attn_impl, self.cfg, kv))
+        prefill_kernel = (cache_config.kv_layout == "last_exited"
+                          and attention_uses_kernel(execution_config.attn_impl, self.cfg, kv))
+        scheduler_config = scheduler_config.with_prefill_defaults(prefill_kernel)
         check_combination(cache_config, scheduler_config, exit_config, execution_config)
         self.tokenizer = tokenizer
         self.cache_config = cache_config
@@ -77,6 +78,8 @@ class LLMEngine:
                                   raw_signal=self.exit_policy.raw_signal, interpret=execution_config.interpret,
                                   chunked_prefill=self.layered, window_spec=window_spec,
                                   window_trace_width=trace_width(self.exit_policy.mode, max_model_len))
+        if (self.runner.prefill_alignment > 1) != prefill_kernel:
+            raise RuntimeError("the prefill budget was picked for another prefill attention path (this is a bug)")
         self.scheduler = Scheduler(scheduler_config, num_pages=kv.num_pages, page_size=cache_config.page_size,
                                    num_planes=self.num_planes, max_model_len=max_model_len,
                                    position_sequential_prefill=not self.layered,

@@ -32,6 +32,9 @@ class Scheduler:
         """boundary_num_pages: size of the boundary KV pool (0: the model has none).
         prefill_alignment: each prefill chunk starts at a multiple of this many rows of the
         batch (the prefill kernel's query blocks); the padding counts against the token budget."""
+        if config.max_num_batched_tokens is None or config.prefill_chunk_size is None:
+            raise ValueError("Scheduler needs resolved prefill budgets: pass "
+                             "SchedulerConfig.with_prefill_defaults(prefill_kernel) (LLMEngine does)")
         self.config = config
         self.page_size = page_size
         self.num_planes = num_planes

@@ -134,7 +134,9 @@ def run_bench(args: argparse.Namespace) -> int:
                 model=args.model or args.preset,
                 quick=args.quick, compile_seconds=engine.compile_seconds, prompt_len=args.prompt_len,
                 output_len=args.output_len, exit_threshold=args.exit_threshold,
-                kv_layout=configs["cache_config"].kv_layout, scheduler_mode=sched.mode, results=rows)
+                kv_layout=configs["cache_config"].kv_layout, scheduler_mode=sched.mode,
+                max_num_batched_tokens=engine.scheduler.config.max_num_batched_tokens,
+                prefill_chunk_size=engine.scheduler.config.prefill_chunk_size, results=rows)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(info, f, indent=1)

@@ -35,7 +35,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=16, help="requests running at once")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help=f"prefill tokens per step (default: {DEFAULT_PREFILL_TOKENS_KERNEL} where prefill attention "
-                        f"runs on the Pallas kernel, {DEFAULT_PREFILL_TOKENS_XLA} on XLA's)")
+                        f"runs on the Pallas prefill kernel, else {DEFAULT_PREFILL_TOKENS_XLA})")
     g.add_argument("--prefill-chunk-size", type=int, default=None,
                    help=f"prompt tokens per request per step (default: min({DEFAULT_PREFILL_CHUNK}, the budget))")
     g.add_argument("--max-prefill-batches-before-decode", type=int, default=1)

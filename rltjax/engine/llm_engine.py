@@ -44,15 +44,14 @@ class LLMEngine:
                  execution_config: ExecutionConfig, max_model_len: int, boundary_kv: PagedKV | None = None):
         """boundary_kv: the boundary (prelude/coda) pool, for models with boundary stages."""
         self.cfg = model.cfg
+        self.layered = cache_config.kv_layout == "last_exited"
         # the prefill kernel runs where attention does and the KV is layered (chunked prefill)
-        prefill_kernel = (cache_config.kv_layout == "last_exited"
-                          and attention_uses_kernel(execution_config.attn_impl, self.cfg, kv))
+        prefill_kernel = self.layered and attention_uses_kernel(execution_config.attn_impl, self.cfg, kv)
         scheduler_config = scheduler_config.with_prefill_defaults(prefill_kernel)
         check_combination(cache_config, scheduler_config, exit_config, execution_config)
         self.tokenizer = tokenizer
         self.cache_config = cache_config
         self.exit_config = exit_config
-        self.layered = cache_config.kv_layout == "last_exited"
         R = self.cfg.num_loops
         # the most loops a request may ask for
         self.loop_cap = cache_config.checked_loop_cap(R, loop_limit(model), self.cfg.arch)

@@ -281,3 +281,122 @@ def test_admission_prefill_is_queued_behind_the_window_in_flight():
     check_equal(engine.get_output("a"), ref.generate(TOKENS[:7], first, request_id="a"))
     check_equal(engine.get_output("b"), ref.generate(TOKENS[2:9], late, request_id="b"))
     assert_all_pages_free(engine)
+
+
+def closed_loop(engine, requests, *, clients: int, record=None):
+    """Clients that each send their next request as soon as their last one finishes (the
+    serving benchmark's closed loop). Returns outputs by id."""
+    queue, done = list(requests), {}
+    for _ in range(clients):
+        rid, prompt, params = queue.pop(0)
+        engine.add_request(rid, prompt, params)
+    for _ in range(5000):
+        if not engine.has_unfinished_requests():
+            return done
+        for out in engine.step():
+            if out.finished and out.request_id not in done:
+                done[out.request_id] = out
+                if queue:
+                    engine.add_request(*queue.pop(0))
+    raise AssertionError("closed loop did not finish")
+
+
+def record_calls(engine, names, events):
+    """Wrap the runner's methods ``names`` to log their calls in ``events``."""
+    for name in names:
+        real = getattr(engine.runner, name)
+        setattr(engine.runner, name, lambda *a, real=real, name=name, **kw: events.append(name) or real(*a, **kw))
+
+
+@pytest.mark.parametrize("exit_mode", ["ouro_delayed", "trace"])
+def test_closed_loop_admissions_continue_the_window_from_the_device(exit_mode):
+    """In a closed loop a request finishing inside a window frees its row while the next
+    window already runs. The next request's prefill, first head and the window after are
+    queued behind that window before the host reads it (the window continued from the device,
+    the new request in the finished one's row): no host read stands between windows. Outputs
+    equal the oracle's (trace replay: the recorded depths), and no page leaks."""
+    rng = np.random.default_rng(0)
+    requests = [(f"q{i}", TOKENS[int(s):int(s) + int(n)],
+                 SamplingParams(max_tokens=int(m), temperature=float(t), seed=i, exit_threshold=0.6, ignore_eos=True,
+                                logprobs=2 if i % 3 == 0 else None))
+                for i, (s, n, m, t) in enumerate(zip(rng.integers(0, 60, 12), rng.integers(2, 12, 12),
+                                                     rng.integers(6, 20, 12), rng.choice([0.0, 0.9], 12)))]
+    depths = {rid: [4] + [int(d) for d in rng.integers(1, 5, 24)] for rid, _, _ in requests} if exit_mode == "trace" else None
+    engine = make_engine(exit_mode=exit_mode, decode_window=3, max_num_seqs=3, depths_by_request=depths,
+                         prefill_chunk_size=16, max_num_batched_tokens=48, num_pages=128)   # one prefill an admission
+    events = []
+    record_calls(engine, ["prefill", "head_launch", "window_launch", "window_read", "head_read"], events)
+    admitted_into = []
+    real_admit = engine.windows.run_admitting
+    engine.windows.run_admitting = lambda fresh: admitted_into.append(len(fresh)) or real_admit(fresh)
+    outs = closed_loop(engine, requests, clients=3)
+    order = "".join({"prefill": "P", "head_launch": "H", "window_launch": "W", "window_read": "R",
+                     "head_read": "r"}[e] for e in events)
+    assert sum(admitted_into) >= 6, (admitted_into, order)       # most of the 9 later requests
+    assert order.count("PHWRr") >= 6, order        # prefill, head, window queued; then the reads
+    ref = reference_for("last_exited", exit_mode, depths_by_request=depths)
+    for rid, prompt, params in requests:
+        check_equal(outs[rid], ref.generate(prompt, params, request_id=rid))
+    assert_all_pages_free(engine)
+
+
+def test_rows_stopped_by_the_host_do_not_run_into_the_next_request():
+    """Two requests stopped at once by a stop id only the host checks keep running on the
+    device until the host replaces their rows. One request is admitted (into the row of one,
+    the slot and pages of the other): the window continued from the device must idle the
+    other row, or it writes into the new request's slot. Outputs equal the step-by-step
+    engine's in the same closed loop, and no page leaks."""
+    prompt = TOKENS[12:18]
+    probe = run_workload(make_engine(), [(0, "g", prompt, SamplingParams(
+        max_tokens=12, temperature=0.0, ignore_eos=True))])["g"].token_ids
+    stop_at = next(i for i in range(1, len(probe)) if probe[i] not in probe[:i])   # 2nd distinct token
+    assert stop_at >= 3, probe        # the stop must come after the window has all three rows
+    filler = [t for t in range(100, 100 + 2 * STOP_ID_WIDTH) if t not in probe][:STOP_ID_WIDTH]
+    stopped = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                             stop_token_ids=filler + [probe[stop_at]])
+    requests = [("s0", prompt, stopped), ("s1", prompt, stopped),
+                ("long", TOKENS[20:27], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)),
+                ("next", TOKENS[40:47], SamplingParams(max_tokens=8, temperature=0.9, seed=5, ignore_eos=True))]
+    engine = make_engine(decode_window=2, max_num_seqs=3, prefill_chunk_size=16, num_pages=128)
+    admitted = []
+    real_admit = engine.windows.run_admitting
+    engine.windows.run_admitting = lambda fresh: admitted.append([r.request_id for r in fresh]) or real_admit(fresh)
+    outs = closed_loop(engine, requests, clients=3)
+    assert ["next"] in admitted, admitted
+    want = closed_loop(make_engine(max_num_seqs=3, prefill_chunk_size=16, num_pages=128), requests, clients=3)
+    for rid, _, _ in requests:
+        check_equal(outs[rid], want[rid])
+    assert [outs[r].finish_reason for r in ("s0", "s1", "long", "next")] == ["stop", "stop", "length", "length"]
+    assert_all_pages_free(engine)
+
+
+@pytest.mark.parametrize("fail", ["head_launch", "window_merge"])
+def test_failure_admitting_behind_the_window_errors_only_the_new_requests(fail):
+    """A failing head or window launch while requests are admitted into a continued window
+    finishes those requests with the error; the requests of the window in flight go on to the
+    oracle's outputs, the engine keeps serving, and no page leaks."""
+    engine = make_engine(decode_window=3, max_num_seqs=3, prefill_chunk_size=16, num_pages=128)
+    real, failed = getattr(engine.runner, fail), []
+
+    def flaky(*args, **kwargs):
+        if engine.windows.inflight and not failed and engine.scheduler.waiting == [] and any(
+                r.status.name == "AWAITING_HEAD" for r in engine.scheduler.running):
+            failed.append([r.request_id for r in engine.scheduler.running if r.status.name == "AWAITING_HEAD"])
+            raise RuntimeError("injected device failure")
+        return real(*args, **kwargs)
+
+    setattr(engine.runner, fail, flaky)
+    requests = [(f"k{i}", TOKENS[5 * i:5 * i + 6], SamplingParams(max_tokens=6 + 3 * i, temperature=0.0,
+                                                                  ignore_eos=True)) for i in range(6)]
+    outs = closed_loop(engine, requests, clients=3)
+    assert failed, "no admission behind a window was attempted"
+    ref = reference_for("last_exited")
+    for rid, prompt, params in requests:
+        if rid in failed[0]:
+            assert outs[rid].finish_reason == "error" and outs[rid].error == "RuntimeError: injected device failure"
+        else:
+            check_equal(outs[rid], ref.generate(prompt, params, request_id=rid))
+    assert_all_pages_free(engine)
+    later = [(0, "z", TOKENS[7:13], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))]
+    check_equal(run_workload(engine, later)["z"], ref.generate(TOKENS[7:13], later[0][3], request_id="z"))
+    assert_all_pages_free(engine)

@@ -104,18 +104,27 @@ def test_first_steps_after_warm_up_do_not_compile():
 def test_continued_windows_after_warm_up_do_not_compile(exit_mode):
     """Windows launched from the previous window's device rows reuse the warm-up executable:
     host rows are committed to the device like those device rows (an uncommitted first
-    variant made the first continued window of each row bucket compile inside the run)."""
+    variant made the first continued window of each row bucket compile inside the run); so
+    does a request admitted into a continued window (the rows merge is warmed up too)."""
     engine = make_engine(compile_ahead=True, max_num_seqs=2, decode_window=3, exit_mode=exit_mode)
     launches = []
     real = engine.runner.window_launch
     engine.runner.window_launch = lambda rows, *rest: launches.append(
         not isinstance(rows.slots, np.ndarray)) or real(rows, *rest)
+    merges = []
+    real_merge = engine.runner.window_merge
+    engine.runner.window_merge = lambda *a: merges.append(1) or real_merge(*a)
     with compile_events() as events:
         for i in range(2):
-            engine.add_request(f"c{i}", TOKENS[:5 + i], greedy(10))
+            engine.add_request(f"c{i}", TOKENS[:5 + i], greedy(10 + 4 * i))
+        added = False
         while engine.has_unfinished_requests():
-            engine.step()
+            finished = any(o.finished for o in engine.step())
+            if finished and not added:       # admitted behind the window in flight
+                engine.add_request("late", TOKENS[2:6], greedy(6))
+                added = True
     assert sum(launches) >= 2, "no window continued from device rows"
+    assert merges, "no request was admitted into a continued window"
     assert events == []
     assert_all_pages_free(engine)
 

@@ -139,6 +139,7 @@ def run_benchmark(args, argv: list[str]) -> dict:
             before = clients.scrape_exit_depth(base_url) if base_url else None
             compiles = None
             if engine is not None:
+                engine.steps_by_kind.clear()
                 with CompileWatch() as compiles:
                     timings, wall = clients.run_engine(engine, reqs, c, temperature=args.temperature,
                                                        exit_threshold=args.exit_threshold, tag=f"c{c}")
@@ -155,11 +156,14 @@ def run_benchmark(args, argv: list[str]) -> dict:
             mismatches = sum(t.ok and t.output_tokens != r.output_len for t, r in zip(timings, reqs))
             run = dict(concurrency=c, num_requests=n, summary=summary, roofline=roof,
                        output_len_mismatches=mismatches, per_request=report.per_request(timings),
-                       compiles_during_run=compiles.report() if compiles else None)
+                       compiles_during_run=compiles.report() if compiles else None,
+                       engine_steps=dict(engine.steps_by_kind) if engine is not None else None)
             result["runs"].append(run)
             timings_by_run.append(timings)
             print(report.summary_line(run), flush=True)
             print("      " + roofline.roofline_line(roof), flush=True)
+            if run["engine_steps"]:
+                print(f"      engine steps: {run['engine_steps']}", flush=True)
             if compiles and compiles.warning(f"C={c}"):
                 print("      " + compiles.warning(f"C={c}"), flush=True)
             if mismatches:

@@ -118,6 +118,14 @@ def head_step(params, slot_state, slot_tokens, slots, temperature, top_k, top_p,
     return (tokens, chosen, top_ids, top_lp), set_slots(slot_tokens, slots, tokens), bkv
 
 
+@engine_jit()
+def merge_rows(after, host, replace):
+    """Window rows for a continued window: the device rows ``after`` [B] (a window's rows
+    after it), with the rows where ``replace`` [B] bool is set taken from ``host`` (rows the
+    host built: freshly admitted requests, idle rows in place of finished ones)."""
+    return jax.tree.map(lambda d, h: jnp.where(replace.reshape((-1,) + (1,) * (d.ndim - 1)), h, d), after, host)
+
+
 class DeviceSteps(NamedTuple):
     """The jitted device steps of one engine (compiled with its XLA options)."""
     prefill: Callable
@@ -125,9 +133,10 @@ class DeviceSteps(NamedTuple):
     loop: Callable
     head: Callable
     window: Callable
+    merge_rows: Callable
 
     @classmethod
     def build(cls, xla_options: tuple = ()) -> "DeviceSteps":
         check_options(xla_options)
         return cls(*(with_options(step, xla_options)
-                     for step in (prefill_step, embed_step, loop_step, head_step, decode_window)))
+                     for step in (prefill_step, embed_step, loop_step, head_step, decode_window, merge_rows)))

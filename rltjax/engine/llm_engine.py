@@ -179,13 +179,12 @@ class LLMEngine:
     # -- one step -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         if self.windows is not None and self.windows.inflight and not self.windows.can_continue(self.scheduler):
-            self.steps_by_kind["window_read"] = self.steps_by_kind.get("window_read", 0) + 1
-            failed = self._prefill_behind_window()
-            return failed + [self._output(r) for r in self.windows.drain()]      # the host catches up
+            self._count("window_read")
+            return self._admit_behind_window()
         plan = self.scheduler.schedule()
         window = self.windows is not None and self.windows.takes(plan, self.scheduler.running)
         kind = "window" if window else plan.kind
-        self.steps_by_kind[kind] = self.steps_by_kind.get(kind, 0) + 1
+        self._count(kind)
         if plan.kind == "idle" and self.scheduler.waiting and not self.scheduler.running:
             raise RuntimeError(f"scheduler stalled: {len(self.scheduler.waiting)} waiting request(s) cannot "
                                f"be admitted into an empty engine (this is a bug)")
@@ -211,29 +210,46 @@ class LLMEngine:
         them before the host reads the heads: the window starts those requests from the tokens
         the heads left on the device (``slot_tokens``), so the GPU need not wait for the host
         between an admission's head and the next window. Returns the heads' requests."""
-        self.steps_by_kind["head"] = self.steps_by_kind.get("head", 0) + 1
+        self._count("head")
         launched = self.runner.head_launch(*self.batches.head(heads))
         fresh = {id(r) for r in heads}
         running = list(self.scheduler.running)
         self.windows.run(running, [id(r) in fresh for r in running])
         return self._accept_heads(heads, self.runner.head_read(launched))
 
-    def _prefill_behind_window(self) -> list[RequestOutput]:
-        """When only an admission stops the in-flight window from continuing, the admitted
-        requests' first prefill batch is queued on the device behind that window before the
-        host reads it: the GPU runs the prefill while the host replays the window's tokens,
-        instead of waiting for the host to catch up. Returns the outputs of a failed prefill."""
+    def _admit_behind_window(self) -> list[RequestOutput]:
+        """The in-flight window cannot continue: read it, and first queue what the device can
+        run meanwhile. When only an admission stopped it, the admitted requests' prefill is
+        queued behind it; when that prefill completes every admitted prompt and the window has
+        rows for them, their first heads and the next window (continued from the device, the
+        new requests in the rows of finished ones) are queued too, so the GPU does not wait
+        for the host between windows. Returns the step's outputs."""
+        drained = lambda: [self._output(r) for r in self.windows.drain()]        # noqa: E731
         if not self.windows.only_admission_waits(self.scheduler):
-            return []
+            return drained()
         plan = self.scheduler.schedule()     # admits; every running request is in the window
         if plan.kind != "prefill":           # nothing admitted (no pages yet)
-            return []
-        self.steps_by_kind["prefill"] = self.steps_by_kind.get("prefill", 0) + 1
+            return drained()
+        self._count("prefill")
         try:
             self._prefill(plan.chunks)
         except Exception as exc:
-            return self._fail([c[0] for c in plan.chunks], exc)
-        return []
+            return self._fail([c[0] for c in plan.chunks], exc) + drained()
+        fresh = [r for r in self.scheduler.running if r.status is Status.AWAITING_HEAD]
+        if any(r.status is Status.PREFILLING for r in self.scheduler.running) or len(fresh) > self.windows.room():
+            return drained()
+        self._read_pending()
+        self._count("head")
+        self._count("window")
+        try:
+            launched = self.runner.head_launch(*self.batches.head(fresh))
+            changed = self.windows.run_admitting(fresh)
+        except Exception as exc:
+            return self._fail(fresh, exc) + (drained() if self.windows.inflight else [])
+        return [self._output(r) for r in changed + self._accept_heads(fresh, self.runner.head_read(launched))]
+
+    def _count(self, kind: str) -> None:
+        self.steps_by_kind[kind] = self.steps_by_kind.get(kind, 0) + 1
 
     def _fail(self, affected: list[Request], exc: Exception) -> list[RequestOutput]:
         """A failed batch: its requests finish with the error (all unfinished ones when the

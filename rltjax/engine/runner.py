@@ -313,6 +313,13 @@ class ModelRunner:
             leaf.copy_to_host_async()
         return after, out
 
+    def window_merge(self, after, host: WindowRows, replace: np.ndarray):
+        """Rows for a window continued from ``after`` (a launched window's rows after it, on
+        the device) with the rows where ``replace`` is set taken from ``host`` (host rows of
+        the same padded length); stays on the device, nothing is read."""
+        host, replace = jax.device_put((host, np.asarray(replace, bool)), self.device)
+        return self.steps.merge_rows(after, host, replace)
+
     @staticmethod
     def window_read(after, out, n: int) -> tuple[RowsRead, WindowOutputs]:
         """A launched window's results (outputs, and the rows' ``RowsRead`` fields) as numpy,

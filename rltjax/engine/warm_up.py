@@ -81,6 +81,7 @@ def bucket_jobs(runner) -> list[tuple[str, int]]:
     jobs = []
     if runner.window_spec:
         jobs += [(f"window/{sampler}", b) for b in reversed(runner.row_buckets) for sampler in WINDOW_SAMPLERS]
+        jobs += [("window_merge", b) for b in runner.row_buckets]
     jobs += [("prefill", t) for t in reversed(runner.token_buckets)]
     jobs += [("loop", b) for b in runner.row_buckets] + [("head", b) for b in runner.row_buckets]
     if runner.has_boundary:
@@ -102,6 +103,9 @@ def run_job(runner, kind: str, n: int, block_tables, boundary_block_tables) -> N
     elif kind.startswith("window/"):
         runner.window(idle_window_rows(n, runner.num_planes, runner.window_trace_width), block_tables,
                       boundary_block_tables, sampler=kind.split("/")[1])
+    elif kind == "window_merge":
+        idle = idle_window_rows(n, runner.num_planes, runner.window_trace_width)
+        runner.window_merge(jax.device_put(idle, runner.device), idle, np.zeros(n, bool))
     elif kind == "embed":
         runner.embed(dummy, zeros(n), zeros(n) - 1, zeros(n), pad_rows)
     elif kind == "head":

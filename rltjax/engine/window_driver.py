@@ -62,6 +62,41 @@ class WindowDriver:
                                                                    self._sampler)
         return []
 
+    def room(self) -> int:
+        """Rows a window continued from the in-flight one can give fresh requests: the rows of
+        requests the host has finished, and the padding of its row bucket."""
+        rows, after, _ = self._inflight
+        return sum(r.finished for r in rows) + after.slots.shape[0] - len(rows)
+
+    def run_admitting(self, fresh: list[Request]) -> list[Request]:
+        """Continue the in-flight window's rows from the device, every row whose request the
+        host has finished replaced: by the fresh requests in order (their first heads queued
+        just before), else by an idle row, so no finished request runs on into pages or a
+        slot that may now be another's. Returns the requests the previous window changed."""
+        previous, after, out = self._inflight
+        bucket = after.slots.shape[0]
+        finished = [i for i, r in enumerate(previous) if r.finished]
+        places = (finished + list(range(len(previous), bucket)))[:len(fresh)]
+        if len(places) < len(fresh):
+            raise RuntimeError(f"{len(fresh)} fresh requests for {len(places)} free window rows (this is a bug)")
+        rows = list(previous) + [None] * (max(places, default=-1) + 1 - len(previous))
+        for i, r in zip(places, fresh):
+            rows[i] = r
+        host = idle_window_rows(bucket, self.num_planes, self.runner.window_trace_width)
+        if fresh:
+            tables = [r.tables[p if self.layered else 0] for r in fresh for p in range(self.num_planes)]
+            built = window_rows(fresh, self.runner.window_trace_width, tables,
+                                [self.token_stop_ids(r.request_id) for r in fresh], [True] * len(fresh))
+            for field, values in vars(built).items():
+                getattr(host, field)[places] = values
+        replace = np.zeros(bucket, bool)
+        replace[finished + places] = True
+        self._sampler = self.runner.window_sampler([r.params for r in rows if not r.finished])
+        state = self.runner.window_merge(after, host, replace)
+        self._inflight = (rows,) + self.runner.window_launch(state, self.batches.block_tables(),
+                                                             self.batches.boundary_tables(), self._sampler)
+        return self._apply(previous, after, out)
+
     @staticmethod
     def takes(plan, running: list[Request]) -> bool:
         """Whether a window runs this step's plan: a loop plan over every running request, or
@@ -78,8 +113,9 @@ class WindowDriver:
         requests, all still decoding, no admission possible, and not all of them certain to
         reach max_tokens inside the in-flight window (a window launched behind it would run
         K passes over finished rows, holding back the next request's prefill)."""
+        live = [r for r in self._inflight[0] if not r.finished]
         return (self._same_rows_decoding(scheduler) and (not scheduler.waiting or not scheduler.free_slots)
-                and not all(finishes_within(r, self.num_passes) for r in self._inflight[0]))
+                and not all(finishes_within(r, self.num_passes) for r in live))
 
     def only_admission_waits(self, scheduler) -> bool:
         """Whether the in-flight window could continue but for an admission (a request waits
@@ -87,9 +123,10 @@ class WindowDriver:
         return self._same_rows_decoding(scheduler) and bool(scheduler.waiting) and bool(scheduler.free_slots)
 
     def _same_rows_decoding(self, scheduler) -> bool:
-        """The in-flight window's requests are every running one, all decoding."""
-        rows, running = self._inflight[0], scheduler.running
-        return (len(rows) == len(running) and {id(r) for r in rows} == {id(r) for r in running}
+        """The in-flight window's unfinished requests are every running one, all decoding
+        (rows the host finished are replaced when the window continues: ``run_admitting``)."""
+        live, running = [r for r in self._inflight[0] if not r.finished], scheduler.running
+        return (bool(live) and len(live) == len(running) and {id(r) for r in live} == {id(r) for r in running}
                 and all(r.status is Status.LOOPING for r in running))
 
     def drain(self) -> list[Request]:

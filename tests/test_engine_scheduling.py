@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from engine_helpers import assert_all_pages_free, make_engine, reference_for, run_workload
 from engine_trace_helpers import (FAST_SLOW, R, SMALL_PAGES, TOKENS, TRACE, PlanLog, check_against_reference,
@@ -206,6 +207,44 @@ def test_prefill_budget_counts_alignment_padding(budget, align, prompts, expecte
     assert padded <= max(budget, align)
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_prefill_batches_never_exceed_the_runner_bound(data):
+    """Over random budgets, alignments, slot counts and prompts, every prefill batch the
+    scheduler plans (alignment padding included) fits ``prefill_batch_bound``: the runner
+    compiles token buckets only up to it, so a batch above it would compile mid-serving."""
+    from rltjax.engine.scheduler import Scheduler, max_prefill_chunk, prefill_batch_bound
+    from rltjax.engine.sequence import Request
+    from rltjax.engine_config import SchedulerConfig
+    align = data.draw(st.sampled_from([1, 16, 32]))
+    budget = data.draw(st.integers(8, 160))
+    max_num_seqs = data.draw(st.integers(1, 4))
+    max_model_len = data.draw(st.integers(2, 120))
+    cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                          prefill_chunk_size=data.draw(st.integers(1, budget)))
+    sequential = data.draw(st.booleans())
+    sched = Scheduler(cfg, num_pages=4096, page_size=8, num_planes=1, max_model_len=max_model_len,
+                      position_sequential_prefill=sequential, prefill_alignment=1 if sequential else align)
+    bound = prefill_batch_bound(budget, max_num_seqs, max_prefill_chunk(cfg, max_model_len, sequential),
+                                sched.prefill_alignment)
+    prompts = data.draw(st.lists(st.integers(1, max_model_len - 1), min_size=1, max_size=8))
+    for i, n in enumerate(prompts):
+        sched.add(Request(f"p{i}", list(range(3, 3 + n)), SamplingParams(max_tokens=1), i, i, 1, 4))
+    done = 0
+    while done < len(prompts):
+        plan = sched.schedule()
+        assert plan.kind == "prefill"           # every request is released when its prompt is in
+        end = 0
+        for req, start, n in plan.chunks:
+            end += -end % sched.prefill_alignment + n
+            req.num_prefilled = start + n
+            if req.num_prefilled == req.prompt_len:
+                sched.release(req)
+                done += 1
+        assert 0 < end <= bound
+        assert -(-end // sched.prefill_alignment) * sched.prefill_alignment <= bound
+
+
 def test_prefill_budget_defaults_follow_the_prefill_attention():
     """Unset budgets: 1,024 tokens a step where prefill attention runs on the Pallas kernel,
     256 on XLA's dense attention (it gathers every token's whole table); the chunk ceiling is
@@ -236,6 +275,9 @@ def test_prefill_budget_defaults_follow_the_prefill_attention():
     on_kernel = engine(SchedulerConfig(max_num_seqs=2), attn_impl="pallas", interpret=True)
     assert on_kernel.scheduler.config.max_num_batched_tokens == 1024
     assert on_kernel.scheduler.config.prefill_chunk_size == 512 and max(on_kernel.runner.token_buckets) == 1024
+    # one slot holds one chunk of at most 512 tokens: no 1,024-token bucket that nothing reaches
+    one_slot = engine(SchedulerConfig(max_num_seqs=1), attn_impl="pallas", interpret=True)
+    assert max(one_slot.runner.token_buckets) == 512
     with pytest.raises(EngineConfigError, match=r"prefill_chunk_size cannot exceed max_num_batched_tokens.*left "
                                                  r"unset, the budget is 1024 .* else 256"):
         engine(SchedulerConfig(max_num_seqs=2, prefill_chunk_size=512))   # the budget resolves to 256 here

@@ -28,7 +28,7 @@ from rltjax.engine.exit_trace import model_fingerprint
 from rltjax.engine.output_processor import OutputProcessor
 from rltjax.engine.outputs import RequestOutput
 from rltjax.engine.runner import ModelRunner, attention_uses_kernel
-from rltjax.engine.scheduler import Scheduler
+from rltjax.engine.scheduler import Scheduler, max_prefill_chunk
 from rltjax.engine.sequence import Request, RequestRejectedError, Status, prompt_token_ids
 from rltjax.engine.warm_up import WarmUp, warm_up
 from rltjax.engine_config import (CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig,
@@ -76,7 +76,8 @@ class LLMEngine:
                                   boundary_kv=boundary_kv, prefill_write_planes=max(R, self.num_planes),
                                   raw_signal=self.exit_policy.raw_signal, interpret=execution_config.interpret,
                                   chunked_prefill=self.layered, window_spec=window_spec,
-                                  window_trace_width=trace_width(self.exit_policy.mode, max_model_len))
+                                  window_trace_width=trace_width(self.exit_policy.mode, max_model_len),
+                                  max_prefill_chunk=max_prefill_chunk(scheduler_config, max_model_len, not self.layered))
         if (self.runner.prefill_alignment > 1) != prefill_kernel:
             raise RuntimeError("the prefill budget was picked for another prefill attention path (this is a bug)")
         self.scheduler = Scheduler(scheduler_config, num_pages=kv.num_pages, page_size=cache_config.page_size,

@@ -26,6 +26,7 @@ from kernels.skinny_matmul import SINGLE_PASS_MAX_K
 from rltjax.cache.paged_kv import PagedKV, PagedKVBackend, PagedMeta
 from rltjax.engine.decode_window import RowsRead, WindowOutputs, WindowRows
 from rltjax.engine.device_steps import DeviceSteps
+from rltjax.engine.scheduler import prefill_batch_bound
 from rltjax.models.base import boundary_kv_layers
 from rltjax.models.layers import split_layer_stacks
 from rltjax.sampling import SAMPLERS, sampler_for
@@ -116,7 +117,8 @@ class ModelRunner:
                  attn_num_splits: int | None = None,
                  boundary_kv: PagedKV | None = None, xla_options: tuple = (),
                  prefill_write_planes: int | None = None, raw_signal: bool = False, interpret: bool = False,
-                 chunked_prefill: bool = True, window_spec: dict | None = None, window_trace_width: int = 1):
+                 chunked_prefill: bool = True, window_spec: dict | None = None, window_trace_width: int = 1,
+                 max_prefill_chunk: int | None = None):
         """boundary_kv: the boundary pool, exactly when the model has boundary stages.
         prefill_write_planes: core planes a prompt row writes (R, or the loop cap when the
         last_exited planes reach beyond R). raw_signal: loop passes return the raw signal.
@@ -127,7 +129,9 @@ class ModelRunner:
         pages (``kv_update.write_plane_mask``: own plane and deeper ones, else page 0).
         window_spec: decode windows' static settings (num_passes, mode, layered),
         None when the engine runs none. window_trace_width: width of a window's depth-trace rows
-        (``decode_window.trace_width``)."""
+        (``decode_window.trace_width``). max_prefill_chunk: the longest chunk the scheduler gives
+        one request (``scheduler.max_prefill_chunk``; None: the token budget) bounds the prefill
+        buckets with max_num_seqs."""
         self.model = model
         # Prefill and decode windows loop on the device (fori_loop over loops, while_loop over
         # passes), where XLA:GPU copies every layer slice of a stacked weight before its matmul
@@ -171,8 +175,10 @@ class ModelRunner:
         self.window_spec = window_spec
         self.window_trace_width = window_trace_width
         self.row_buckets = buckets_up_to(max_num_seqs, MIN_ROW_BUCKET)
-        # aligned prefill batches stay within the budget, except one chunk when budget < alignment
-        most_tokens = max(max_num_batched_tokens, self.prefill_alignment)
+        # aligned prefill batches stay within the budget (one chunk when budget < alignment), and
+        # within max_num_seqs chunks: no bucket is compiled that no batch can reach
+        most_tokens = prefill_batch_bound(max_num_batched_tokens, max_num_seqs,
+                                          max_prefill_chunk or max_num_batched_tokens, self.prefill_alignment)
         self.token_buckets = buckets_up_to(most_tokens, MIN_TOKEN_BUCKET)
         self.num_planes = num_planes
 

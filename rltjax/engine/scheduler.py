@@ -25,6 +25,21 @@ class StepPlan:
     chunks: list[tuple[Request, int, int]] = dataclasses.field(default_factory=list)  # (req, start, n)
 
 
+def prefill_batch_bound(max_num_batched_tokens: int, max_num_seqs: int, max_chunk: int, alignment: int) -> int:
+    """The most tokens one prefill batch can hold, alignment padding included: the budget (or
+    one aligned chunk when the budget is smaller), unless max_num_seqs chunks of at most
+    max_chunk tokens each cannot fill it (the runner compiles no larger bucket)."""
+    padded_chunk = -(-max_chunk // alignment) * alignment
+    return min(max(max_num_batched_tokens, alignment), max_num_seqs * padded_chunk)
+
+
+def max_prefill_chunk(config: SchedulerConfig, max_model_len: int, position_sequential_prefill: bool) -> int:
+    """The longest chunk one request gets in a prefill batch: one position at a time with the
+    shared KV layout, else the chunk size, and never more than a prompt can be (a request
+    needs room for at least one output token)."""
+    return 1 if position_sequential_prefill else min(config.prefill_chunk_size, max(1, max_model_len - 1))
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, *, num_pages: int, page_size: int, num_planes: int,
                  max_model_len: int, position_sequential_prefill: bool, boundary_num_pages: int = 0,
@@ -168,7 +183,7 @@ class Scheduler:
         for req in prefilling:
             rest = req.prompt_len - req.num_prefilled
             # shared KV: a position finishes all its loops before the next one starts
-            ceiling = 1 if self.position_sequential_prefill else self.config.prefill_chunk_size
+            ceiling = max_prefill_chunk(self.config, self.max_model_len, self.position_sequential_prefill)
             n = min(budget, ceiling, rest)
             if chunks and -(-n // align) * align > budget:    # its padding would overrun the budget
                 n = budget // align * align

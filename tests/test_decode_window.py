@@ -313,7 +313,9 @@ def test_closed_loop_admissions_continue_the_window_from_the_device(exit_mode):
     """In a closed loop a request finishing inside a window frees its row while the next
     window already runs. The next request's prefill, first head and the window after are
     queued behind that window before the host reads it (the window continued from the device,
-    the new request in the finished one's row): no host read stands between windows. Outputs
+    the new request in the finished one's row): no host read stands between windows, for every
+    request after the first three (back-to-back admissions too: the continued window counts as
+    the decode step between prefill batches). Outputs
     equal the oracle's (trace replay: the recorded depths), and no page leaks."""
     rng = np.random.default_rng(0)
     requests = [(f"q{i}", TOKENS[int(s):int(s) + int(n)],
@@ -332,8 +334,8 @@ def test_closed_loop_admissions_continue_the_window_from_the_device(exit_mode):
     outs = closed_loop(engine, requests, clients=3)
     order = "".join({"prefill": "P", "head_launch": "H", "window_launch": "W", "window_read": "R",
                      "head_read": "r"}[e] for e in events)
-    assert sum(admitted_into) >= 6, (admitted_into, order)       # most of the 9 later requests
-    assert order.count("PHWRr") >= 6, order        # prefill, head, window queued; then the reads
+    assert sum(admitted_into) == len(requests) - 3, (admitted_into, order)     # every later request
+    assert order.count("PHWRr") == len(admitted_into), order    # prefill, head, window queued; then the reads
     ref = reference_for("last_exited", exit_mode, depths_by_request=depths)
     for rid, prompt, params in requests:
         check_equal(outs[rid], ref.generate(prompt, params, request_id=rid))
@@ -394,6 +396,42 @@ def test_failure_admitting_behind_the_window_errors_only_the_new_requests(fail):
     for rid, prompt, params in requests:
         if rid in failed[0]:
             assert outs[rid].finish_reason == "error" and outs[rid].error == "RuntimeError: injected device failure"
+        else:
+            check_equal(outs[rid], ref.generate(prompt, params, request_id=rid))
+    assert_all_pages_free(engine)
+    later = [(0, "z", TOKENS[7:13], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))]
+    check_equal(run_workload(engine, later)["z"], ref.generate(TOKENS[7:13], later[0][3], request_id="z"))
+    assert_all_pages_free(engine)
+
+
+@pytest.mark.parametrize("fail", ["window_read", "head_read"])
+@pytest.mark.parametrize("at_admission", [1, 2, 3])
+def test_failed_read_after_admitting_errors_every_running_request(fail, at_admission):
+    """Once the continued window is queued, a failing read of the window before it (or of the
+    new requests' first heads) leaves the device running on from state the host never took:
+    every running request finishes with the error (none with tokens the oracle would not
+    give), requests that finished before keep their outputs, the engine keeps serving, and no
+    page leaks."""
+    engine = make_engine(decode_window=3, max_num_seqs=3, prefill_chunk_size=16, num_pages=128)
+    real, armed, failed = getattr(engine.runner, fail), [], []
+    real_admit = engine.windows.run_admitting
+    engine.windows.run_admitting = lambda fresh: armed.append(1) or real_admit(fresh)
+
+    def flaky(*args, **kwargs):
+        if len(armed) == at_admission and not failed:
+            failed.append([r.request_id for r in engine.scheduler.running])
+            raise RuntimeError("injected read failure")
+        return real(*args, **kwargs)
+
+    setattr(engine.runner, fail, flaky)
+    requests = [(f"k{i}", TOKENS[5 * i:5 * i + 6], SamplingParams(max_tokens=[6, 9, 7, 8][i % 4], temperature=0.0,
+                                                                  ignore_eos=True)) for i in range(10)]
+    outs = closed_loop(engine, requests, clients=3)
+    assert failed, 'no failure injected'
+    ref = reference_for("last_exited")
+    for rid, prompt, params in requests:
+        if rid in failed[0]:
+            assert outs[rid].finish_reason == "error" and outs[rid].error == "RuntimeError: injected read failure"
         else:
             check_equal(outs[rid], ref.generate(prompt, params, request_id=rid))
     assert_all_pages_free(engine)

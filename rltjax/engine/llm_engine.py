@@ -229,7 +229,7 @@ class LLMEngine:
         if not self.windows.only_admission_waits(self.scheduler):
             return drained()
         plan = self.scheduler.schedule()     # admits; every running request is in the window
-        if plan.kind != "prefill":           # nothing admitted (no pages yet)
+        if plan.kind != "prefill":           # nothing admitted (no slot or pages yet)
             return drained()
         self._count("prefill")
         try:
@@ -244,10 +244,16 @@ class LLMEngine:
         self._count("window")
         try:
             launched = self.runner.head_launch(*self.batches.head(fresh))
-            changed = self.windows.run_admitting(fresh)
-        except Exception as exc:
+            read_previous = self.windows.run_admitting(fresh)
+        except Exception as exc:     # nothing new in flight: the previous window is still whole
             return self._fail(fresh, exc) + (drained() if self.windows.inflight else [])
-        return [self._output(r) for r in changed + self._accept_heads(fresh, self.runner.head_read(launched))]
+        self.scheduler.decode_queued()
+        changed = []
+        try:
+            changed = read_previous()
+            return [self._output(r) for r in changed + self._accept_heads(fresh, self.runner.head_read(launched))]
+        except Exception as exc:     # the window in flight ran on from state the host could not take
+            return [self._output(r) for r in changed if r.finished] + self._fail(list(self.scheduler.running), exc)
 
     def _count(self, kind: str) -> None:
         self.steps_by_kind[kind] = self.steps_by_kind.get(kind, 0) + 1

@@ -141,6 +141,11 @@ class Scheduler:
         req.tables = []
         req.boundary_table = None
 
+    def decode_queued(self) -> None:
+        """Decode work was queued outside ``schedule`` (a window continued behind an
+        admission's prefill): prefill batches before the next decode count from zero."""
+        self.prefill_batches_since_decode = 0
+
     # -- what runs next -----------------------------------------------------------
     def schedule(self) -> StepPlan:
         self._admit()

@@ -68,11 +68,12 @@ class WindowDriver:
         rows, after, _ = self._inflight
         return sum(r.finished for r in rows) + after.slots.shape[0] - len(rows)
 
-    def run_admitting(self, fresh: list[Request]) -> list[Request]:
+    def run_admitting(self, fresh: list[Request]) -> Callable[[], list[Request]]:
         """Continue the in-flight window's rows from the device, every row whose request the
         host has finished replaced: by the fresh requests in order (their first heads queued
         just before), else by an idle row, so no finished request runs on into pages or a
-        slot that may now be another's. Returns the requests the previous window changed."""
+        slot that may now be another's. Returns the read of the previous window (a call that
+        returns the requests it changed): the host reads it after queueing more work."""
         previous, after, out = self._inflight
         bucket = after.slots.shape[0]
         finished = [i for i, r in enumerate(previous) if r.finished]
@@ -95,7 +96,7 @@ class WindowDriver:
         state = self.runner.window_merge(after, host, replace)
         self._inflight = (rows,) + self.runner.window_launch(state, self.batches.block_tables(),
                                                              self.batches.boundary_tables(), self._sampler)
-        return self._apply(previous, after, out)
+        return lambda: self._apply(previous, after, out)
 
     @staticmethod
     def takes(plan, running: list[Request]) -> bool:

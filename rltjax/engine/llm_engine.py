@@ -7,8 +7,8 @@ checks (``OutputProcessor``) after a head. When every running request is decodin
 a step is a device-side decode window (``window_driver`` / ``decode_window``), read
 one window late; when fresh prompts' first heads are all that comes before one, the
 heads and the window are queued together and the heads read after.
-Step-by-step passes read their exit signals before the next pass, or, with
-``ExecutionConfig.async_scheduling``, one pass late.
+Step-by-step passes (``loop_passes``) read their exit signals before the next pass, or,
+with ``ExecutionConfig.async_scheduling``, one pass late.
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from rltjax.engine.decode_window import resolve_window_passes, resolve_window_tr
 from rltjax.engine.window_driver import WindowDriver
 from rltjax.engine.exit_policy import ExitPolicy
 from rltjax.engine.exit_trace import model_fingerprint
+from rltjax.engine.loop_passes import LoopPasses
 from rltjax.engine.output_processor import OutputProcessor
 from rltjax.engine.outputs import RequestOutput
 from rltjax.engine.runner import ModelRunner, attention_uses_kernel
@@ -96,9 +97,8 @@ class LLMEngine:
         self.compile_seconds = 0.0
         self.warm_up: WarmUp | None = None   # what the start-up compile did (compile_ahead)
         self._fingerprint: str | None = None
-        self.async_scheduling = execution_config.async_scheduling
-        # async scheduling: the last launched pass's signals, tagged (request, position, depth)
-        self._pending: tuple[list[tuple[Request, int, int]], Any] | None = None
+        self.passes = LoopPasses(self.runner, self.batches, self.exit_policy,
+                                 async_scheduling=execution_config.async_scheduling, requests=self.requests)
         self.windows = None if not self.window_passes else WindowDriver(
             self.runner, self.batches, num_passes=self.window_passes, layered=self.layered, num_planes=self.num_planes,
             token_stop_ids=self.outputs.token_stop_ids, accept_token=self._accept_token,
@@ -194,12 +194,12 @@ class LLMEngine:
             if plan.kind == "prefill":
                 self._prefill(plan.chunks)
             elif window:
-                self._read_pending()       # async scheduling: the window starts from up-to-date exit state
+                self.passes.read_pending()       # async scheduling: the window starts from up-to-date exit state
                 if plan.kind == "head":
                     return [self._output(r) for r in self._first_heads_then_window(plan.rows)]
                 return [self._output(r) for r in self.windows.run(plan.rows)]
             elif plan.kind == "loop":
-                self._loop(plan.rows)
+                self.passes.run(plan.rows)
             elif plan.kind == "head":
                 return [self._output(r) for r in self._head(plan.rows)]
         except Exception as exc:  # a failed batch must not leak pages or wedge other requests
@@ -239,7 +239,7 @@ class LLMEngine:
         fresh = [r for r in self.scheduler.running if r.status is Status.AWAITING_HEAD]
         if any(r.status is Status.PREFILLING for r in self.scheduler.running) or len(fresh) > self.windows.room():
             return drained()
-        self._read_pending()
+        self.passes.read_pending()
         self._count("head")
         self._count("window")
         try:
@@ -280,41 +280,6 @@ class LLMEngine:
             if req.num_prefilled == req.prompt_len:
                 req.status = Status.AWAITING_HEAD
                 req.exit_depths = [R]
-
-    def _loop(self, rows: list[Request]) -> None:
-        signals = self.runner.loop(*self.batches.loop(rows), fetch=not self.async_scheduling)
-        for r in rows:
-            r.loops_done += 1
-        if self.async_scheduling:
-            # this pass is in flight; the previous pass's signals decide which rows exit after it
-            self._read_pending()
-            exits = self.exit_policy.count_exits(rows) | np.array([r.exit_triggered for r in rows], bool)
-            self._pending = ([(r, r.decode_position, r.loops_done) for r in rows], signals)
-        else:
-            exits = self.exit_policy.after_pass(rows, signals.hazard, signals.score, signals.signal)
-        # the pass wrote each row's K/V through to its deeper planes: an exit needs no copy
-        for r, exit_now in zip(rows, exits):
-            if exit_now:
-                r.status = Status.AWAITING_HEAD
-                r.exit_depths.append(r.loops_done)
-
-    def _read_pending(self) -> None:
-        """Async scheduling: apply the last launched pass's signals to the rows they still belong
-        to. A row that exited, finished or was aborted since (or whose id now names another
-        request) is skipped: its token, position or depth no longer match the tag."""
-        if self._pending is None:
-            return
-        tags, pending = self._pending
-        self._pending = None
-        signals = pending.read()
-        live = [i for i, (r, pos, depth) in enumerate(tags)
-                if r.status is Status.LOOPING and self.requests.get(r.request_id) is r
-                and r.decode_position == pos and r.loops_done >= depth]
-        if live:
-            idx = np.asarray(live)
-            self.exit_policy.read_signals([tags[i][0] for i in live], np.array([tags[i][2] for i in live]),
-                                          None if signals.hazard is None else signals.hazard[idx],
-                                          None if signals.score is None else signals.score[idx])
 
     def _head(self, rows: list[Request]) -> list[Request]:
         return self._accept_heads(rows, self.runner.head(*self.batches.head(rows)))

@@ -61,14 +61,17 @@ class SamplingParams:
             bad("exit_threshold", "must be in [0, 1] (1 = never exit early)")
         if not isinstance(self.ignore_eos, bool):
             bad("ignore_eos", "must be a bool")
-        if isinstance(self.stop, str):
-            self.stop = (self.stop,)
-        self.stop = tuple(self.stop)
-        if any(not isinstance(s, str) or not s for s in self.stop):
+        # None means none (as in vLLM and the OpenAI API's null)
+        if self.stop is None or isinstance(self.stop, str):
+            self.stop = () if self.stop is None else (self.stop,)
+        if not isinstance(self.stop, (list, tuple)) or any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be a non-empty string or a list of non-empty strings")
-        self.stop_token_ids = tuple(self.stop_token_ids)
-        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+        self.stop = tuple(self.stop)
+        self.stop_token_ids = () if self.stop_token_ids is None else self.stop_token_ids
+        if (not isinstance(self.stop_token_ids, (list, tuple))
+                or any(not _is_int(t) or t < 0 for t in self.stop_token_ids)):
             bad("stop_token_ids", "must be a list of non-negative integers")
+        self.stop_token_ids = tuple(self.stop_token_ids)
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None")
         if not _is_int(self.priority):

@@ -146,11 +146,18 @@ def test_logprobs_are_raw_log_softmax():
     ("max_tokens", 0), ("temperature", -0.1), ("temperature", float("inf")), ("top_k", -2),
     ("top_p", 0.0), ("top_p", 1.5), ("seed", -1), ("min_loops", 0), ("exit_threshold", 1.2),
     ("logprobs", 21), ("stop", [""]), ("stop_token_ids", [-3]), ("ignore_eos", 1),
-    ("max_tokens", True), ("priority", 0.5),
+    ("max_tokens", True), ("priority", 0.5), ("stop_token_ids", 7), ("stop_token_ids", "7"), ("stop", 3),
+    ("stop", [None]),
 ])
 def test_invalid_fields_name_the_field(field, value):
     with pytest.raises(SamplingParamsError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_none_stop_fields_mean_none():
+    params = SamplingParams(stop=None, stop_token_ids=None)
+    assert params.stop == () and params.stop_token_ids == ()
+    assert SamplingParams(stop="x", stop_token_ids=[3, 4]).stop == ("x",)
 
 
 def test_loop_bounds_checked_against_model():

@@ -372,6 +372,48 @@ def test_rows_stopped_by_the_host_do_not_run_into_the_next_request():
     assert_all_pages_free(engine)
 
 
+@pytest.mark.parametrize("how", ["host_stop", "abort"])
+def test_rows_the_host_finished_are_idled_in_continued_windows(how):
+    """A request the host finishes while the device still runs its row (a stop id only the
+    host checks, an abort) is idled in the next continued window, not run on to its
+    max_tokens in every window after: at most two window reads after the finish still show
+    its row running (the window launched before the finish, and the one in flight). The other
+    request's outputs equal the step-by-step engine's, and no page leaks."""
+    prompt = TOKENS[12:18]
+    probe = run_workload(make_engine(), [(0, "g", prompt, SamplingParams(
+        max_tokens=12, temperature=0.0, ignore_eos=True))])["g"].token_ids
+    stop_at = next(i for i in range(1, len(probe)) if probe[i] not in probe[:i])   # 2nd distinct token
+    filler = [t for t in range(100, 100 + 2 * STOP_ID_WIDTH) if t not in probe][:STOP_ID_WIDTH]
+    stop_ids = filler + [probe[stop_at]] if how == "host_stop" else None
+    requests = [("s0", prompt, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop_token_ids=stop_ids)),
+                ("long", TOKENS[20:27], SamplingParams(max_tokens=36, temperature=0.0, ignore_eos=True))]
+    engine = make_engine(decode_window=2, max_num_seqs=2, prefill_chunk_size=16, num_pages=128)
+    reads, real_read = [], engine.runner.window_read
+
+    def read(after, out, n):
+        rows, outs = real_read(after, out, n)
+        reads.append((engine.requests["s0"].finished, bool(rows.active[0])))    # s0 is row 0
+        return rows, outs
+
+    engine.runner.window_read = read
+    for _, rid, prompt_ids, params in [(0, *r) for r in requests]:
+        engine.add_request(rid, prompt_ids, params)
+    for _ in range(2000):
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+        if how == "abort" and len(engine.get_output("s0").token_ids) >= 3:
+            engine.abort_request("s0")
+    s0 = engine.get_output("s0")
+    assert s0.finished and s0.finish_reason == ("stop" if how == "host_stop" else "abort")
+    assert len(s0.token_ids) < 20
+    ran_on = [i for i, (finished, active) in enumerate(reads) if finished and active]
+    assert 0 < len(ran_on) <= 2 and len(reads) > ran_on[-1] + 10, reads
+    want = run_workload(make_engine(max_num_seqs=2, prefill_chunk_size=16, num_pages=128), [(0, *requests[1])])
+    check_equal(engine.get_output("long"), want["long"])
+    assert_all_pages_free(engine)
+
+
 @pytest.mark.parametrize("fail", ["head_launch", "window_merge"])
 def test_failure_admitting_behind_the_window_errors_only_the_new_requests(fail):
     """A failing head or window launch while requests are admitted into a continued window

@@ -36,6 +36,8 @@ class WindowDriver:
         self.steps_by_kind = steps_by_kind
         self._inflight: tuple[list[Request], Any, Any] | None = None    # launched, not yet read
         self._sampler = "truncate"       # the in-flight window's head sampler (continuations keep it)
+        # per row of the last window read: whether the device still ran it after that window
+        self._device_active: np.ndarray | None = None
 
     @property
     def inflight(self) -> bool:
@@ -51,9 +53,11 @@ class WindowDriver:
             if first is not None and any(first):
                 raise RuntimeError("a window continued from the device cannot take fresh heads (this is a bug)")
             previous, after, out = self._inflight
-            self._inflight = (previous,) + self.runner.window_launch(after, block_tables, boundary_tables,
+            start = self._idle_stopped(previous, after)
+            self._inflight = (previous,) + self.runner.window_launch(start, block_tables, boundary_tables,
                                                                      self._sampler)
             return self._apply(previous, after, out)
+        self._device_active = None       # describes another window's rows
         tables = [r.tables[p if self.layered else 0] for r in rows for p in range(self.num_planes)]
         state = window_rows(rows, self.runner.window_trace_width, tables,
                             [self.token_stop_ids(r.request_id) for r in rows], first)
@@ -98,6 +102,21 @@ class WindowDriver:
                                                              self.batches.boundary_tables(), self._sampler)
         return lambda: self._apply(previous, after, out)
 
+    def _idle_stopped(self, rows: list[Request], after):
+        """The device rows ``after`` with every row whose request the host finished while the
+        device still ran it (a host-only stop, an abort) made idle, so it does not run on to
+        its max_tokens in every continued window (at most two merges a row: the read that
+        shows it idle comes one window late)."""
+        if self._device_active is None:
+            return after
+        stale = np.zeros(after.slots.shape[0], bool)
+        for i, running in enumerate(self._device_active):
+            stale[i] = running and rows[i].finished
+        if not stale.any():
+            return after
+        idle = idle_window_rows(len(stale), self.num_planes, self.runner.window_trace_width)
+        return self.runner.window_merge(after, idle, stale)
+
     @staticmethod
     def takes(plan, running: list[Request]) -> bool:
         """Whether a window runs this step's plan: a loop plan over every running request, or
@@ -125,7 +144,8 @@ class WindowDriver:
 
     def _same_rows_decoding(self, scheduler) -> bool:
         """The in-flight window's unfinished requests are every running one, all decoding
-        (rows the host finished are replaced when the window continues: ``run_admitting``)."""
+        (rows the host finished are idled when the window continues, ``_idle_stopped``, or
+        replaced by fresh requests, ``run_admitting``)."""
         live, running = [r for r in self._inflight[0] if not r.finished], scheduler.running
         return (bool(live) and len(live) == len(running) and {id(r) for r in live} == {id(r) for r in running}
                 and all(r.status is Status.LOOPING for r in running))
@@ -140,6 +160,7 @@ class WindowDriver:
         """Replay a window's outputs; take each request's state back. Returns the requests it
         changed (not those that had finished before)."""
         after, out = self.runner.window_read(after_dev, out_dev, len(rows))
+        self._device_active = np.asarray(after.active, bool)
         self.steps_by_kind["window_passes"] = self.steps_by_kind.get("window_passes", 0) + int(out.passes)
         now = time.monotonic()
         changed = []

@@ -17,9 +17,9 @@ pass, keeping what exiting rows need; the outputs are the same. The head's sampl
 top-logprob count are static: the host picks the cheapest variant exact for the window's
 requests (``sampling.sampler_for``), so an all-greedy window without top logprobs runs an
 argmax, not a vocabulary sort. The host (``window_driver``) packs the rows and reads the
-outputs ([B, K] tokens, depths, logprobs) one window late: while nothing else can be
-scheduled, the next window is launched from the
-device's row state before the host reads the last one. It replays them through its
+outputs ([B, K] tokens, depths, logprobs) one window late: the next window is launched
+from the device's row state before the host reads the last one, also when requests are
+admitted into it (``window_driver``). It replays them through its
 own stop checks (stop strings are host-only: tokens a row made past one are
 dropped) and syncs each request's state, so a step-by-step step can follow a
 window at any point and the outputs are those of the step-by-step engine. A request

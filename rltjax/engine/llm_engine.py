@@ -6,7 +6,9 @@ host: exit decisions after a loop pass, sampled tokens and stop
 checks (``OutputProcessor``) after a head. When every running request is decoding,
 a step is a device-side decode window (``window_driver`` / ``decode_window``), read
 one window late; when fresh prompts' first heads are all that comes before one, the
-heads and the window are queued together and the heads read after.
+heads and the window are queued together and the heads read after; when only an
+admission stops the window in flight from continuing, the new requests' prefill, first
+heads and a window continued from the device are queued before the host reads it.
 Step-by-step passes (``loop_passes``) read their exit signals before the next pass, or,
 with ``ExecutionConfig.async_scheduling``, one pass late.
 """

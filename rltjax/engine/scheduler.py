@@ -1,7 +1,8 @@
 """Host scheduler: admission, KV pages, and which kind of batch runs next.
 
-One engine step runs one kind of batch (DESIGN section 2): a prefill chunk
-batch, one loop pass over a mixed-depth batch, or a head batch. ``refill``
+``schedule`` picks one kind of batch (DESIGN section 2): a prefill chunk batch, one
+loop pass over a mixed-depth batch, or a head batch (the engine may run a loop plan as a
+decode window, or queue heads and a window together). ``refill``
 (Continuous Depth Batching) puts every looping token in the next pass, so a
 token that just got its head joins rows still deep in their loops;
 ``no_refill`` (the baseline) loops a cohort until all of it exits, and only

@@ -1,9 +1,12 @@
 """Host side of decode windows: pack the rows, launch, continue, read one window late.
 
 The device side is ``decode_window``. Here a window over every decoding request is
-launched and left running; while nothing else can be scheduled (the same requests, all
-still decoding, no admission possible), the next window is launched from the device's
-row state before the host reads the last one. Reading replays the outputs through the
+launched and left running; while the same unfinished requests are all decoding, no
+admission is possible and not all of them surely finish inside the window in flight, the
+next window is launched from the device's row state before the host reads the last one
+(rows the host finished meanwhile are idled in it). When only an admission stops that,
+``run_admitting`` continues the window with the fresh requests in the rows of finished
+requests or the bucket's padding. Reading replays the outputs through the
 engine's per-token acceptance (stop checks, finish) and takes each request's exit state
 back, so a step-by-step step can follow at any point.
 """

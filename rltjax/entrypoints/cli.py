@@ -1,4 +1,4 @@
-"""The ``rltjax`` command: ``generate``, ``serve`` and ``convert``.
+"""The ``rltjax`` command: ``generate``, ``serve``, ``bench`` and ``convert``.
 
 ``generate`` runs the batched engine (``LLM``) over the given prompts; with
 ``--engine reference`` it runs the dense reference oracle instead (exact,

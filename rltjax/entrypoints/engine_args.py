@@ -38,7 +38,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         f"runs on the Pallas prefill kernel, else {DEFAULT_PREFILL_TOKENS_XLA})")
     g.add_argument("--prefill-chunk-size", type=int, default=None,
                    help=f"prompt tokens per request per step (default: min({DEFAULT_PREFILL_CHUNK}, the budget))")
-    g.add_argument("--max-prefill-batches-before-decode", type=int, default=1)
+    g.add_argument("--max-prefill-batches-before-decode", type=int, default=1,
+                   help="prefill batches in a row before a decode step runs, while requests decode")
     g.add_argument("--min-coda-batch-size", type=int, default=1,
                    help="heads wait for this many rows unless no loop work remains")
     g = p.add_argument_group("exits")

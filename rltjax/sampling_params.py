@@ -19,6 +19,10 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+INT32_MAX = 2**31 - 1
+
+
 def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
@@ -45,10 +49,11 @@ class SamplingParams:
 
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             bad("max_tokens", "must be an integer >= 1")
-        if not _is_number(self.temperature) or not 0.0 <= self.temperature < float("inf"):
-            bad("temperature", "must be a finite number >= 0 (0 = greedy)")
-        if not _is_int(self.top_k) or self.top_k < -1:
-            bad("top_k", "must be an integer >= 1, or 0 / -1 to disable")
+        # the device holds these as float32 / int32
+        if not _is_number(self.temperature) or not 0.0 <= self.temperature <= FLOAT32_MAX:
+            bad("temperature", f"must be a finite number >= 0 (0 = greedy), at most {FLOAT32_MAX:.4g}")
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= INT32_MAX:
+            bad("top_k", f"must be an integer in [1, {INT32_MAX}], or 0 / -1 to disable")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             bad("top_p", "must be in (0, 1]")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):

@@ -3,6 +3,7 @@ a failed batch errors only its own requests (the engine keeps working, no page l
 What the engine compiles, and when, is in test_engine_compiles.py."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from engine_helpers import assert_all_pages_free, make_engine, reference_for, run_workload
@@ -72,6 +73,11 @@ def rejection_cases():
         ("dict", {"ids": [1, 2]}, greedy(2), r"prompt_token_ids"),
         ("text", "hello", greedy(2), r"tokenizer"),
         ("params", TOKENS[:3], {"max_tokens": 2}, r"SamplingParams"),
+        ("falsy", TOKENS[:3], 0, r"SamplingParams"),                       # not taken for the defaults
+        ("bools", [True, 3], greedy(2), r"prompt token ids"),
+        ("bytes", b"abc", greedy(2), r"a prompt is a string"),
+        ("scalar", np.array(5), greedy(2), r"a prompt is a string"),
+        ("dicttext", {"prompt_token_ids": "hi"}, greedy(2), r"token ids, not text"),
     ]
 
 

@@ -82,3 +82,33 @@ def test_integer_request_ids_work_everywhere(llm):
     assert eng.get_output(5).request_id == "5" and len(eng.get_output(5).token_ids) == 2
     eng.forget(5)
     assert "5" not in eng.requests
+
+
+def test_forget_refuses_a_running_request_and_unknown_ids_are_named(llm):
+    """forget() of a request still running would orphan its pages and slot: it is refused,
+    the request finishes normally, and afterwards forget works."""
+    eng = llm.engine
+    eng.add_request("run", [1, 2, 3], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    eng.step()
+    with pytest.raises(ValueError, match=r"'run' is not finished: abort_request it before forget"):
+        eng.forget("run")
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert len(eng.get_output("run").token_ids) == 3
+    eng.forget("run")
+    eng.forget("never-added")      # unknown ids are ignored
+    with pytest.raises(KeyError, match=r"no request 'run' \(never added, or forgotten\)"):
+        eng.get_output("run")
+    alloc = eng.scheduler.allocator
+    assert alloc.num_free == alloc.num_pages - 1
+
+
+@pytest.mark.parametrize("prompts, params, message", [
+    (None, None, r"prompts: a string, a list of token ids.*got NoneType"),
+    (5, None, r"prompts: .*got int"),
+    ([[1, 2]], (SamplingParams() for _ in range(1)), r"sampling_params: a SamplingParams, a list of them or None"),
+])
+def test_generate_names_bad_argument_types(llm, prompts, params, message):
+    with pytest.raises(TypeError, match=message):
+        llm.generate(prompts, params)
+    assert not llm.engine.requests

@@ -147,7 +147,7 @@ def test_logprobs_are_raw_log_softmax():
     ("top_p", 0.0), ("top_p", 1.5), ("seed", -1), ("min_loops", 0), ("exit_threshold", 1.2),
     ("logprobs", 21), ("stop", [""]), ("stop_token_ids", [-3]), ("ignore_eos", 1),
     ("max_tokens", True), ("priority", 0.5), ("stop_token_ids", 7), ("stop_token_ids", "7"), ("stop", 3),
-    ("stop", [None]),
+    ("stop", [None]), ("top_k", 2**31), ("temperature", 10**400), ("temperature", 3.5e38),
 ])
 def test_invalid_fields_name_the_field(field, value):
     with pytest.raises(SamplingParamsError, match=field):

@@ -121,6 +121,7 @@ BAD = [
     (C, {**OK, "temperature": -1}, 400, "temperature"), (C, {**OK, "top_p": 0}, 400, "top_p"),
     (C, {**OK, "max_tokens": 0}, 400, "max_tokens"), (C, {**OK, "logprobs": 50}, 400, "logprobs"),
     (C, {**OK, "seed": -1}, 400, "seed"), (C, {**OK, "top_k": -5}, 400, "top_k"),
+    (C, {**OK, "top_k": 2**31}, 400, "top_k"),       # past int32: it failed the batch (other requests too)
     (C, {**OK, "exit_threshold": 2}, 400, "exit_threshold"), (C, {**OK, "max_loops": 9}, 400, "max_loops"),
     (C, {**OK, "min_loops": 3, "max_loops": 2}, 400, "max_loops"), (C, {**OK, "stop": [""]}, 400, "stop"),
     (C, {**OK, "prompt": ""}, 400, "prompt"), (C, {**OK, "prompt": []}, 400, "prompt"),

@@ -124,7 +124,7 @@ class LLMEngine:
     # -- requests -------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | Sequence[int] | Mapping[str, Any],
                     params: SamplingParams | None = None) -> None:
-        params = params or SamplingParams()
+        params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise RequestRejectedError(f"request {request_id!r}: params must be a SamplingParams")
         request_id = str(request_id)
@@ -172,10 +172,17 @@ class LLMEngine:
         return bool(self.scheduler.waiting or self.scheduler.running)
 
     def get_output(self, request_id: str) -> RequestOutput:
-        return self._output(self.requests[str(request_id)])
+        req = self.requests.get(str(request_id))
+        if req is None:
+            raise KeyError(f"no request {str(request_id)!r} (never added, or forgotten)")
+        return self._output(req)
 
     def forget(self, request_id: str) -> None:
-        """Drop a finished request's bookkeeping (callers that stream outputs)."""
+        """Drop a finished request's bookkeeping (callers that stream outputs); unknown ids
+        are ignored. A request still running must be aborted first."""
+        req = self.requests.get(str(request_id))
+        if req is not None and not req.finished:
+            raise ValueError(f"request {str(request_id)!r} is not finished: abort_request it before forget")
         self.requests.pop(str(request_id), None)
         self.outputs.forget(str(request_id))
 

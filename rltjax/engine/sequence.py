@@ -89,7 +89,10 @@ def prompt_token_ids(request_id: str, prompt, tokenizer, vocab_size: int) -> tup
         if "prompt_token_ids" not in prompt:
             raise RequestRejectedError(f"request {request_id!r}: a dict prompt needs 'prompt_token_ids'")
         prompt = prompt["prompt_token_ids"]
-    if not isinstance(prompt, (str, Sequence, np.ndarray)):
+        if isinstance(prompt, str):
+            raise RequestRejectedError(f"request {request_id!r}: 'prompt_token_ids' holds token ids, not text")
+    if (not isinstance(prompt, (str, Sequence, np.ndarray)) or isinstance(prompt, (bytes, bytearray))
+            or (isinstance(prompt, np.ndarray) and prompt.ndim != 1)):
         raise RequestRejectedError(f"request {request_id!r}: a prompt is a string, a list of token ids or "
                                    f"{{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
     if isinstance(prompt, str):
@@ -100,7 +103,7 @@ def prompt_token_ids(request_id: str, prompt, tokenizer, vocab_size: int) -> tup
         text, ids = None, list(prompt)
     if not ids:
         raise RequestRejectedError(f"request {request_id!r}: the prompt is empty")
-    if any(not isinstance(t, (int, np.integer)) or not 0 <= t < vocab_size for t in ids):
+    if any(not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not 0 <= t < vocab_size for t in ids):
         raise RequestRejectedError(f"request {request_id!r}: prompt token ids must be integers in "
                                    f"[0, {vocab_size})")
     return text, [int(t) for t in ids]

@@ -98,11 +98,17 @@ class LLM:
         """Generate for every prompt; results come back in input order."""
         if isinstance(prompts, np.ndarray) and prompts.ndim == 1:
             prompts = prompts.tolist()
+        if not isinstance(prompts, (str, Mapping, Sequence, np.ndarray)):
+            raise TypeError(f"prompts: a string, a list of token ids, a {{'prompt_token_ids': [...]}} dict or a "
+                            f"list of those, got {type(prompts).__name__}")
         if isinstance(prompts, (str, Mapping)) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if not isinstance(sampling_params, Sequence):
+            raise TypeError(f"sampling_params: a SamplingParams, a list of them or None, "
+                            f"got {type(sampling_params).__name__}")
         if len(sampling_params) != len(prompts):
             raise ValueError(f"sampling_params: got {len(sampling_params)} for {len(prompts)} prompts")
         ids: list[str] = []

@@ -198,6 +198,11 @@ class ExecutionConfig:
     unknown name fails at the first compile with XLA's message. Empty: XLA's defaults.
     compile_ahead: compile every bucket at start-up (else on first use).
     compilation_cache_dir: XLA's persistent compilation cache (None disables it).
+    mixed_prefill_tokens: > 0 (a power of two): requests admitted while a decode window runs
+    whose whole prompts fit this many tokens run their R loops inside the next window's first
+    R passes, with the decoding rows (one GEMM over both), instead of a prefill step of their
+    own; their first token then comes with that window's outputs. 0 (default): off. Needs
+    fixed-trip decode windows, the last_exited layout and a model without boundary stages.
     """
     attn_impl: str = "auto"
     attn_num_splits: int | None = None
@@ -210,6 +215,7 @@ class ExecutionConfig:
     compile_ahead: bool = True
     compilation_cache_dir: str | None = dataclasses.field(default_factory=lambda: str(default_cache_dir()))
     show_progress: bool = True
+    mixed_prefill_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.attn_impl not in ATTN_IMPLS:
@@ -226,6 +232,9 @@ class ExecutionConfig:
             _bad("ExecutionConfig", "decode_window", self.decode_window, "must be an integer in [0, 1024]")
         if self.window_trip not in WINDOW_TRIPS:
             _bad("ExecutionConfig", "window_trip", self.window_trip, f"choose one of {WINDOW_TRIPS}")
+        m = self.mixed_prefill_tokens
+        if not isinstance(m, int) or isinstance(m, bool) or not (m == 0 or (32 <= m <= 8192 and m & (m - 1) == 0)):
+            _bad("ExecutionConfig", "mixed_prefill_tokens", m, "must be 0 (off) or a power of two in [32, 8192]")
         for name, value in dict(self.xla_options).items():
             if not (isinstance(name, str) and name.startswith("xla_")):
                 _bad("ExecutionConfig", "xla_options", name, "names are XLA debug options such as 'xla_gpu_...'")
@@ -254,6 +263,13 @@ COMBINATION_RULES: list[tuple[str, Callable[..., bool], str]] = [
      "need each pass's signal before the next pass",
      lambda c, s, e, x: x.async_scheduling and e.mode in ("ouro", "latent_diff"),
      "use ExitConfig.mode='ouro_delayed' (or random_lookahead) or ExecutionConfig.async_scheduling=False"),
+    ("mixed prefill runs inside decode windows",
+     lambda c, s, e, x: x.mixed_prefill_tokens > 0 and x.decode_window == 0,
+     "leave ExecutionConfig.decode_window unset (or > 0) or set mixed_prefill_tokens=0"),
+    ("mixed prefill needs fixed-trip windows and the last_exited KV layout",
+     lambda c, s, e, x: x.mixed_prefill_tokens > 0 and (x.window_trip == "early_stop" or c.kv_layout != "last_exited"),
+     "use ExecutionConfig.window_trip='auto' or 'fixed' and CacheConfig.kv_layout='last_exited', "
+     "or mixed_prefill_tokens=0"),
     ("the Pallas kernel needs page_size >= 8",
      lambda c, s, e, x: x.attn_impl == "pallas" and c.page_size < 8,
      "use CacheConfig.page_size >= 8 or ExecutionConfig.attn_impl='xla'"),

@@ -62,6 +62,9 @@ def parse(argv):
     p.add_argument("--depth-probs", type=float, nargs="+", default=[0.25, 0.25, 0.25, 0.25],
                    help="probability of depth 1..R for each decode token")
     p.add_argument("--decode-window", type=int, default=16, help="K passes per window")
+    p.add_argument("--mixed-prefill-tokens", type=int, default=0, metavar="T",
+                   help="window executor: admitted prompts of up to T tokens run inside the windows' first "
+                        "passes (ExecutionConfig.mixed_prefill_tokens; 0: off)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out")
@@ -153,7 +156,8 @@ def main(argv=None) -> int:
                                                              max_model_len=args.prompt_len + args.output_len),
                             exit_config=exit_config,
                             execution_config=ExecutionConfig(decode_window=window, async_scheduling=async_scheduling,
-                                                             show_progress=False))
+                                                             mixed_prefill_tokens=args.mixed_prefill_tokens if window
+                                                             else 0, show_progress=False))
 
     class _Recorder:           # ExitTrace.record reads an LLM's .engine
         def __init__(self, engine):
@@ -220,7 +224,8 @@ def main(argv=None) -> int:
     info = dict(jax=jax.__version__, device=jax.devices()[0].device_kind, source=source_identity(),
                 preset=args.preset, quick=args.quick,
                 concurrency=C, num_requests=N, prompt_len=args.prompt_len, output_len=args.output_len,
-                decode_window=args.decode_window, results=rows, summary=summary)
+                decode_window=args.decode_window, mixed_prefill_tokens=args.mixed_prefill_tokens, results=rows,
+                summary=summary)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(info, f, indent=1)

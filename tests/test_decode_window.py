@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from conftest import reference_npz
 from engine_helpers import (assert_all_pages_free, check_equal, check_trace_replay, make_engine, reference_for,
                             run_with_abort, run_workload)
-from rltjax.engine.decode_window import STOP_ID_WIDTH
+from rltjax.engine.window_state import STOP_ID_WIDTH
 from rltjax.engine_config import EngineConfigError, ExecutionConfig
 from rltjax.sampling_params import SamplingParams
 
@@ -330,7 +330,7 @@ def test_closed_loop_admissions_continue_the_window_from_the_device(exit_mode):
     record_calls(engine, ["prefill", "head_launch", "window_launch", "window_read", "head_read"], events)
     admitted_into = []
     real_admit = engine.windows.run_admitting
-    engine.windows.run_admitting = lambda fresh: admitted_into.append(len(fresh)) or real_admit(fresh)
+    engine.windows.run_admitting = lambda fresh, *rest: admitted_into.append(len(fresh)) or real_admit(fresh, *rest)
     outs = closed_loop(engine, requests, clients=3)
     order = "".join({"prefill": "P", "head_launch": "H", "window_launch": "W", "window_read": "R",
                      "head_read": "r"}[e] for e in events)
@@ -362,7 +362,8 @@ def test_rows_stopped_by_the_host_do_not_run_into_the_next_request():
     engine = make_engine(decode_window=2, max_num_seqs=3, prefill_chunk_size=16, num_pages=128)
     admitted = []
     real_admit = engine.windows.run_admitting
-    engine.windows.run_admitting = lambda fresh: admitted.append([r.request_id for r in fresh]) or real_admit(fresh)
+    engine.windows.run_admitting = lambda fresh, *rest: (admitted.append([r.request_id for r in fresh])
+                                                         or real_admit(fresh, *rest))
     outs = closed_loop(engine, requests, clients=3)
     assert ["next"] in admitted, admitted
     want = closed_loop(make_engine(max_num_seqs=3, prefill_chunk_size=16, num_pages=128), requests, clients=3)
@@ -385,7 +386,8 @@ def test_rows_the_host_finished_are_idled_in_continued_windows(how):
     stop_at = next(i for i in range(1, len(probe)) if probe[i] not in probe[:i])   # 2nd distinct token
     filler = [t for t in range(100, 100 + 2 * STOP_ID_WIDTH) if t not in probe][:STOP_ID_WIDTH]
     stop_ids = filler + [probe[stop_at]] if how == "host_stop" else None
-    requests = [("s0", prompt, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop_token_ids=stop_ids)),
+    requests = [("s0", prompt, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True,
+                                              stop_token_ids=stop_ids)),
                 ("long", TOKENS[20:27], SamplingParams(max_tokens=36, temperature=0.0, ignore_eos=True))]
     engine = make_engine(decode_window=2, max_num_seqs=2, prefill_chunk_size=16, num_pages=128)
     reads, real_read = [], engine.runner.window_read
@@ -457,7 +459,7 @@ def test_failed_read_after_admitting_errors_every_running_request(fail, at_admis
     engine = make_engine(decode_window=3, max_num_seqs=3, prefill_chunk_size=16, num_pages=128)
     real, armed, failed = getattr(engine.runner, fail), [], []
     real_admit = engine.windows.run_admitting
-    engine.windows.run_admitting = lambda fresh: armed.append(1) or real_admit(fresh)
+    engine.windows.run_admitting = lambda fresh, *rest: armed.append(1) or real_admit(fresh, *rest)
 
     def flaky(*args, **kwargs):
         if len(armed) == at_admission and not failed:

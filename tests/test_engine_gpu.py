@@ -1,6 +1,6 @@
 """On the GPU, the engine as it is served equals the dense oracle: decode windows (fixed
-trip) over the Pallas Triton kernels, admissions mid-run (first heads queued with the next
-window), a request its first token ends, adaptive exits (K/V written through to deeper planes). float32, matmuls
+trip; and with mixed prefill, prompts in the windows' first passes) over the Pallas Triton
+kernels, admissions mid-run (first heads queued with the next window), a request its first token ends, adaptive exits (K/V written through to deeper planes). float32, matmuls
 at full precision (no TF32). Skipped without a GPU; run it on the device machine whenever
 the runner, the windows or the KV writes change."""
 from __future__ import annotations
@@ -26,8 +26,8 @@ SMALL = {"num_hidden_layers": 2, "layer_types": ["full_attention"] * 2, "hidden_
          "vocab_size": 256, "max_position_embeddings": 256}
 
 
-@pytest.mark.parametrize("window_trip", ["fixed", "early_stop"])
-def test_served_engine_matches_reference_on_gpu(window_trip):
+@pytest.mark.parametrize("window_trip, mixed_prefill_tokens", [("fixed", 0), ("early_stop", 0), ("fixed", 64)])
+def test_served_engine_matches_reference_on_gpu(window_trip, mixed_prefill_tokens):
     cfg = preset_config("ouro-1.4b", SMALL)
     params = random_checkpoint(cfg, seed=1, dtype="float32")
     exit_config = ExitConfig(mode="ouro_delayed")
@@ -36,7 +36,8 @@ def test_served_engine_matches_reference_on_gpu(window_trip):
             None, params=params, cfg=cfg, cache_config=CacheConfig(kv_layout="last_exited", page_size=8),
             scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk_size=32),
             exit_config=exit_config,
-            execution_config=ExecutionConfig(decode_window=4, window_trip=window_trip, compilation_cache_dir=None,
+            execution_config=ExecutionConfig(decode_window=6 if mixed_prefill_tokens else 4, window_trip=window_trip,
+                                             mixed_prefill_tokens=mixed_prefill_tokens, compilation_cache_dir=None,
                                              show_progress=False))
         assert engine.runner.prefill_alignment > 1      # attn_impl auto picked the Pallas kernels
         rng = np.random.default_rng(0)
@@ -50,4 +51,5 @@ def test_served_engine_matches_reference_on_gpu(window_trip):
         for _, rid, prompt, sp in arrivals:
             check_equal(outputs[rid], ref.generate(prompt, sp, request_id=rid))
     assert engine.steps_by_kind.get("window", 0) > 0, engine.steps_by_kind
+    assert (engine.steps_by_kind.get("mixed_prefill", 0) > 0) == (mixed_prefill_tokens > 0), engine.steps_by_kind
     assert_all_pages_free(engine)

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from rltjax.cache.kv_update import write_through_pages
-from rltjax.engine.runner import BoundaryRows
+from rltjax.engine.runner_io import BoundaryRows
 from rltjax.engine.scheduler import Scheduler
 from rltjax.engine.sequence import Request
 from rltjax.sampling import split_seed

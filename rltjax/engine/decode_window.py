@@ -24,7 +24,9 @@ own stop checks (stop strings are host-only: tokens a row made past one are
 dropped) and syncs each request's state, so a step-by-step step can follow a
 window at any point and the outputs are those of the step-by-step engine. A request
 whose first head was queued just before the window (``rows.first``) starts from the
-token that head left in ``slot_tokens``, which the host reads after the launch.
+token that head left in ``slot_tokens``, which the host reads after the launch. With a
+``prompt`` (``mixed_prefill``), admitted prompts run their R loops in the window's first R
+passes, batched with the rows, and their first heads sample the first tokens on the device.
 
 Pages are reserved for a request's lifetime at admission, so the device finds
 every write slot in the block tables itself. Models with boundary stages (Huginn)
@@ -35,91 +37,28 @@ min_coda_batch_size > 1 do not run in windows.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from rltjax.cache.kv_update import write_through_pages
+from rltjax.cache.mixed_kv import MixedKVBackend, MixedMeta
 from rltjax.cache.paged_kv import PagedKV, PagedMeta
 from rltjax.engine.exit_policy import EXIT_RULES
+from rltjax.engine.mixed_prefill import WindowPrompt, prompt_passes
 from rltjax.engine.slot_buffers import set_slots
-from rltjax.engine_config import DEFAULT_DECODE_WINDOW, EngineConfigError
+from rltjax.engine.window_state import WindowOutputs, WindowRows, ends_request
 from rltjax.jit_options import engine_jit
 from rltjax.models.layers import split_layer_stacks
 from rltjax.sampling import sample_tokens, token_logprobs
 
-WINDOW_MODES = ("ouro", "ouro_delayed", "random_lookahead", "fixed", "trace", "latent_diff")
-STOP_ID_WIDTH = 8   # token-stop ids checked on the device per row (more are checked by the host only)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class WindowRows:
-    """Per-row state of a window, [B] unless noted (padding rows: inactive, dummy slot)."""
-    slots: jax.Array          # int32 slot of the per-slot state buffer
-    tokens: jax.Array         # int32 the token now looping
-    positions: jax.Array      # int32 its position
-    loops_done: jax.Array     # int32 loops it has run
-    remaining: jax.Array      # f32 ouro modes: prod of (1 - hazard)
-    triggered: jax.Array      # bool delayed modes: exit after the next loop
-    active: jax.Array         # bool still generating
-    num_out: jax.Array        # int32 output tokens so far (the next one's output index)
-    max_tokens: jax.Array     # int32
-    min_loops: jax.Array      # int32
-    max_loops: jax.Array      # int32
-    threshold: jax.Array      # f32 exit_threshold
-    temperature: jax.Array    # f32
-    top_k: jax.Array          # int32
-    top_p: jax.Array          # f32
-    seed_hi: jax.Array        # uint32
-    seed_lo: jax.Array        # uint32
-    tables: jax.Array         # [B, planes] int32 block table of each plane
-    btables: jax.Array        # int32 boundary-pool block table (models with boundary KV; else 0)
-    stop_ids: jax.Array       # [B, STOP_ID_WIDTH] int32 ids that end the request (-1: none)
-    trace: jax.Array          # [B, W] int32 trace mode: recorded exit depth of each output index
-    first: jax.Array          # bool its token is the one its first head (queued just before the
-                              # window) wrote to ``slot_tokens``; ``tokens`` holds a placeholder
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class WindowOutputs:
-    tokens: jax.Array         # [B, K] int32
-    depths: jax.Array         # [B, K] int32 exit depth of each output
-    chosen: jax.Array         # [B, K] f32 logprob of the sampled token
-    top_ids: jax.Array        # [B, K, T] int32
-    top_lp: jax.Array         # [B, K, T] f32
-    count: jax.Array          # [B] int32 outputs made in this window
-    passes: jax.Array         # [] int32 loop passes run
-
-
-class RowsRead(NamedTuple):
-    """The fields of a window's rows after it that the host reads back (``window_driver``
-    takes each request's exit state from them); the rest stays on the device."""
-    active: jax.Array
-    loops_done: jax.Array
-    remaining: jax.Array
-    triggered: jax.Array
-
-    @classmethod
-    def of(cls, rows: WindowRows) -> "RowsRead":
-        return cls(*(getattr(rows, name) for name in cls._fields))
-
-
-def _ends_request(rows: WindowRows, tokens, num_out):
-    """[B] bool: the newest token (of num_out so far) ends its request on the device: a stop
-    id (EOS unless ignored, the first STOP_ID_WIDTH token-stop ids) or max_tokens reached."""
-    return jnp.any(tokens[:, None] == rows.stop_ids, axis=1) | (num_out >= rows.max_tokens)
-
-
 @engine_jit(static_argnames=("model", "backend", "num_passes", "mode", "num_top", "layered",
-                                             "dummy_slot", "fixed_trip", "sampler"),
+                                             "dummy_slot", "fixed_trip", "sampler", "prefill_backend"),
                    donate_argnames=("kv", "slot_state", "bkv", "slot_inject"))
 def decode_window(params, kv: PagedKV, slot_state, rows: WindowRows, block_tables, lookahead_w, bkv, slot_inject,
-                  boundary_tables, slot_tokens, *, model, backend, num_passes: int, mode: str, num_top: int,
-                  layered: bool, dummy_slot: int, fixed_trip: bool = False,
-                  sampler: str = "truncate"):
+                  boundary_tables, slot_tokens, prompt: WindowPrompt | None = None, *, model, backend,
+                  num_passes: int, mode: str, num_top: int, layered: bool, dummy_slot: int,
+                  fixed_trip: bool = False, sampler: str = "truncate", prefill_backend=None):
     """Up to ``num_passes`` loop passes (exactly that many when ``fixed_trip``) over the rows
     -> (kv, slot_state, bkv, slot_inject, rows, WindowOutputs). Models with boundary stages
     (Huginn) pass their boundary pool ``bkv``, the per-slot ``slot_inject`` and the boundary
@@ -129,16 +68,18 @@ def decode_window(params, kv: PagedKV, slot_state, rows: WindowRows, block_table
     here once per window. sampler / num_top: the head's static sampling variant and top
     logprob count (``sample_tokens``). slot_tokens: [max_num_seqs + 1] int32, each slot's
     token from the last head step (``rows.first`` rows start from it; the host has not
-    read it yet)."""
+    read it yet). prompt: whole prompts run in the first R passes with the rows (one GEMM
+    over both, attention through ``prefill_backend`` for them), then their first heads;
+    fixed trip, plain models only. The window still runs ``num_passes`` passes in all."""
     b, k_max = rows.slots.shape[0], num_passes
     # A request's first token comes from the head step queued just before this window: it
     # starts looping here, unless it already ends the request (the host's stop checks agree).
     tokens = jnp.where(rows.first, slot_tokens[rows.slots], rows.tokens)
-    ends = _ends_request(rows, tokens, rows.num_out)
+    ends = ends_request(rows, tokens, rows.num_out)
     rows = dataclasses.replace(rows, tokens=tokens, active=rows.active & ~(rows.first & ends),
                                first=jnp.zeros_like(rows.first))
     page_size = kv.page_size
-    first_out = rows.num_out
+    first_out = rows.num_out if prompt is None else rows.num_out - prompt.rows   # a prompt's row: its first token too
     idx = jnp.arange(b)
     seeds = jnp.stack([rows.seed_hi, rows.seed_lo], axis=1)
     out = WindowOutputs(tokens=jnp.zeros((b, k_max), jnp.int32), depths=jnp.zeros((b, k_max), jnp.int32),
@@ -155,7 +96,9 @@ def decode_window(params, kv: PagedKV, slot_state, rows: WindowRows, block_table
         return PagedMeta(pos, jnp.where(mask, page, 0), jnp.where(mask, pos % page_size, 0),
                          jnp.where(mask, rows.btables, 0), jnp.where(mask, pos + 1, 0), boundary_tables)
 
-    def one_pass(carry):
+    def one_pass(carry, mixed=None):
+        """One pass over the rows; mixed = (prompt state [T, D], pages, tables) of a prompt
+        loop riding along -> (carry, its new state) instead of the carry."""
         kv, slot_state, bkv, slot_inject, rows, out = carry
         # The weights are loop-invariant, so XLA would hoist each layer's weight slices out
         # of the loop as materialised copies (re-copied every pass under memory pressure), and
@@ -189,7 +132,14 @@ def decode_window(params, kv: PagedKV, slot_state, rows: WindowRows, block_table
             inject = jnp.where(starting[:, None], e, slot_inject[slots])
             slot_inject = set_slots(slot_inject, slots, inject)
         meta = PagedMeta(pos, write_page, jnp.where(act, pos % page_size, 0), table, pos + 1, block_tables)
-        x, kv, signal = model.loop(weights, x, inject, kv, meta, backend)
+        if mixed is None:
+            x, kv, signal = model.loop(weights, x, inject, kv, meta, backend)
+        else:
+            px, pages, tables = mixed
+            pmeta = PagedMeta(prompt.positions, pages, prompt.write_offset, tables, prompt.positions + 1, block_tables)
+            both, kv, signal = model.loop(weights, jnp.concatenate([x, px]), None, kv, MixedMeta(meta, pmeta),
+                                          MixedKVBackend(backend, prefill_backend, b))
+            x, px, signal = both[:b], both[b:], jax.tree.map(lambda a: a[:b], signal)
         slot_state = set_slots(slot_state, slots, x)
 
         r = rows.loops_done + 1
@@ -236,48 +186,25 @@ def decode_window(params, kv: PagedKV, slot_state, rows: WindowRows, block_table
             top_lp=out.top_lp.at[idx, k].set(top_lp, mode="drop"),
             count=out.count + exit_now, passes=out.passes + jnp.any(act))
         num_out = rows.num_out + exit_now
-        stops = _ends_request(rows, tok, num_out)
+        stops = ends_request(rows, tok, num_out)
         rows = dataclasses.replace(
             rows, tokens=jnp.where(exit_now, tok, rows.tokens), positions=rows.positions + exit_now,
             loops_done=jnp.where(exit_now, 0, jnp.where(act, r, rows.loops_done)),
             remaining=jnp.where(exit_now, jnp.float32(1.0), jnp.where(act, remaining, rows.remaining)),
             triggered=jnp.where(act & ~exit_now, trigger, False), active=act & ~(exit_now & stops),
             num_out=num_out)
-        return kv, slot_state, bkv, slot_inject, rows, out
+        carry = kv, slot_state, bkv, slot_inject, rows, out
+        return carry if mixed is None else (carry, px)
 
     carry = (kv, slot_state, bkv, slot_inject, rows, out)
+    if prompt is not None:
+        carry = prompt_passes(carry, one_pass, prompt, model, layer_weights, dummy_slot=dummy_slot,
+                               sampler=sampler, num_top=num_top)
     if fixed_trip:
-        return jax.lax.fori_loop(0, k_max, lambda _, c: one_pass(c), carry)
+        plain = k_max - (0 if prompt is None else prompt.row_tables.shape[0])
+        return jax.lax.fori_loop(0, plain, lambda _, c: one_pass(c), carry)
 
     def cond(carry):
         return (carry[5].passes < k_max) & jnp.any(carry[4].active)
 
     return jax.lax.while_loop(cond, one_pass, carry)
-
-
-def resolve_window_passes(asked: int | None, scheduler_config, exit_mode: str, arch: str) -> int:
-    """K of an engine's decode windows: as asked (ExecutionConfig.decode_window), or, when None,
-    DEFAULT_DECODE_WINDOW where windows can run and 0 elsewhere."""
-    possible = exit_mode in WINDOW_MODES
-    if asked is None:
-        return DEFAULT_DECODE_WINDOW if (possible and scheduler_config.mode == "refill"
-                                         and scheduler_config.min_coda_batch_size == 1) else 0
-    if asked and not possible:
-        raise EngineConfigError(
-            f"ExecutionConfig.decode_window={asked}: decode windows run exit modes {WINDOW_MODES}; this "
-            f"engine has {arch} with exit mode {exit_mode!r} (use decode_window=0)")
-    return asked
-
-
-def trace_width(exit_mode: str, max_model_len: int) -> int:
-    """Width of WindowRows.trace: trace mode carries each request's whole recorded trace (at
-    most max_model_len outputs), so windows continue on the device; other modes need none."""
-    return max_model_len if exit_mode == "trace" else 1
-
-
-def resolve_window_trip(asked: str, has_boundary: bool) -> bool:
-    """Whether windows run a fixed trip (ExecutionConfig.window_trip). ``auto``: fixed, except
-    for models with boundary stages (Huginn), whose prelude would then run every pass (on an
-    H200 the fixed trip with a static-sampler head was 14% / 24% faster than early stop at
-    1 / 8 Ouro-1.4B streams: the GPU no longer waits on the host between passes)."""
-    return asked == "fixed" or (asked == "auto" and not has_boundary)

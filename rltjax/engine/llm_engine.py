@@ -23,11 +23,12 @@ import numpy as np
 
 from rltjax.cache.paged_kv import PagedKV
 from rltjax.engine.batch_builder import BatchBuilder
-from rltjax.engine.decode_window import resolve_window_passes, resolve_window_trip, trace_width
+from rltjax.engine.window_config import window_settings
 from rltjax.engine.window_driver import WindowDriver
 from rltjax.engine.exit_policy import ExitPolicy
 from rltjax.engine.exit_trace import model_fingerprint
 from rltjax.engine.loop_passes import LoopPasses
+from rltjax.engine.mixed_prefill import fits_window
 from rltjax.engine.output_processor import OutputProcessor
 from rltjax.engine.outputs import RequestOutput
 from rltjax.engine.runner import ModelRunner, attention_uses_kernel
@@ -61,13 +62,9 @@ class LLMEngine:
         self.loop_limit = loop_limit(model)
         self.num_planes = cache_config.num_planes(R)
         self.exit_policy = ExitPolicy(exit_config.mode, self.cfg.has_exit_gate, signal_kind(model))
-        self.window_passes = resolve_window_passes(execution_config.decode_window, scheduler_config,
-                                                   self.exit_policy.mode, self.cfg.arch)
-        window_spec = None
-        if self.window_passes:
-            window_spec = dict(num_passes=self.window_passes, mode=self.exit_policy.mode, layered=self.layered,
-                               fixed_trip=resolve_window_trip(
-                                   execution_config.window_trip, boundary_kv_layers(model) > 0))
+        windows = window_settings(execution_config, scheduler_config, self.exit_policy.mode, arch=self.cfg.arch,
+                                  num_loops=R, has_boundary=boundary_kv_layers(model) > 0, max_model_len=max_model_len)
+        self.window_passes = windows.num_passes
         self.runner = ModelRunner(model, params, kv, max_num_seqs=scheduler_config.max_num_seqs,
                                   max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
                                   attn_impl=execution_config.attn_impl, attn_num_splits=execution_config.attn_num_splits,
@@ -78,9 +75,12 @@ class LLMEngine:
                                   num_planes=self.num_planes,
                                   boundary_kv=boundary_kv, prefill_write_planes=max(R, self.num_planes),
                                   raw_signal=self.exit_policy.raw_signal, interpret=execution_config.interpret,
-                                  chunked_prefill=self.layered, window_spec=window_spec,
-                                  window_trace_width=trace_width(self.exit_policy.mode, max_model_len),
-                                  max_prefill_chunk=max_prefill_chunk(scheduler_config, max_model_len, not self.layered))
+                                  chunked_prefill=self.layered,
+                                  window_spec=windows.spec(self.exit_policy.mode, self.layered),
+                                  window_trace_width=windows.trace_width,
+                                  max_prefill_chunk=max_prefill_chunk(scheduler_config, max_model_len,
+                                                                      not self.layered),
+                                  mixed_prefill_tokens=windows.mixed_prefill_tokens)
         if (self.runner.prefill_alignment > 1) != prefill_kernel:
             raise RuntimeError("the prefill budget was picked for another prefill attention path (this is a bug)")
         self.scheduler = Scheduler(scheduler_config, num_pages=kv.num_pages, page_size=cache_config.page_size,
@@ -229,38 +229,51 @@ class LLMEngine:
 
     def _admit_behind_window(self) -> list[RequestOutput]:
         """The in-flight window cannot continue: read it, and first queue what the device can
-        run meanwhile. When only an admission stopped it, the admitted requests' prefill is
-        queued behind it; when that prefill completes every admitted prompt and the window has
-        rows for them, their first heads and the next window (continued from the device, the
-        new requests in the rows of finished ones) are queued too, so the GPU does not wait
-        for the host between windows. Returns the step's outputs."""
+        run meanwhile. When only an admission stopped it, the next window, continued from the
+        device with the new requests in the rows of finished ones, is queued before the host
+        reads the window in flight. The new prompts run inside that window's first R passes
+        when they fit (mixed prefill, ``mixed_prefill``); else their prefill step and first
+        heads are queued before it, if the prefill completes every prompt and the window has
+        rows for them. Otherwise the host drains the window first. Returns the step's outputs."""
         drained = lambda: [self._output(r) for r in self.windows.drain()]        # noqa: E731
         if not self.windows.only_admission_waits(self.scheduler):
             return drained()
         plan = self.scheduler.schedule()     # admits; every running request is in the window
         if plan.kind != "prefill":           # nothing admitted (no slot or pages yet)
             return drained()
-        self._count("prefill")
-        try:
-            self._prefill(plan.chunks)
-        except Exception as exc:
-            return self._fail([c[0] for c in plan.chunks], exc) + drained()
-        fresh = [r for r in self.scheduler.running if r.status is Status.AWAITING_HEAD]
-        if any(r.status is Status.PREFILLING for r in self.scheduler.running) or len(fresh) > self.windows.room():
-            return drained()
+        fresh = [req for req, _, _ in plan.chunks]
+        prompt = None
+        if fits_window(plan.chunks, self.runner.mixed_prefill_tokens, self.runner.prefill_alignment,
+                       self.windows.room()):
+            prompt = self.batches.prefill(plan.chunks)
+            self._count("mixed_prefill")
+        else:
+            self._count("prefill")
+            try:
+                self._prefill(plan.chunks)
+            except Exception as exc:
+                return self._fail(fresh, exc) + drained()
+            fresh = [r for r in self.scheduler.running if r.status is Status.AWAITING_HEAD]
+            if any(r.status is Status.PREFILLING for r in self.scheduler.running) or len(fresh) > self.windows.room():
+                return drained()
         self.passes.read_pending()
-        self._count("head")
         self._count("window")
         try:
-            launched = self.runner.head_launch(*self.batches.head(fresh))
-            read_previous = self.windows.run_admitting(fresh)
+            if prompt is None:
+                self._count("head")
+                launched = self.runner.head_launch(*self.batches.head(fresh))
+            read_previous = self.windows.run_admitting(fresh, prompt)
         except Exception as exc:     # nothing new in flight: the previous window is still whole
             return self._fail(fresh, exc) + (drained() if self.windows.inflight else [])
+        for req in fresh if prompt is not None else ():   # as the window has them: the first token looping
+            req.num_prefilled = req.prompt_len
+            req.start_token()
         self.scheduler.decode_queued()
         changed = []
         try:
             changed = read_previous()
-            return [self._output(r) for r in changed + self._accept_heads(fresh, self.runner.head_read(launched))]
+            heads = [] if prompt is not None else self._accept_heads(fresh, self.runner.head_read(launched))
+            return [self._output(r) for r in changed + heads]
         except Exception as exc:     # the window in flight ran on from state the host could not take
             return [self._output(r) for r in changed if r.finished] + self._fail(list(self.scheduler.running), exc)
 

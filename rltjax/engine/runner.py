@@ -15,7 +15,6 @@ compiles in steady state.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -24,9 +23,11 @@ import numpy as np
 from kernels.paged_attention import DEFAULT_BLOCK_Q, kernel_unsupported
 from kernels.skinny_matmul import SINGLE_PASS_MAX_K
 from rltjax.cache.paged_kv import PagedKV, PagedKVBackend, PagedMeta
-from rltjax.engine.decode_window import RowsRead, WindowOutputs, WindowRows
 from rltjax.engine.device_steps import DeviceSteps
+from rltjax.engine.mixed_prefill import WindowPrompt
+from rltjax.engine.runner_io import BoundaryRows, PendingSignals
 from rltjax.engine.scheduler import prefill_batch_bound
+from rltjax.engine.window_state import RowsRead, WindowOutputs, WindowRows
 from rltjax.models.base import boundary_kv_layers
 from rltjax.models.layers import split_layer_stacks
 from rltjax.sampling import SAMPLERS, sampler_for
@@ -51,46 +52,6 @@ def buckets_up_to(limit: int, smallest: int = 1) -> list[int]:
         b *= 2
     top = bucket(limit)
     return [x for x in out if x >= min(smallest, top)] + [top]
-
-
-@dataclasses.dataclass
-class BoundaryRows:
-    """Boundary-pool metadata of a call's rows (models with prelude/coda KV), unpadded."""
-    write_page: np.ndarray     # [N] int32: page of each row's position in its boundary table
-    row_tables: np.ndarray     # [N] int32: each row's boundary table
-    seeds: np.ndarray          # [N, 2] uint32: (hi, lo) words of the request seed (initial state)
-    block_tables: np.ndarray   # [num_tables, pages_per_table] int32: the boundary pool's tables
-
-    def take(self, idx: np.ndarray) -> "BoundaryRows":
-        return BoundaryRows(self.write_page[idx], self.row_tables[idx], self.seeds[idx], self.block_tables)
-
-    def scatter(self, live: np.ndarray) -> "BoundaryRows":
-        """These rows placed at the True entries of ``live``; the others are padding
-        (scratch page 0, table 0, seed 0)."""
-        def spread(a):
-            out = np.zeros((len(live),) + a.shape[1:], a.dtype)
-            out[live] = a
-            return out
-        return BoundaryRows(spread(self.write_page), spread(self.row_tables), spread(self.seeds), self.block_tables)
-
-
-class LoopSignals(NamedTuple):
-    """Per-row exit inputs of one loop pass: hazard and score, or the raw signal."""
-    hazard: np.ndarray | None
-    score: np.ndarray | None
-    signal: np.ndarray | None
-
-
-@dataclasses.dataclass
-class PendingSignals:
-    """A launched pass's signals on their way to the host (async scheduling)."""
-    arrays: tuple
-    num_rows: int
-    raw_signal: bool
-
-    def read(self) -> LoopSignals:
-        signals = [np.asarray(x)[:self.num_rows] for x in self.arrays]
-        return LoopSignals(None, None, signals[0]) if self.raw_signal else LoopSignals(*signals, None)
 
 
 def attention_uses_kernel(attn_impl: str, cfg, kv: PagedKV) -> bool:
@@ -118,7 +79,7 @@ class ModelRunner:
                  boundary_kv: PagedKV | None = None, xla_options: tuple = (),
                  prefill_write_planes: int | None = None, raw_signal: bool = False, interpret: bool = False,
                  chunked_prefill: bool = True, window_spec: dict | None = None, window_trace_width: int = 1,
-                 max_prefill_chunk: int | None = None):
+                 max_prefill_chunk: int | None = None, mixed_prefill_tokens: int = 0):
         """boundary_kv: the boundary pool, exactly when the model has boundary stages.
         prefill_write_planes: core planes a prompt row writes (R, or the loop cap when the
         last_exited planes reach beyond R). raw_signal: loop passes return the raw signal.
@@ -129,9 +90,11 @@ class ModelRunner:
         pages (``kv_update.write_plane_mask``: own plane and deeper ones, else page 0).
         window_spec: decode windows' static settings (num_passes, mode, layered),
         None when the engine runs none. window_trace_width: width of a window's depth-trace rows
-        (``decode_window.trace_width``). max_prefill_chunk: the longest chunk the scheduler gives
+        (``window_config.trace_width``). max_prefill_chunk: the longest chunk the scheduler gives
         one request (``scheduler.max_prefill_chunk``; None: the token budget) bounds the prefill
-        buckets with max_num_seqs."""
+        buckets with max_num_seqs. mixed_prefill_tokens: > 0, windows may carry whole prompts of
+        up to this many tokens (alignment padding included) in their first R passes
+        (``mixed_prefill.WindowPrompt``); one executable per row bucket and sampler."""
         self.model = model
         # Prefill and decode windows loop on the device (fori_loop over loops, while_loop over
         # passes), where XLA:GPU copies every layer slice of a stacked weight before its matmul
@@ -180,6 +143,7 @@ class ModelRunner:
         most_tokens = prefill_batch_bound(max_num_batched_tokens, max_num_seqs,
                                           max_prefill_chunk or max_num_batched_tokens, self.prefill_alignment)
         self.token_buckets = buckets_up_to(most_tokens, MIN_TOKEN_BUCKET)
+        self.mixed_prefill_tokens = mixed_prefill_tokens
         self.num_planes = num_planes
 
     def _rows_bucket(self, n: int) -> int:
@@ -291,13 +255,28 @@ class ModelRunner:
         numpy out, cut back to the given rows."""
         return self.window_read(*self.window_launch(rows, block_tables, boundary_tables, sampler), len(rows.slots))
 
-    def window_launch(self, rows: WindowRows, block_tables, boundary_tables=None, sampler: str = "truncate"):
+    def window_prompt(self, prefill_args: tuple, rows: np.ndarray) -> WindowPrompt:
+        """A window's prompts from ``BatchBuilder.prefill``'s arguments, padded to
+        ``mixed_prefill_tokens``; rows: [row bucket] bool, the rows waiting for them."""
+        tokens, positions, write_page, write_offset, row_tables, out_slots = prefill_args[:6]
+        pad = self.mixed_prefill_tokens - len(tokens)
+        if pad < 0:
+            raise ValueError(f"{len(tokens)} prompt tokens for a window that carries {self.mixed_prefill_tokens} "
+                             f"(this is a bug)")
+        return WindowPrompt(np.pad(tokens, (0, pad)), np.pad(positions, (0, pad), constant_values=-1),
+                            np.pad(write_page, ((0, 0), (0, pad))), np.pad(write_offset, (0, pad)),
+                            np.pad(row_tables, ((0, 0), (0, pad))),
+                            np.pad(out_slots, (0, pad), constant_values=self.dummy_slot), np.asarray(rows, bool))
+
+    def window_launch(self, rows: WindowRows, block_tables, boundary_tables=None, sampler: str = "truncate",
+                      prompt: WindowPrompt | None = None):
         """Launch a window; returns its (rows after, outputs) on the device, copies to the host
         started (of the outputs and the ``RowsRead`` fields: only what the host reads).
         ``rows``: host rows (padded here), or a previous launch's rows after (device, padded),
         which continues those rows without the host in between. boundary_tables: the
         boundary pool's block tables (models with boundary stages only). sampler: one of
-        WINDOW_SAMPLERS (``window_sampler``); only "truncate" computes top logprobs."""
+        WINDOW_SAMPLERS (``window_sampler``); only "truncate" computes top logprobs. prompt:
+        prompts riding the first R passes (``window_prompt``)."""
         if sampler not in WINDOW_SAMPLERS:
             raise ValueError(f"sampler={sampler!r}: must be one of {WINDOW_SAMPLERS}")
         if isinstance(rows.slots, np.ndarray):
@@ -310,11 +289,13 @@ class ModelRunner:
             # (uncommitted host rows compiled a second variant at the first continued window,
             # tens of seconds inside a run on the H200)
             rows = jax.device_put(rows, self.device)
+        mixed = {} if prompt is None else dict(prompt=jax.device_put(prompt, self.device),
+                                               prefill_backend=self.prefill_backend)
         self.kv, self.slot_state, self.bkv, self.slot_inject, after, out = self.steps.window(
             self.params, self.kv, self.slot_state, rows, block_tables, self.lookahead_w, self.bkv,
             self.slot_inject, boundary_tables, self.slot_tokens, model=self.model, backend=self.backend,
             num_top=self.num_top if sampler == "truncate" else 0, sampler=sampler,
-            dummy_slot=self.dummy_slot, **self.window_spec)
+            dummy_slot=self.dummy_slot, **mixed, **self.window_spec)
         for leaf in jax.tree.leaves((RowsRead.of(after), out)):
             leaf.copy_to_host_async()
         return after, out

@@ -82,6 +82,9 @@ def bucket_jobs(runner) -> list[tuple[str, int]]:
     if runner.window_spec:
         jobs += [(f"window/{sampler}", b) for b in reversed(runner.row_buckets) for sampler in WINDOW_SAMPLERS]
         jobs += [("window_merge", b) for b in runner.row_buckets]
+        if runner.mixed_prefill_tokens:
+            jobs += [(f"window_mixed/{sampler}", b) for b in reversed(runner.row_buckets)
+                     for sampler in WINDOW_SAMPLERS]
     jobs += [("prefill", t) for t in reversed(runner.token_buckets)]
     jobs += [("loop", b) for b in runner.row_buckets] + [("head", b) for b in runner.row_buckets]
     if runner.has_boundary:
@@ -103,6 +106,14 @@ def run_job(runner, kind: str, n: int, block_tables, boundary_block_tables) -> N
     elif kind.startswith("window/"):
         runner.window(idle_window_rows(n, runner.num_planes, runner.window_trace_width), block_tables,
                       boundary_block_tables, sampler=kind.split("/")[1])
+    elif kind.startswith("window_mixed/"):
+        t = runner.mixed_prefill_tokens
+        prompt = runner.window_prompt((zeros(t), zeros(t) - 1, np.zeros((runner.prefill_write_planes, t), np.int32),
+                                       zeros(t), np.zeros((runner.cfg.num_loops, t), np.int32),
+                                       np.full(t, runner.dummy_slot, np.int32)), np.zeros(n, bool))
+        idle = idle_window_rows(n, runner.num_planes, runner.window_trace_width)
+        runner.window_read(*runner.window_launch(idle, block_tables, boundary_block_tables,
+                                                 kind.split("/")[1], prompt), n)
     elif kind == "window_merge":
         idle = idle_window_rows(n, runner.num_planes, runner.window_trace_width)
         runner.window_merge(jax.device_put(idle, runner.device), idle, np.zeros(n, bool))

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from rltjax.engine.decode_window import STOP_ID_WIDTH, WindowRows
+from rltjax.engine.window_state import STOP_ID_WIDTH, WindowRows
 from rltjax.engine.sequence import Request, Status
 from rltjax.sampling import split_seed
 
@@ -75,12 +75,14 @@ class WindowDriver:
         rows, after, _ = self._inflight
         return sum(r.finished for r in rows) + after.slots.shape[0] - len(rows)
 
-    def run_admitting(self, fresh: list[Request]) -> Callable[[], list[Request]]:
+    def run_admitting(self, fresh: list[Request], prompt_args: tuple | None = None) -> Callable[[], list[Request]]:
         """Continue the in-flight window's rows from the device, every row whose request the
         host has finished replaced: by the fresh requests in order (their first heads queued
         just before), else by an idle row, so no finished request runs on into pages or a
         slot that may now be another's. Returns the read of the previous window (a call that
-        returns the requests it changed): the host reads it after queueing more work."""
+        returns the requests it changed): the host reads it after queueing more work.
+        prompt_args: the fresh requests' whole prompts (``BatchBuilder.prefill``), run in the
+        window's first R passes (mixed prefill); else their first heads were queued."""
         previous, after, out = self._inflight
         bucket = after.slots.shape[0]
         finished = [i for i, r in enumerate(previous) if r.finished]
@@ -95,14 +97,21 @@ class WindowDriver:
             tables = [r.tables[p if self.layered else 0] for r in fresh for p in range(self.num_planes)]
             built = window_rows(fresh, self.runner.window_trace_width, tables,
                                 [self.token_stop_ids(r.request_id) for r in fresh], [True] * len(fresh))
+            if prompt_args is not None:      # rows wait, inactive, for their prompts' first heads
+                built.active[:], built.first[:] = False, False
             for field, values in vars(built).items():
                 getattr(host, field)[places] = values
         replace = np.zeros(bucket, bool)
         replace[finished + places] = True
+        prompt = None
+        if prompt_args is not None:
+            waiting = np.zeros(bucket, bool)
+            waiting[places] = True
+            prompt = self.runner.window_prompt(prompt_args, waiting)
         self._sampler = self.runner.window_sampler([r.params for r in rows if not r.finished])
         state = self.runner.window_merge(after, host, replace)
         self._inflight = (rows,) + self.runner.window_launch(state, self.batches.block_tables(),
-                                                             self.batches.boundary_tables(), self._sampler)
+                                                             self.batches.boundary_tables(), self._sampler, prompt)
         return lambda: self._apply(previous, after, out)
 
     def _idle_stopped(self, rows: list[Request], after):

@@ -66,6 +66,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "(early_stop), or run exactly K passes with a head every pass (fixed: "
                         "nothing for the GPU to wait on the host for between passes); auto: fixed, "
                         "except early_stop for models with boundary stages (Huginn)")
+    g.add_argument("--mixed-prefill-tokens", type=int, default=0, metavar="T",
+                   help="prompts admitted while a window runs, up to T tokens in all (a power of two), run "
+                        "their loops inside the next window's first passes with the decoding rows instead of "
+                        "a prefill step (0: off)")
     g.add_argument("--async-scheduling", action="store_true",
                    help="launch each loop pass before reading the previous pass's exit signals "
                         "(exit modes ouro_delayed, random_lookahead, fixed)")
@@ -116,4 +120,5 @@ def configs_from_args(args: argparse.Namespace) -> dict:
                                          compile_ahead=not args.no_compile_ahead,
                                          decode_window=args.decode_window, window_trip=args.window_trip,
                                          async_scheduling=args.async_scheduling,
+                                         mixed_prefill_tokens=args.mixed_prefill_tokens,
                                          compilation_cache_dir=args.compilation_cache_dir or None))

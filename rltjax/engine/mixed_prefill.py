@@ -1,0 +1,78 @@
+"""Mixed prefill: whole prompts run their R loops in a decode window's first R passes,
+batched with the rows decoding there (``cache.mixed_kv``: one GEMM over both, attention
+split between the decode and the prefill kernels), instead of a prefill step of their own.
+A prefill step reads the weights R times for its prompts alone; riding the window, they
+cost what their extra rows add to passes that run anyway. The rows of their requests wait,
+inactive, until the prompts' first heads (after pass R - 1) sample their first tokens.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from rltjax.engine.slot_buffers import set_slots
+from rltjax.engine.window_state import ends_request
+from rltjax.sampling import sample_tokens, token_logprobs
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class WindowPrompt:
+    """Whole prompts that run their R loops in a window's first R passes (mixed prefill):
+    the arrays of a prefill step (``ModelRunner.prefill``), [T] unless noted, and the
+    window rows that wait for them."""
+    tokens: jax.Array         # int32
+    positions: jax.Array      # int32 (-1: alignment or bucket padding)
+    write_page: jax.Array     # [P, T] int32 page each token writes, per plane (P = max(R, cap))
+    write_offset: jax.Array   # int32
+    row_tables: jax.Array     # [R, T] int32 table each token reads at loop d
+    out_slots: jax.Array      # int32 a prompt's last token: its request's slot; others the dummy
+    rows: jax.Array           # [B] bool rows of these prompts' requests: inactive until their
+                              # first head (after pass R - 1) samples the first token
+
+
+def prompt_passes(carry, one_pass, prompt: WindowPrompt, model, weights, *, dummy_slot, sampler, num_top):
+    """The prompts' R loops, each riding one pass of the rows (loop d writes plane d; the
+    last one also the planes past R, as ``prefill_step``), then their first heads: each
+    waiting row samples output 0 (depth R) from its prompt's last state and starts decoding
+    it, unless that token already ends the request."""
+    num_loops = prompt.row_tables.shape[0]
+    px = model.embed(weights, prompt.tokens)[0]                                     # [T, D]
+    mixed = lambda d, pages, c: one_pass(c[0], (c[1], pages, prompt.row_tables[d]))   # noqa: E731
+    carry, px = jax.lax.fori_loop(0, num_loops - 1, lambda d, c: mixed(d, prompt.write_page[d], c), (carry, px))
+    last = num_loops - 1
+    pages = prompt.write_page[last:] if prompt.write_page.shape[0] > num_loops else prompt.write_page[last]
+    carry, px = mixed(last, pages, (carry, px))
+    kv, slot_state, bkv, slot_inject, rows, out = carry
+    slot_state = set_slots(slot_state, prompt.out_slots, px)
+    new = prompt.rows
+    slots = jnp.where(new, rows.slots, dummy_slot)
+    logits = jax.lax.optimization_barrier(model.head(weights, slot_state[slots]))        # [B, V] f32
+    output_index = rows.num_out - 1                       # the host built these rows as after the first token
+    tok = sample_tokens(logits, rows.temperature, rows.top_k, rows.top_p, rows.seed_hi, rows.seed_lo,
+                        output_index, sampler=sampler)
+    chosen, top_ids, top_lp = token_logprobs(logits, tok, num_top)
+    at = jnp.where(new, 0, out.tokens.shape[1])                                     # out of range: dropped
+    idx = jnp.arange(new.shape[0])
+    out = dataclasses.replace(
+        out, tokens=out.tokens.at[idx, at].set(tok, mode="drop"),
+        depths=out.depths.at[idx, at].set(num_loops, mode="drop"),
+        chosen=out.chosen.at[idx, at].set(chosen, mode="drop"),
+        top_ids=out.top_ids.at[idx, at].set(top_ids, mode="drop"),
+        top_lp=out.top_lp.at[idx, at].set(top_lp, mode="drop"), count=out.count + new)
+    rows = dataclasses.replace(rows, tokens=jnp.where(new, tok, rows.tokens),
+                               active=rows.active | (new & ~ends_request(rows, tok, rows.num_out)))
+    return kv, slot_state, bkv, slot_inject, rows, out
+
+
+def fits_window(chunks, limit: int, alignment: int, free_rows: int) -> bool:
+    """Whether prefill chunks (request, start, n) can ride the next window: whole prompts,
+    at most ``limit`` tokens with the alignment padding between them, a row for each."""
+    total = 0
+    for req, start, n in chunks:
+        if start != 0 or n != req.prompt_len:
+            return False
+        total += -total % alignment + n
+    return 0 < total <= limit and len(chunks) <= free_rows

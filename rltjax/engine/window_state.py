@@ -1,0 +1,71 @@
+"""A decode window's per-row state and outputs (``decode_window`` runs them on the device,
+``window_driver`` builds and reads them on the host), and the device's stop check."""
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+STOP_ID_WIDTH = 8   # token-stop ids checked on the device per row (more are checked by the host only)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class WindowRows:
+    """Per-row state of a window, [B] unless noted (padding rows: inactive, dummy slot)."""
+    slots: jax.Array          # int32 slot of the per-slot state buffer
+    tokens: jax.Array         # int32 the token now looping
+    positions: jax.Array      # int32 its position
+    loops_done: jax.Array     # int32 loops it has run
+    remaining: jax.Array      # f32 ouro modes: prod of (1 - hazard)
+    triggered: jax.Array      # bool delayed modes: exit after the next loop
+    active: jax.Array         # bool still generating
+    num_out: jax.Array        # int32 output tokens so far (the next one's output index)
+    max_tokens: jax.Array     # int32
+    min_loops: jax.Array      # int32
+    max_loops: jax.Array      # int32
+    threshold: jax.Array      # f32 exit_threshold
+    temperature: jax.Array    # f32
+    top_k: jax.Array          # int32
+    top_p: jax.Array          # f32
+    seed_hi: jax.Array        # uint32
+    seed_lo: jax.Array        # uint32
+    tables: jax.Array         # [B, planes] int32 block table of each plane
+    btables: jax.Array        # int32 boundary-pool block table (models with boundary KV; else 0)
+    stop_ids: jax.Array       # [B, STOP_ID_WIDTH] int32 ids that end the request (-1: none)
+    trace: jax.Array          # [B, W] int32 trace mode: recorded exit depth of each output index
+    first: jax.Array          # bool its token is the one its first head (queued just before the
+                              # window) wrote to ``slot_tokens``; ``tokens`` holds a placeholder
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class WindowOutputs:
+    tokens: jax.Array         # [B, K] int32
+    depths: jax.Array         # [B, K] int32 exit depth of each output
+    chosen: jax.Array         # [B, K] f32 logprob of the sampled token
+    top_ids: jax.Array        # [B, K, T] int32
+    top_lp: jax.Array         # [B, K, T] f32
+    count: jax.Array          # [B] int32 outputs made in this window
+    passes: jax.Array         # [] int32 loop passes run
+
+
+class RowsRead(NamedTuple):
+    """The fields of a window's rows after it that the host reads back (``window_driver``
+    takes each request's exit state from them); the rest stays on the device."""
+    active: jax.Array
+    loops_done: jax.Array
+    remaining: jax.Array
+    triggered: jax.Array
+
+    @classmethod
+    def of(cls, rows: WindowRows) -> "RowsRead":
+        return cls(*(getattr(rows, name) for name in cls._fields))
+
+
+def ends_request(rows: WindowRows, tokens, num_out):
+    """[B] bool: the newest token (of num_out so far) ends its request on the device: a stop
+    id (EOS unless ignored, the first STOP_ID_WIDTH token-stop ids) or max_tokens reached."""
+    return jnp.any(tokens[:, None] == rows.stop_ids, axis=1) | (num_out >= rows.max_tokens)

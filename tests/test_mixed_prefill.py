@@ -1,0 +1,146 @@
+"""Mixed prefill: prompts admitted while a decode window runs do their R loops inside the next
+window's first R passes, batched with the decoding rows, instead of in a prefill step. The
+outputs (tokens, exit depths, logprobs) equal the dense oracle's; prompts that do not fit
+fall back to the prefill step; nothing compiles after warm-up; bad settings are refused."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from checkpoints.random_init import random_checkpoint
+from engine_helpers import assert_all_pages_free, check_equal, compile_events, make_engine, reference_for
+from engine_trace_helpers import TOKENS
+from test_decode_window import closed_loop, record_calls
+from test_engine_kernels import SMALL
+from rltjax.engine_config import CacheConfig, EngineConfigError, ExecutionConfig, ExitConfig, SchedulerConfig
+from rltjax.entrypoints.llm import build_engine
+from rltjax.models.base import get_model
+from rltjax.presets import preset_config
+from rltjax.reference.generate import ReferenceModel
+from rltjax.sampling_params import SamplingParams
+
+
+def workload(n: int, seed: int = 0, max_prompt: int = 12):
+    rng = np.random.default_rng(seed)
+    return [(f"q{i}", TOKENS[int(s):int(s) + int(p)],
+             SamplingParams(max_tokens=int(m), temperature=float(t), seed=i, exit_threshold=0.6, ignore_eos=True,
+                            logprobs=2 if i % 3 == 0 else None))
+            for i, (s, p, m, t) in enumerate(zip(rng.integers(0, 60, n), rng.integers(1, max_prompt, n),
+                                                 rng.integers(1, 20, n), rng.choice([0.0, 0.9], n)))]
+
+
+def mixed_engine(exit_mode="ouro_delayed", depths=None, **kw):
+    return make_engine(exit_mode=exit_mode, depths_by_request=depths, decode_window=6, max_num_seqs=3,
+                       window_trip="fixed", mixed_prefill_tokens=32, prefill_chunk_size=16,
+                       max_num_batched_tokens=48, num_pages=128, **kw)
+
+
+@pytest.mark.parametrize("exit_mode", ["ouro_delayed", "ouro", "trace", "fixed"])
+def test_prompts_ride_the_window_and_equal_the_oracle(exit_mode):
+    """A closed loop of 14 requests (prompts of 1-11 tokens, some of them max_tokens 1): after
+    the first admission every prompt runs inside a window, none in a prefill step of its own."""
+    requests = workload(14)
+    depths = ({rid: [4] + [int(d) for d in np.random.default_rng(1).integers(1, 5, 24)] for rid, _, _ in requests}
+              if exit_mode == "trace" else None)
+    engine = mixed_engine(exit_mode, depths)
+    events = []
+    record_calls(engine, ["prefill", "head_launch", "window_launch"], events)
+    outs = closed_loop(engine, requests, clients=3)
+    ref = reference_for("last_exited", exit_mode, depths_by_request=depths)
+    for rid, prompt, params in requests:
+        check_equal(outs[rid], ref.generate(prompt, params, request_id=rid))
+    # the first prompts, and any admitted when no window was in flight (every row had finished)
+    assert events.count("prefill") <= 2, events
+    assert engine.steps_by_kind["mixed_prefill"] >= 5, engine.steps_by_kind
+    assert any(len(outs[rid].token_ids) == 1 for rid, _, _ in requests)    # a first token that ends it
+    assert_all_pages_free(engine)
+
+
+def test_prompts_past_the_window_tokens_take_the_prefill_step():
+    """Prompts longer than mixed_prefill_tokens (or needing two chunks) use the prefill step;
+    the outputs are the oracle's either way."""
+    requests = [(f"p{i}", TOKENS[3 * i:3 * i + n],
+                 SamplingParams(max_tokens=6 + 3 * i, temperature=0.0, ignore_eos=True))
+                for i, n in enumerate((5, 6, 7, 30, 4, 20, 3))]
+    engine = mixed_engine()
+    prefills = []
+    real = engine.runner.prefill
+    engine.runner.prefill = lambda tokens, *rest: prefills.append(int((rest[0] >= 0).sum())) or real(tokens, *rest)
+    outs = closed_loop(engine, requests, clients=3)
+    ref = reference_for("last_exited", "ouro")
+    for rid, prompt, params in requests:
+        check_equal(outs[rid], ref.generate(prompt, params, request_id=rid))
+    assert engine.steps_by_kind.get("mixed_prefill", 0) >= 1
+    assert any(n >= 16 for n in prefills), prefills          # the 30- and 20-token prompts' chunks
+    assert_all_pages_free(engine)
+
+
+def test_mixed_windows_on_the_pallas_kernels_equal_the_oracle():
+    """Interpret mode: in a mixed pass the rows go through the fused decode kernel and the
+    prompts through the prefill kernel (aligned query blocks), one GEMM for both."""
+    cfg = preset_config("ouro-1.4b", SMALL)
+    params = random_checkpoint(cfg, seed=1, dtype="float32")
+    engine = build_engine(
+        None, params=params, cfg=cfg, cache_config=CacheConfig(kv_layout="last_exited", page_size=8),
+        scheduler_config=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, prefill_chunk_size=32),
+        exit_config=ExitConfig(mode="ouro_delayed"),
+        execution_config=ExecutionConfig(attn_impl="pallas", interpret=True, compile_ahead=False, decode_window=6,
+                                         window_trip="fixed", mixed_prefill_tokens=64, compilation_cache_dir=None,
+                                         show_progress=False))
+    rng = np.random.default_rng(0)
+    requests = [(f"k{i}", rng.integers(3, cfg.vocab_size, n).tolist(),
+                 SamplingParams(max_tokens=(5, 9, 4, 12, 6)[i], temperature=0.7 * (i % 2), seed=i, exit_threshold=0.5,
+                                ignore_eos=True, logprobs=1))
+                for i, n in enumerate((9, 5, 20, 7, 33))]
+    outs = closed_loop(engine, requests, clients=2)
+    ref = ReferenceModel(get_model(cfg), params, kv_layout="last_exited", exit_config=ExitConfig(mode="ouro_delayed"))
+    for rid, prompt, sp in requests:
+        check_equal(outs[rid], ref.generate(prompt, sp, request_id=rid))
+    assert engine.steps_by_kind.get("mixed_prefill", 0) >= 2
+    assert_all_pages_free(engine)
+
+
+def test_mixed_windows_after_warm_up_do_not_compile():
+    engine = mixed_engine(compile_ahead=True)
+    with compile_events() as events:
+        closed_loop(engine, workload(8, seed=3), clients=3)
+    assert engine.steps_by_kind.get("mixed_prefill", 0) >= 2
+    assert events == []
+    assert_all_pages_free(engine)
+
+
+def test_a_failed_mixed_launch_errors_only_the_new_requests():
+    engine = mixed_engine()
+    real, failed = engine.runner.window_launch, []
+
+    def flaky(rows, *rest):
+        if len(rest) > 3 and rest[3] is not None and not failed:
+            failed.append(1)
+            raise RuntimeError("injected device failure")
+        return real(rows, *rest)
+
+    engine.runner.window_launch = flaky
+    requests = workload(8, seed=5)
+    outs = closed_loop(engine, requests, clients=3)
+    errored = [rid for rid, _, _ in requests if outs[rid].finish_reason == "error"]
+    assert failed and errored and len(errored) <= 3
+    ref = reference_for("last_exited", "ouro_delayed")
+    for rid, prompt, params in requests:
+        if rid not in errored:
+            check_equal(outs[rid], ref.generate(prompt, params, request_id=rid))
+    assert_all_pages_free(engine)
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(mixed_prefill_tokens=48), r"mixed_prefill_tokens=48: must be 0 \(off\) or a power of two"),
+    (dict(mixed_prefill_tokens=32, decode_window=0), r"mixed prefill runs inside decode windows"),
+    (dict(mixed_prefill_tokens=32, decode_window=6), r"fixed-trip windows"),     # early_stop here
+    (dict(mixed_prefill_tokens=32, decode_window=4, window_trip="fixed"), r"decode_window=4 leaves no pass"),
+    (dict(mixed_prefill_tokens=32, decode_window=6, window_trip="fixed", kv_layout="shared"),
+     r"last_exited KV layout"),
+    (dict(mixed_prefill_tokens=32, decode_window=6, window_trip="fixed", name="huginn-tiny",
+          exit_mode="latent_diff", hf_overrides={"state_init": "zero"}), r"huginn.*boundary stages"),
+])
+def test_unsupported_settings_are_refused(settings, message):
+    with pytest.raises(EngineConfigError, match=message):
+        make_engine(**settings)

@@ -201,7 +201,8 @@ class ExecutionConfig:
     mixed_prefill_tokens: > 0 (a power of two): requests admitted while a decode window runs
     whose whole prompts fit this many tokens run their R loops inside the next window's first
     R passes, with the decoding rows (one GEMM over both), instead of a prefill step of their
-    own; their first token then comes with that window's outputs. 0 (default): off. Needs
+    own; their first token then comes with that window's outputs (capped at the largest
+    prefill batch: no admission holds more). 0 (default): off. Needs
     fixed-trip decode windows, the last_exited layout and a model without boundary stages.
     """
     attn_impl: str = "auto"

@@ -144,3 +144,17 @@ def test_a_failed_mixed_launch_errors_only_the_new_requests():
 def test_unsupported_settings_are_refused(settings, message):
     with pytest.raises(EngineConfigError, match=message):
         make_engine(**settings)
+
+
+def test_window_tokens_are_capped_and_a_fresh_row_counts_its_prompt_passes():
+    """A T past the largest prefill batch buys nothing (capped there); a request whose first
+    token is still in a window's prompt passes needs R passes for it, not max_loops."""
+    from rltjax.engine.sequence import Request
+    from rltjax.engine.window_driver import finishes_within
+    engine = make_engine(decode_window=6, window_trip="fixed", mixed_prefill_tokens=8192, max_num_batched_tokens=48,
+                         prefill_chunk_size=16)
+    assert engine.runner.mixed_prefill_tokens == engine.runner.token_buckets[-1] == 64
+    fresh = Request("f", [1, 2, 3], SamplingParams(max_tokens=3, max_loops=2), 0, 0, 1, 2)
+    fresh.start_token()
+    assert not finishes_within(fresh, 6, 4)          # 4 prompt passes, then one 2-pass token: 2 of 3
+    assert finishes_within(fresh, 8, 4)               # 4 + 2 + 2: all three

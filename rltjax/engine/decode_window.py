@@ -184,7 +184,7 @@ def decode_window(params, kv: PagedKV, slot_state, rows: WindowRows, block_table
             chosen=out.chosen.at[idx, k].set(chosen, mode="drop"),
             top_ids=out.top_ids.at[idx, k].set(top_ids, mode="drop"),
             top_lp=out.top_lp.at[idx, k].set(top_lp, mode="drop"),
-            count=out.count + exit_now, passes=out.passes + jnp.any(act))
+            count=out.count + exit_now, passes=out.passes + (jnp.any(act) | (mixed is not None)))
         num_out = rows.num_out + exit_now
         stops = ends_request(rows, tok, num_out)
         rows = dataclasses.replace(

@@ -243,8 +243,9 @@ class LLMEngine:
             return drained()
         fresh = [req for req, _, _ in plan.chunks]
         prompt = None
-        if fits_window(plan.chunks, self.runner.mixed_prefill_tokens, self.runner.prefill_alignment,
-                       self.windows.room()):
+        left_out = sum(r.status is Status.PREFILLING for r in self.scheduler.running) > len(fresh)
+        if not left_out and fits_window(plan.chunks, self.runner.mixed_prefill_tokens,
+                                        self.runner.prefill_alignment, self.windows.room()):
             prompt = self.batches.prefill(plan.chunks)
             self._count("mixed_prefill")
         else:

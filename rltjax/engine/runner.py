@@ -94,7 +94,8 @@ class ModelRunner:
         one request (``scheduler.max_prefill_chunk``; None: the token budget) bounds the prefill
         buckets with max_num_seqs. mixed_prefill_tokens: > 0, windows may carry whole prompts of
         up to this many tokens (alignment padding included) in their first R passes
-        (``mixed_prefill.WindowPrompt``); one executable per row bucket and sampler."""
+        (``mixed_prefill.WindowPrompt``); one executable per row bucket and sampler. Capped at
+        the largest prefill bucket (no admission holds more)."""
         self.model = model
         # Prefill and decode windows loop on the device (fori_loop over loops, while_loop over
         # passes), where XLA:GPU copies every layer slice of a stacked weight before its matmul
@@ -143,7 +144,8 @@ class ModelRunner:
         most_tokens = prefill_batch_bound(max_num_batched_tokens, max_num_seqs,
                                           max_prefill_chunk or max_num_batched_tokens, self.prefill_alignment)
         self.token_buckets = buckets_up_to(most_tokens, MIN_TOKEN_BUCKET)
-        self.mixed_prefill_tokens = mixed_prefill_tokens
+        # no prefill batch is larger than the top token bucket: nor is a window's prompt part
+        self.mixed_prefill_tokens = min(mixed_prefill_tokens, self.token_buckets[-1])
         self.num_planes = num_planes
 
     def _rows_bucket(self, n: int) -> int:

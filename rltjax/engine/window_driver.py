@@ -147,7 +147,7 @@ class WindowDriver:
         K passes over finished rows, holding back the next request's prefill)."""
         live = [r for r in self._inflight[0] if not r.finished]
         return (self._same_rows_decoding(scheduler) and (not scheduler.waiting or not scheduler.free_slots)
-                and not all(finishes_within(r, self.num_passes) for r in live))
+                and not all(finishes_within(r, self.num_passes, self.runner.cfg.num_loops) for r in live))
 
     def only_admission_waits(self, scheduler) -> bool:
         """Whether the in-flight window could continue but for an admission (a request waits
@@ -194,11 +194,11 @@ class WindowDriver:
         return changed
 
 
-def finishes_within(r: Request, num_passes: int) -> bool:
+def finishes_within(r: Request, num_passes: int, num_loops: int) -> bool:
     """Whether a decoding request surely reaches max_tokens within num_passes loop passes from
     its host state: each token takes at most max_loops passes (the current one max_loops -
-    loops_done more)."""
-    first = r.max_loops - r.loops_done
+    loops_done more; a first token still in a window's prompt passes, mixed prefill: R)."""
+    first = num_loops if not r.output_token_ids else r.max_loops - r.loops_done
     surely_made = 0 if num_passes < first else 1 + (num_passes - first) // r.max_loops
     return r.params.max_tokens - len(r.output_token_ids) <= surely_made
 

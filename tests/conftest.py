@@ -6,6 +6,7 @@ from pathlib import Path
 
 import os
 
+import jax
 import numpy as np
 import pytest
 from hypothesis import settings
@@ -17,6 +18,13 @@ settings.register_profile("dev", deadline=None)
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 FIXTURES = Path(__file__).parent / "fixtures"
+
+# JAX's persistent compilation cache is process-wide: once one test builds an engine with a
+# cache directory (ExecutionConfig's default), every later compile in this process would be
+# written to it and read back by later tests, so results would depend on test order and on
+# what earlier runs left there (the CPU suite crashed in jaxlib 0.11.2's executable
+# serialization that way). Tests of the cache itself run the engine in child processes.
+jax.config.update("jax_enable_compilation_cache", False)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -22,9 +22,18 @@ FIXTURES = Path(__file__).parent / "fixtures"
 # JAX's persistent compilation cache is process-wide: once one test builds an engine with a
 # cache directory (ExecutionConfig's default), every later compile in this process would be
 # written to it and read back by later tests, so results would depend on test order and on
-# what earlier runs left there (the CPU suite crashed in jaxlib 0.11.2's executable
-# serialization that way). Tests of the cache itself run the engine in child processes.
+# what earlier runs left there. Tests of the cache itself run the engine in child processes.
 jax.config.update("jax_enable_compilation_cache", False)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_executables():
+    """Each test module's compiled executables are dropped after it. The suite compiles
+    thousands (engines at many shapes, kernels in interpret mode); kept for the whole process,
+    their code mappings ran into the kernel's limit (vm.max_map_count, 65530) and XLA's CPU
+    compiler segfaulted in a later module."""
+    yield
+    jax.clear_caches()
 
 
 def pytest_collection_modifyitems(config, items):

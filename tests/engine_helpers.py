@@ -126,3 +126,28 @@ def compile_events():
     from rltjax.benchmarks.compile_watch import CompileWatch
     with CompileWatch() as watch:
         yield watch.events
+
+
+def closed_loop(engine, requests, *, clients: int, record=None):
+    """Clients that each send their next request as soon as their last one finishes (the
+    serving benchmark's closed loop). Returns outputs by id."""
+    queue, done = list(requests), {}
+    for _ in range(clients):
+        rid, prompt, params = queue.pop(0)
+        engine.add_request(rid, prompt, params)
+    for _ in range(5000):
+        if not engine.has_unfinished_requests():
+            return done
+        for out in engine.step():
+            if out.finished and out.request_id not in done:
+                done[out.request_id] = out
+                if queue:
+                    engine.add_request(*queue.pop(0))
+    raise AssertionError("closed loop did not finish")
+
+
+def record_calls(engine, names, events):
+    """Wrap the runner's methods ``names`` to log their calls in ``events``."""
+    for name in names:
+        real = getattr(engine.runner, name)
+        setattr(engine.runner, name, lambda *a, real=real, name=name, **kw: events.append(name) or real(*a, **kw))

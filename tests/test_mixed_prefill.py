@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from checkpoints.random_init import random_checkpoint
-from engine_helpers import assert_all_pages_free, check_equal, compile_events, make_engine, reference_for
+from engine_helpers import (assert_all_pages_free, check_equal, closed_loop, compile_events, make_engine,
+                            record_calls, reference_for)
 from engine_trace_helpers import TOKENS
-from test_decode_window import closed_loop, record_calls
 from test_engine_kernels import SMALL
 from rltjax.engine_config import CacheConfig, EngineConfigError, ExecutionConfig, ExitConfig, SchedulerConfig
 from rltjax.entrypoints.llm import build_engine

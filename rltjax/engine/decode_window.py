@@ -47,10 +47,9 @@ from rltjax.cache.paged_kv import PagedKV, PagedMeta
 from rltjax.engine.exit_policy import EXIT_RULES
 from rltjax.engine.mixed_prefill import WindowPrompt, prompt_passes
 from rltjax.engine.slot_buffers import set_slots
-from rltjax.engine.window_state import WindowOutputs, WindowRows, ends_request
+from rltjax.engine.window_state import WindowOutputs, WindowRows, ends_request, sample_rows
 from rltjax.jit_options import engine_jit
 from rltjax.models.layers import split_layer_stacks
-from rltjax.sampling import sample_tokens, token_logprobs
 
 @engine_jit(static_argnames=("model", "backend", "num_passes", "mode", "num_top", "layered",
                                              "dummy_slot", "fixed_trip", "sampler", "prefill_backend"),
@@ -80,7 +79,6 @@ def decode_window(params, kv: PagedKV, slot_state, rows: WindowRows, block_table
                                first=jnp.zeros_like(rows.first))
     page_size = kv.page_size
     first_out = rows.num_out if prompt is None else rows.num_out - prompt.rows   # a prompt's row: its first token too
-    idx = jnp.arange(b)
     seeds = jnp.stack([rows.seed_hi, rows.seed_lo], axis=1)
     out = WindowOutputs(tokens=jnp.zeros((b, k_max), jnp.int32), depths=jnp.zeros((b, k_max), jnp.int32),
                         chosen=jnp.zeros((b, k_max), jnp.float32),
@@ -163,12 +161,7 @@ def decode_window(params, kv: PagedKV, slot_state, rows: WindowRows, block_table
                 logits = model.head(weights, slot_state[slots])                  # [B, V] f32
             else:    # the coda writes the exiting rows' boundary KV
                 logits, bkv = model.head(weights, slot_state[slots], bkv, boundary_meta(rows, pos, exit_now), backend)
-            # materialised once: otherwise XLA may fuse the lm_head GEMM into each consumer
-            # (sampling's argmax, the log-softmax) and stream the 49k-column weight twice
-            logits = jax.lax.optimization_barrier(logits)
-            tok = sample_tokens(logits, rows.temperature, rows.top_k, rows.top_p, rows.seed_hi, rows.seed_lo,
-                                rows.num_out, sampler=sampler)
-            return (tok,) + token_logprobs(logits, tok, num_top) + (bkv,)
+            return sample_rows(logits, rows, rows.num_out, sampler=sampler, num_top=num_top) + (bkv,)
 
         def no_head(bkv):
             return (jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.float32),
@@ -179,12 +172,8 @@ def decode_window(params, kv: PagedKV, slot_state, rows: WindowRows, block_table
         tok, chosen, top_ids, top_lp, bkv = (head(bkv) if fixed_trip else
                                              jax.lax.cond(jnp.any(exit_now), head, no_head, bkv))
         k = jnp.where(exit_now, rows.num_out - first_out, k_max)          # k_max: out of range, dropped
-        out = WindowOutputs(
-            tokens=out.tokens.at[idx, k].set(tok, mode="drop"), depths=out.depths.at[idx, k].set(r, mode="drop"),
-            chosen=out.chosen.at[idx, k].set(chosen, mode="drop"),
-            top_ids=out.top_ids.at[idx, k].set(top_ids, mode="drop"),
-            top_lp=out.top_lp.at[idx, k].set(top_lp, mode="drop"),
-            count=out.count + exit_now, passes=out.passes + (jnp.any(act) | (mixed is not None)))
+        out = dataclasses.replace(out.put(k, tok, r, chosen, top_ids, top_lp, exit_now),
+                                  passes=out.passes + (jnp.any(act) | (mixed is not None)))
         num_out = rows.num_out + exit_now
         stops = ends_request(rows, tok, num_out)
         rows = dataclasses.replace(

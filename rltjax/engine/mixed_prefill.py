@@ -13,8 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from rltjax.engine.slot_buffers import set_slots
-from rltjax.engine.window_state import ends_request
-from rltjax.sampling import sample_tokens, token_logprobs
+from rltjax.engine.window_state import ends_request, sample_rows
 
 
 @jax.tree_util.register_dataclass
@@ -49,19 +48,11 @@ def prompt_passes(carry, one_pass, prompt: WindowPrompt, model, weights, *, dumm
     slot_state = set_slots(slot_state, prompt.out_slots, px)
     new = prompt.rows
     slots = jnp.where(new, rows.slots, dummy_slot)
-    logits = jax.lax.optimization_barrier(model.head(weights, slot_state[slots]))        # [B, V] f32
-    output_index = rows.num_out - 1                       # the host built these rows as after the first token
-    tok = sample_tokens(logits, rows.temperature, rows.top_k, rows.top_p, rows.seed_hi, rows.seed_lo,
-                        output_index, sampler=sampler)
-    chosen, top_ids, top_lp = token_logprobs(logits, tok, num_top)
+    # output 0: the host built these rows as after their first token (num_out 1)
+    tok, chosen, top_ids, top_lp = sample_rows(model.head(weights, slot_state[slots]), rows, rows.num_out - 1,
+                                               sampler=sampler, num_top=num_top)
     at = jnp.where(new, 0, out.tokens.shape[1])                                     # out of range: dropped
-    idx = jnp.arange(new.shape[0])
-    out = dataclasses.replace(
-        out, tokens=out.tokens.at[idx, at].set(tok, mode="drop"),
-        depths=out.depths.at[idx, at].set(num_loops, mode="drop"),
-        chosen=out.chosen.at[idx, at].set(chosen, mode="drop"),
-        top_ids=out.top_ids.at[idx, at].set(top_ids, mode="drop"),
-        top_lp=out.top_lp.at[idx, at].set(top_lp, mode="drop"), count=out.count + new)
+    out = out.put(at, tok, num_loops, chosen, top_ids, top_lp, new)
     rows = dataclasses.replace(rows, tokens=jnp.where(new, tok, rows.tokens),
                                active=rows.active | (new & ~ends_request(rows, tok, rows.num_out)))
     return kv, slot_state, bkv, slot_inject, rows, out

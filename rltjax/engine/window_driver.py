@@ -61,9 +61,7 @@ class WindowDriver:
                                                                      self._sampler)
             return self._apply(previous, after, out)
         self._device_active = None       # describes another window's rows
-        tables = [r.tables[p if self.layered else 0] for r in rows for p in range(self.num_planes)]
-        state = window_rows(rows, self.runner.window_trace_width, tables,
-                            [self.token_stop_ids(r.request_id) for r in rows], first)
+        state = self._host_rows(rows, first)
         self._sampler = self.runner.window_sampler([r.params for r in rows])
         self._inflight = (list(rows),) + self.runner.window_launch(state, block_tables, boundary_tables,
                                                                    self._sampler)
@@ -94,9 +92,7 @@ class WindowDriver:
             rows[i] = r
         host = idle_window_rows(bucket, self.num_planes, self.runner.window_trace_width)
         if fresh:
-            tables = [r.tables[p if self.layered else 0] for r in fresh for p in range(self.num_planes)]
-            built = window_rows(fresh, self.runner.window_trace_width, tables,
-                                [self.token_stop_ids(r.request_id) for r in fresh], [True] * len(fresh))
+            built = self._host_rows(fresh, [True] * len(fresh))
             if prompt_args is not None:      # rows wait, inactive, for their prompts' first heads
                 built.active[:], built.first[:] = False, False
             for field, values in vars(built).items():
@@ -122,12 +118,18 @@ class WindowDriver:
         if self._device_active is None:
             return after
         stale = np.zeros(after.slots.shape[0], bool)
-        for i, running in enumerate(self._device_active):
-            stale[i] = running and rows[i].finished
+        n = len(self._device_active)
+        stale[:n] = self._device_active & np.array([r.finished for r in rows[:n]], bool)
         if not stale.any():
             return after
         idle = idle_window_rows(len(stale), self.num_planes, self.runner.window_trace_width)
         return self.runner.window_merge(after, idle, stale)
+
+    def _host_rows(self, requests: list[Request], first) -> WindowRows:
+        """``window_rows`` of these requests with their plane tables and token-stop ids."""
+        tables = [r.tables[p if self.layered else 0] for r in requests for p in range(self.num_planes)]
+        return window_rows(requests, self.runner.window_trace_width, tables,
+                           [self.token_stop_ids(r.request_id) for r in requests], first)
 
     @staticmethod
     def takes(plan, running: list[Request]) -> bool:

@@ -8,6 +8,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from rltjax.sampling import sample_tokens, token_logprobs
+
 STOP_ID_WIDTH = 8   # token-stop ids checked on the device per row (more are checked by the host only)
 
 
@@ -51,6 +53,17 @@ class WindowOutputs:
     count: jax.Array          # [B] int32 outputs made in this window
     passes: jax.Array         # [] int32 loop passes run
 
+    def put(self, at, tokens, depths, chosen, top_ids, top_lp, made) -> "WindowOutputs":
+        """Each row's output at column ``at`` [B] (out of range: dropped); made [B] bool
+        counts toward ``count``."""
+        idx = jnp.arange(at.shape[0])
+        return dataclasses.replace(
+            self, tokens=self.tokens.at[idx, at].set(tokens, mode="drop"),
+            depths=self.depths.at[idx, at].set(depths, mode="drop"),
+            chosen=self.chosen.at[idx, at].set(chosen, mode="drop"),
+            top_ids=self.top_ids.at[idx, at].set(top_ids, mode="drop"),
+            top_lp=self.top_lp.at[idx, at].set(top_lp, mode="drop"), count=self.count + made)
+
 
 class RowsRead(NamedTuple):
     """The fields of a window's rows after it that the host reads back (``window_driver``
@@ -69,3 +82,14 @@ def ends_request(rows: WindowRows, tokens, num_out):
     """[B] bool: the newest token (of num_out so far) ends its request on the device: a stop
     id (EOS unless ignored, the first STOP_ID_WIDTH token-stop ids) or max_tokens reached."""
     return jnp.any(tokens[:, None] == rows.stop_ids, axis=1) | (num_out >= rows.max_tokens)
+
+
+def sample_rows(logits, rows: WindowRows, output_index, *, sampler: str, num_top: int):
+    """[B, V] f32 logits -> (token, its logprob, top ids, top logprobs) per row, with each
+    row's sampling params and per-request key at ``output_index``. The logits are
+    materialised once: otherwise XLA may fuse the lm_head GEMM into each consumer (sampling's
+    argmax, the log-softmax) and stream the 49k-column weight twice."""
+    logits = jax.lax.optimization_barrier(logits)
+    tok = sample_tokens(logits, rows.temperature, rows.top_k, rows.top_p, rows.seed_hi, rows.seed_lo,
+                        output_index, sampler=sampler)
+    return (tok,) + token_logprobs(logits, tok, num_top)

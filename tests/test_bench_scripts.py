@@ -107,6 +107,34 @@ def test_bench_throughput_quick(tmp_path):
         assert passes >= (info["output_len"] - 1) * 4
 
 
+def test_bench_throughput_variants_compare_with_the_base_run(tmp_path):
+    """--variant builds one more engine per variant on the same weights and requests: the
+    step-by-step and async executors must give the base run's (decode windows') tokens in
+    float32, and the variant's own flags must reach its engine."""
+    out = tmp_path / "ab.json"
+    text = run_script("bench_throughput.py", "--quick", "--concurrency", "1", "3", "--prompt-len", "8",
+                      "--output-len", "5", "--no-compile-ahead", "--compilation-cache-dir", "", "--out", str(out),
+                      "--variant", "step=--decode-window 0",
+                      "--variant", "async=--decode-window 0 --async-scheduling --exit-mode fixed")
+    info = json.loads(out.read_text())
+    assert [v["name"] for v in info["variants"]] == ["step", "async"]
+    assert "window" in info["results"][0]["steps"]                  # the base ran decode windows
+    for v in info["variants"]:
+        assert [r["concurrency"] for r in v["results"]] == [1, 3]
+        for r in v["results"]:
+            assert "window" not in r["steps"] and r["steps"]["loop"] > 0   # --decode-window 0 reached it
+            assert r["requests_with_base_tokens"] == r["requests"]
+    assert "requests with the base run's tokens" in text
+
+
+@pytest.mark.parametrize("spec, message", [("nameonly", "expected NAME=FLAGS"),
+                                           ("x=--no-such-flag", "unrecognized arguments")])
+def test_bench_throughput_rejects_a_bad_variant_before_any_engine(spec, message):
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_throughput.py"), "--quick",
+                          "--variant", spec], capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0 and message in res.stderr and "output tok/s" not in res.stdout
+
+
 def test_bench_skinny_quick(tmp_path):
     out = tmp_path / "skinny.json"
     run_script("bench_skinny.py", "--quick", "--out", str(out))

@@ -5,12 +5,22 @@ until ``--num-requests`` are done); every request has a random ``--prompt-len``
 token prompt and generates exactly ``--output-len`` tokens (ignore_eos), so
 random weights give the intended lengths. Reported: output tokens/s over the
 timed run (after a warm-up run) and the engine's steps by kind.
+
+``--variant NAME=FLAGS`` (repeatable) A/B-tests engine settings: after the base run,
+each variant builds its own engine from the base flags plus FLAGS, on the same random
+weights, one after another in this process, and runs the same requests; the report
+gives each variant's tok/s and how many of its requests' greedy tokens equal the base
+run's (equal settings give equal tokens; a setting that changes the arithmetic, such
+as the attention splits, may change bfloat16 tokens).
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
+import gc
 import json
+import shlex
 import sys
 import time
 
@@ -38,10 +48,14 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace-dir", help="after each measured run, profile one more closed loop of C requests "
                                        "(--trace-tokens outputs each) here and print its GPU kernels per loop pass")
     p.add_argument("--trace-tokens", type=int, default=64)
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                   help="also run an engine built with these engine flags over the base ones, e.g. "
+                        "'s1=--attn-num-splits 1' (repeatable; compared with the base run)")
     add_engine_arguments(p)
 
 
-def run_closed_loop(engine, concurrency, num_requests, prompt_len, params, rng, tag) -> None:
+def run_closed_loop(engine, concurrency, num_requests, prompt_len, params, rng, tag, outputs=None) -> None:
+    """``outputs``: a dict that receives each request's output token ids."""
     submitted = finished = 0
     while finished < num_requests:
         while submitted < num_requests and submitted - finished < concurrency:
@@ -51,10 +65,12 @@ def run_closed_loop(engine, concurrency, num_requests, prompt_len, params, rng, 
         for out in engine.step():
             if out.finished:
                 finished += 1
+                if outputs is not None:
+                    outputs[out.request_id] = list(engine.get_output(out.request_id).token_ids)
                 engine.forget(out.request_id)
 
 
-def measure(engine, concurrency: int, args, params) -> dict:
+def measure(engine, concurrency: int, args, params, outputs=None) -> dict:
     import jax
     rng = np.random.default_rng(0)
     warm = dataclasses.replace(params, max_tokens=min(8, params.max_tokens))
@@ -64,7 +80,7 @@ def measure(engine, concurrency: int, args, params) -> dict:
     n = max(concurrency, args.num_requests or concurrency)
     with CompileWatch() as compiles:
         t0 = time.perf_counter()
-        run_closed_loop(engine, concurrency, n, args.prompt_len, params, rng, f"c{concurrency}")
+        run_closed_loop(engine, concurrency, n, args.prompt_len, params, rng, f"c{concurrency}", outputs)
         jax.block_until_ready(engine.runner.kv.k)
         wall = time.perf_counter() - t0
     tokens = n * params.max_tokens
@@ -100,11 +116,23 @@ def profile_run(engine, concurrency: int, args, params, rng) -> dict:
     return dict(summary, passes=passes, wall_ms_per_pass=wall * 1e3 / max(passes, 1))
 
 
-def run_bench(args: argparse.Namespace) -> int:
+def variant_args(args: argparse.Namespace, spec: str) -> tuple[str, str, argparse.Namespace]:
+    """``NAME=FLAGS`` -> (NAME, FLAGS, the base flags with FLAGS parsed over them)."""
+    name, sep, flags = spec.partition("=")
+    if not sep or not name.strip():
+        raise SystemExit(f"--variant {spec!r}: expected NAME=FLAGS, e.g. 's1=--attn-num-splits 1'")
+    parser = argparse.ArgumentParser(prog=f"--variant {name}", add_help=False)
+    add_engine_arguments(parser)
+    # parsed into a copy of the base flags: those FLAGS leaves out keep the base values
+    return name.strip(), flags, parser.parse_args(shlex.split(flags), namespace=copy.deepcopy(args))
+
+
+def bench_engine(args: argparse.Namespace, outputs: dict) -> dict:
+    """One engine built from ``args``, measured at every --concurrency; ``outputs[C]``
+    receives each request's token ids."""
     import jax
 
     from checkpoints.random_init import random_checkpoint
-    from rltjax.benchmarks.report import source_identity
     from rltjax.entrypoints.llm import build_engine
     from rltjax.presets import preset_config
     from rltjax.sampling_params import SamplingParams
@@ -126,19 +154,50 @@ def run_bench(args: argparse.Namespace) -> int:
                             exit_threshold=args.exit_threshold)
     rows = []
     for c in args.concurrency:
-        r = measure(engine, c, args, params)
+        r = measure(engine, c, args, params, outputs.setdefault(c, {}))
         rows.append(r)
         print(f"C={c:<4d} {r['output_tokens_per_s']:10.1f} output tok/s  ({r['output_tokens']} tokens in "
               f"{r['seconds']:.2f}s; steps {r['steps']})", flush=True)
-    info = dict(jax=jax.__version__, device=jax.devices()[0].device_kind, source=source_identity(),
-                model=args.model or args.preset,
-                quick=args.quick, compile_seconds=engine.compile_seconds, prompt_len=args.prompt_len,
-                output_len=args.output_len, exit_threshold=args.exit_threshold,
+    info = dict(device=jax.devices()[0].device_kind, compile_seconds=engine.compile_seconds,
                 kv_layout=configs["cache_config"].kv_layout, scheduler_mode=sched.mode,
                 max_num_batched_tokens=engine.scheduler.config.max_num_batched_tokens,
                 prefill_chunk_size=engine.scheduler.config.prefill_chunk_size, results=rows)
+    print(f"[rltjax] compile at start-up: {engine.compile_seconds:.1f}s", file=sys.stderr)
+    return info
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    import jax
+
+    from rltjax.benchmarks.report import source_identity
+
+    variants = [variant_args(args, spec) for spec in args.variant]     # bad flags fail before any engine
+    base_outputs: dict = {}
+    info = dict(jax=jax.__version__, source=source_identity(), model=args.model or args.preset,
+                quick=args.quick, prompt_len=args.prompt_len, output_len=args.output_len,
+                exit_threshold=args.exit_threshold, **bench_engine(args, base_outputs))
+    if variants:
+        info["variants"] = []
+    for name, flags, vargs in variants:
+        gc.collect()        # the last engine's KV pool and weights go before the next is sized
+        if args.trace_dir:
+            vargs.trace_dir = f"{args.trace_dir}/{name}"
+        print(f"[variant {name}] {flags}", flush=True)
+        outputs: dict = {}
+        v = dict(name=name, flags=flags, **bench_engine(vargs, outputs))
+        for row in v["results"]:
+            base, got = base_outputs[row["concurrency"]], outputs[row["concurrency"]]
+            row["requests_with_base_tokens"] = sum(got.get(rid) == toks for rid, toks in base.items())
+        info["variants"].append(v)
+    if variants:
+        print("\nvariant      " + "".join(f"{'C=' + str(c):>12s}" for c in args.concurrency)
+              + "   requests with the base run's tokens", flush=True)
+        print(f"{'base':12s} " + "".join(f"{r['output_tokens_per_s']:12.1f}" for r in info["results"]))
+        for v in info["variants"]:
+            print(f"{v['name']:12s} " + "".join(f"{r['output_tokens_per_s']:12.1f}" for r in v["results"]) + "   "
+                  + ", ".join(f"C={r['concurrency']}: {r['requests_with_base_tokens']}/{r['requests']}"
+                              for r in v["results"]), flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(info, f, indent=1)
-    print(f"[rltjax] compile at start-up: {engine.compile_seconds:.1f}s", file=sys.stderr)
     return 0

@@ -31,7 +31,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from kernels.skinny_matmul import fit_block, kernel_config, kernel_unsupported, skinny_matmul  # noqa: E402
-from rltjax.benchmarks.kernel_trace import device_kernels, load_events  # noqa: E402
+from rltjax.benchmarks.kernel_trace import device_kernels, kernel_time_per_call, load_events  # noqa: E402
 
 SHAPES = {"qkv": (2048, 6144), "o": (2048, 2048), "gate": (2048, 5632), "down": (5632, 2048),
           "lm_head": (2048, 49152), "tiny": (64, 96)}
@@ -57,18 +57,6 @@ def per_layer_us(fn, xs, ws, iters: int) -> float:
     if len(per_call) != iters:
         raise RuntimeError(f"bench_skinny: the trace split into {len(per_call)} calls, expected {iters}")
     return statistics.median(per_call) / len(ws)
-
-
-def kernel_time_per_call(kernels: list[dict], gap_us: float = 1000.0) -> list[float]:
-    """Kernel time (sum of durations) of each call: the host waits for each call before the
-    next, so calls are the runs of kernels separated by idle gaps longer than ``gap_us``."""
-    sums, last_end = [], None
-    for e in sorted(kernels, key=lambda e: e["ts"]):
-        if last_end is None or e["ts"] - last_end > gap_us:
-            sums.append(0.0)
-        sums[-1] += e["dur"]
-        last_end = max(last_end or e["ts"], e["ts"] + e["dur"])
-    return sums
 
 
 def projection(impl: str, interpret: bool, **config):

@@ -148,6 +148,20 @@ def test_bench_skinny_quick(tmp_path):
         assert all(c["rel_err_vs_xla"] < 1e-2 and c["us"] > 0 for c in r["kernel"])
 
 
+def test_explore_weight_layout_quick(tmp_path):
+    """Every variant (both layouts on XLA, the engine's kernel, the K-major kernel's sweep and
+    refinement) computes the projection; swiglu: SiLU(gate) * up in the kernel's prologue."""
+    out = tmp_path / "layout.json"
+    run_script("explore_weight_layout.py", "--quick", "--out", str(out))
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["case"], r["rows"]) for r in rows] == [("o", 1), ("downsw", 8)]
+    for r in rows:
+        assert {"xla_kn", "xla_nk"} <= set(r["us"]) and any(label.endswith("_w8_st6_ev") for label in r["us"])
+        assert ("pallas_kn" in r["us"]) == (r["case"] == "o")
+        # bfloat16 outputs; with swiglu the prologue rounds SiLU(gate) * up once more
+        assert max(r["rel_err_vs_xla"].values()) < (2e-2 if r["case"] == "downsw" else 1e-2)
+
+
 def test_profile_loop_pass_quick(tmp_path):
     """Each XLA option set compiles its own pass (the values parsed as --xla-option parses them);
     a name XLA does not know fails the run."""
@@ -181,16 +195,3 @@ def test_source_digest_names_the_code_not_the_git_metadata(tmp_path):
     engine = b / "rltjax" / "engine" / "runner.py"
     engine.write_text(engine.read_text() + "\n")
     assert source_digest(b) != source_digest(a)
-
-
-def test_bench_skinny_splits_a_trace_into_calls():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("bench_skinny", ROOT / "scripts" / "bench_skinny.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    k = lambda ts, dur: dict(ts=ts, dur=dur)                                   # noqa: E731
-    # two calls (back-to-back kernels, one overlapping its neighbour), 200 us of host wait between
-    kernels = [k(300.0, 4.0), k(0.0, 5.0), k(6.0, 3.0), k(8.0, 2.0), k(305.0, 1.5)]
-    assert bench.kernel_time_per_call(kernels, gap_us=100.0) == [10.0, 5.5]
-    assert bench.kernel_time_per_call(kernels) == [15.5]             # 1 ms: the benchmark sleeps 2 ms between calls
-    assert bench.kernel_time_per_call([]) == []

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from rltjax.benchmarks.kernel_trace import busy_time, device_kernels, format_summary, load_events, summarise
+from rltjax.benchmarks.kernel_trace import (busy_time, device_kernels, format_summary, kernel_time_per_call, load_events,
+                                            summarise)
 
 
 def write_trace(tmp_path, events):
@@ -69,3 +70,12 @@ def test_compile_watch_counts_only_inside_the_block():
     assert w.count == 1 and w.seconds > 0
     jax.jit(lambda a: a + 11.0)(x)                # after the block: not counted
     assert w.report()["count"] == 1 and "compiled 1 executable(s)" in w.warning("run")
+
+
+def test_kernel_time_per_call_splits_a_trace_into_calls():
+    k = lambda ts, dur: dict(ts=ts, dur=dur)                                   # noqa: E731
+    # two calls (back-to-back kernels, one overlapping its neighbour), 200 us of host wait between
+    kernels = [k(300.0, 4.0), k(0.0, 5.0), k(6.0, 3.0), k(8.0, 2.0), k(305.0, 1.5)]
+    assert kernel_time_per_call(kernels, gap_us=100.0) == [10.0, 5.5]
+    assert kernel_time_per_call(kernels) == [15.5]             # 1 ms: the benchmarks sleep 2 ms between calls
+    assert kernel_time_per_call([]) == []

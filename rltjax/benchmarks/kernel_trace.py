@@ -53,6 +53,18 @@ def busy_time(kernels: list[dict]) -> float:
     return total
 
 
+def kernel_time_per_call(kernels: list[dict], gap_us: float = 1000.0) -> list[float]:
+    """Kernel time (sum of durations) of each call: the host waits for each call before the
+    next, so calls are the runs of kernels separated by idle gaps longer than ``gap_us``."""
+    sums, last_end = [], None
+    for e in sorted(kernels, key=lambda e: e["ts"]):
+        if last_end is None or e["ts"] - last_end > gap_us:
+            sums.append(0.0)
+        sums[-1] += e["dur"]
+        last_end = max(last_end or e["ts"], e["ts"] + e["dur"])
+    return sums
+
+
 def summarise(kernels: list[dict], per: int = 1, top: int = 15) -> dict:
     if not kernels:
         return dict(kernels=0, busy_us=0.0, span_us=0.0, top=[], by_module={})

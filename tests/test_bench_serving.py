@@ -63,6 +63,23 @@ def test_summary_of_a_known_run():
     assert metrics.summarize([a, b], wall_s=8.0)["output_throughput"] == pytest.approx(5 / 8)
 
 
+def test_pass_occupancy_splits_throughput_into_rows_and_pass_time():
+    # 2 rows: decode depths [4, 4] and [4, 2, 2]; entry 0 is the prompt's (not a decode pass)
+    a = RequestTiming(start=0.0, arrivals=[0.1, 0.2, 0.3], end=0.3, output_tokens=3, exit_depths=[4, 4, 4])
+    b = RequestTiming(start=0.0, arrivals=[0.1, 0.2, 0.3, 0.4], end=0.4, output_tokens=4, exit_depths=[4, 4, 2, 2])
+    failed = RequestTiming(start=0.0, exit_depths=[4, 4], error="aborted")
+    p = metrics.pass_occupancy([a, b, failed], loop_passes=10, wall_s=0.5, rows=2)
+    assert (p["row_passes"], p["loop_passes"]) == (16, 10)
+    assert p["active_rows_per_pass"] == pytest.approx(1.6) and p["occupancy"] == pytest.approx(0.8)
+    assert p["wall_ms_per_pass"] == pytest.approx(50.0)
+    # the identity: decode tokens / s = active rows / (mean depth * wall per pass)
+    decode_tokens, depth = 2 + 3, metrics.mean_decode_depth([a, b])
+    assert decode_tokens / 0.5 == pytest.approx(p["active_rows_per_pass"] / (depth * p["wall_ms_per_pass"] / 1e3))
+    assert metrics.pass_occupancy([a, b], loop_passes=0, wall_s=0.5, rows=2) is None
+    assert metrics.pass_occupancy([RequestTiming(start=0.0, arrivals=[0.1], end=0.1, output_tokens=1)],
+                                  loop_passes=3, wall_s=0.5, rows=2) is None       # no depths recorded (HTTP)
+
+
 def test_mean_decode_depth_skips_the_prompt_entry():
     ts = [RequestTiming(start=0, exit_depths=[4, 2, 3]), RequestTiming(start=0, exit_depths=[4, 1])]
     assert metrics.mean_decode_depth(ts) == pytest.approx(2.0)
@@ -224,6 +241,10 @@ def test_in_process_script(tmp_path):
     assert result["main_build"]["engine"]["max_num_seqs"] == 2
     assert [r["num_requests"] for r in result["runs"]] == [3, 4]      # per-C counts: prefixes of one draw
     assert [r["compiles_during_run"]["count"] for r in result["runs"]] == [0, 0]   # all compiled ahead
+    for run in result["runs"]:       # every decode row-pass ran in a counted loop pass
+        p = run["passes"]
+        assert 0 < p["occupancy"] <= 1 and p["row_passes"] == sum(sum(r["exit_depths"][1:]) for r in run["per_request"])
+    assert "loop passes carried" in log
     check_run(result["runs"][0])
     check_run(result["runs"][1], result["dataset"]["workload"]["total_output_tokens"])
     assert result["dataset"]["records_parsed"] > 17_000 and len(result["plots"]) == 2

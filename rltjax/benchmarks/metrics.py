@@ -82,6 +82,24 @@ def mean_decode_depth(timings: Sequence[RequestTiming]) -> float | None:
     return float(np.mean(depths)) if depths else None
 
 
+def pass_occupancy(timings: Sequence[RequestTiming], loop_passes: int, wall_s: float, rows: int) -> dict | None:
+    """How a run's decode work filled the engine's loop passes (in process: the engine's pass
+    count). Each decode token costs its exit depth in row-passes, so
+
+        decode tokens/s = active_rows_per_pass / (mean depth * wall_ms_per_pass)
+
+    exactly, which splits a throughput gap into rows the passes did not carry (the drain at
+    the end of a closed loop, rows idle between a request's end and the next admission) and
+    the wall time of a pass (its kernels, plus prefill steps and host time spread over the
+    passes). ``rows``: the concurrency. None without passes or recorded exit depths."""
+    row_passes = sum(sum(t.exit_depths[1:]) for t in timings if t.ok and t.exit_depths)
+    if not loop_passes or not row_passes or rows < 1:
+        return None
+    active = row_passes / loop_passes
+    return dict(loop_passes=int(loop_passes), row_passes=int(row_passes), active_rows_per_pass=active,
+                occupancy=active / rows, wall_ms_per_pass=1e3 * wall_s / loop_passes)
+
+
 def summarize(timings: Sequence[RequestTiming], wall_s: float | None = None) -> dict:
     """Throughput and latency statistics of one run (failed requests are counted, not timed)."""
     done = [t for t in timings if t.ok]

@@ -104,6 +104,13 @@ def summary_line(run: dict) -> str:
             f"E2E {f('e2e_ms')} | {s['completed']} ok, {s['failed']} failed")
 
 
+def passes_line(p: dict, concurrency: int, roof: dict) -> str:
+    """``metrics.pass_occupancy`` in words, the pass against the roofline's."""
+    return (f"passes: {p['loop_passes']} loop passes carried {p['active_rows_per_pass']:.1f} of {concurrency} rows "
+            f"on average ({100 * p['occupancy']:.1f}%), {p['wall_ms_per_pass']:.3f} ms wall a pass "
+            f"({p['wall_ms_per_pass'] / roof['pass_ms']:.2f}x the roofline's {roof['pass_ms']:.3f} ms)")
+
+
 def write_json(path: Path, report: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1, default=str) + "\n")

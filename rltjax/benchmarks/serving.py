@@ -154,16 +154,20 @@ def run_benchmark(args, argv: list[str]) -> dict:
             roof = roofline.roofline_report(mb, min(c, n), ctx, summary["mean_decode_depth"],
                                             summary["output_throughput"], args.bandwidth)
             mismatches = sum(t.ok and t.output_tokens != r.output_len for t, r in zip(timings, reqs))
+            steps = dict(engine.steps_by_kind) if engine is not None else None
+            passes = steps and steps.get("window_passes", 0) + steps.get("loop", 0)
             run = dict(concurrency=c, num_requests=n, summary=summary, roofline=roof,
                        output_len_mismatches=mismatches, per_request=report.per_request(timings),
-                       compiles_during_run=compiles.report() if compiles else None,
-                       engine_steps=dict(engine.steps_by_kind) if engine is not None else None)
+                       compiles_during_run=compiles.report() if compiles else None, engine_steps=steps,
+                       passes=metrics.pass_occupancy(timings, passes, wall, min(c, n)) if steps else None)
             result["runs"].append(run)
             timings_by_run.append(timings)
             print(report.summary_line(run), flush=True)
             print("      " + roofline.roofline_line(roof), flush=True)
             if run["engine_steps"]:
                 print(f"      engine steps: {run['engine_steps']}", flush=True)
+            if run["passes"]:
+                print("      " + report.passes_line(run["passes"], run["concurrency"], roof), flush=True)
             if compiles and compiles.warning(f"C={c}"):
                 print("      " + compiles.warning(f"C={c}"), flush=True)
             if mismatches:

@@ -72,6 +72,10 @@ def test_pass_occupancy_splits_throughput_into_rows_and_pass_time():
     assert (p["row_passes"], p["loop_passes"]) == (16, 10)
     assert p["active_rows_per_pass"] == pytest.approx(1.6) and p["occupancy"] == pytest.approx(0.8)
     assert p["wall_ms_per_pass"] == pytest.approx(50.0)
+    # a perfect scheduler runs the 8 and 8 row-passes side by side: 8 passes of 2 rows
+    assert p["perfect_occupancy"] == pytest.approx(1.0)
+    uneven = metrics.pass_occupancy([a, b], loop_passes=10, wall_s=0.5, rows=4)   # 2 requests, 4 rows
+    assert uneven["perfect_occupancy"] == pytest.approx(16 / (4 * 8))
     # the identity: decode tokens / s = active rows / (mean depth * wall per pass)
     decode_tokens, depth = 2 + 3, metrics.mean_decode_depth([a, b])
     assert decode_tokens / 0.5 == pytest.approx(p["active_rows_per_pass"] / (depth * p["wall_ms_per_pass"] / 1e3))
@@ -243,7 +247,7 @@ def test_in_process_script(tmp_path):
     assert [r["compiles_during_run"]["count"] for r in result["runs"]] == [0, 0]   # all compiled ahead
     for run in result["runs"]:       # every decode row-pass ran in a counted loop pass
         p = run["passes"]
-        assert 0 < p["occupancy"] <= 1 and p["row_passes"] == sum(sum(r["exit_depths"][1:]) for r in run["per_request"])
+        assert 0 < p["occupancy"] <= p["perfect_occupancy"] <= 1 and p["row_passes"] == sum(sum(r["exit_depths"][1:]) for r in run["per_request"])
     assert "loop passes carried" in log
     check_run(result["runs"][0])
     check_run(result["runs"][1], result["dataset"]["workload"]["total_output_tokens"])

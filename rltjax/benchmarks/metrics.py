@@ -91,13 +91,19 @@ def pass_occupancy(timings: Sequence[RequestTiming], loop_passes: int, wall_s: f
     exactly, which splits a throughput gap into rows the passes did not carry (the drain at
     the end of a closed loop, rows idle between a request's end and the next admission) and
     the wall time of a pass (its kernels, plus prefill steps and host time spread over the
-    passes). ``rows``: the concurrency. None without passes or recorded exit depths."""
-    row_passes = sum(sum(t.exit_depths[1:]) for t in timings if t.ok and t.exit_depths)
+    passes). ``perfect_occupancy``: the same requests (in order) under a perfect closed-loop
+    scheduler (``depth_trace.closed_loop_passes``): what the drain alone leaves, so
+    occupancy / perfect_occupancy is the engine's own share. ``rows``: the concurrency.
+    None without passes or recorded exit depths."""
+    from rltjax.benchmarks.depth_trace import closed_loop_passes
+    work = [int(sum(t.exit_depths[1:])) for t in timings if t.ok and t.exit_depths]
+    row_passes = sum(work)
     if not loop_passes or not row_passes or rows < 1:
         return None
     active = row_passes / loop_passes
     return dict(loop_passes=int(loop_passes), row_passes=int(row_passes), active_rows_per_pass=active,
-                occupancy=active / rows, wall_ms_per_pass=1e3 * wall_s / loop_passes)
+                occupancy=active / rows, perfect_occupancy=row_passes / (rows * closed_loop_passes(work, rows)),
+                wall_ms_per_pass=1e3 * wall_s / loop_passes)
 
 
 def summarize(timings: Sequence[RequestTiming], wall_s: float | None = None) -> dict:

@@ -107,7 +107,8 @@ def summary_line(run: dict) -> str:
 def passes_line(p: dict, concurrency: int, roof: dict) -> str:
     """``metrics.pass_occupancy`` in words, the pass against the roofline's."""
     return (f"passes: {p['loop_passes']} loop passes carried {p['active_rows_per_pass']:.1f} of {concurrency} rows "
-            f"on average ({100 * p['occupancy']:.1f}%), {p['wall_ms_per_pass']:.3f} ms wall a pass "
+            f"on average ({100 * p['occupancy']:.1f}%; a perfect closed-loop scheduler "
+            f"{100 * p['perfect_occupancy']:.1f}%), {p['wall_ms_per_pass']:.3f} ms wall a pass "
             f"({p['wall_ms_per_pass'] / roof['pass_ms']:.2f}x the roofline's {roof['pass_ms']:.3f} ms)")
 
 

@@ -111,12 +111,12 @@ def nk_variant(cfg):
     return lambda xs, ws, wts: tuple(nk_matmul(x, wt, **cfg) for x, wt in zip(xs, wts))
 
 
-def refinements(name, best, interpret):
+def refinements(name, best, interpret, warps=(2, 4, 8), stages=(3, 4, 6)):
     """warps x stages x eviction policy around the best K-major point."""
     bn, bk, s = map(int, re.match(r"nk_bn(\d+)_bk(\d+)_s(\d+)", best).groups())
     return {f"{best}_w{w}_st{st}{'_ev' if ev else ''}": nk_variant(dict(
         block_n=bn, block_k=bk, splits=s, warps=w, stages=st, swiglu=name == "downsw", evict=ev, interpret=interpret))
-        for w, st, ev in itertools.product((2, 4, 8), (3, 4, 6), (False, True))}
+        for w, st, ev in itertools.product(warps, stages, (False, True))}
 
 
 def compile_all(fns, args, threads):
@@ -176,7 +176,7 @@ def main(argv=None) -> int:
     shapes, cases, blocks_n, blocks_k = SHAPES, CASES, (16, 32, 64), (256, 512)
     if args.quick:
         shapes = {name: (128, 64) for name in SHAPES}
-        cases, blocks_n, blocks_k, args.layers = [("o", 1), ("downsw", 8)], (16, 32), (32, 64), 2
+        cases, blocks_n, blocks_k, args.layers = [("o", 1), ("downsw", 8)], (16, 32), (64,), 2
     summary = []
     for name, m in cases:
         k, n = shapes["down" if name == "downsw" else name]
@@ -185,8 +185,9 @@ def main(argv=None) -> int:
         ref = jax.jit(fns["xla_kn"])(*inputs)
         times, errs = time_all(compile_all(fns, inputs, 16 if gpu else 2), inputs, ref, args.layers, args.iters, gpu)
         best_nk = min((label for label in times if label.startswith("nk")), key=times.get)
-        more, more_errs = time_all(compile_all(refinements(name, best_nk, args.quick), inputs, 16 if gpu else 2),
-                                   inputs, ref, args.layers, args.iters, gpu)
+        grid = dict(warps=(8,), stages=(6,)) if args.quick else {}
+        refined = compile_all(refinements(name, best_nk, args.quick, **grid), inputs, 16 if gpu else 2)
+        more, more_errs = time_all(refined, inputs, ref, args.layers, args.iters, gpu)
         times.update(more)
         errs.update(more_errs)
         best = min(times, key=times.get)

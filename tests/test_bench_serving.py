@@ -247,7 +247,8 @@ def test_in_process_script(tmp_path):
     assert [r["compiles_during_run"]["count"] for r in result["runs"]] == [0, 0]   # all compiled ahead
     for run in result["runs"]:       # every decode row-pass ran in a counted loop pass
         p = run["passes"]
-        assert 0 < p["occupancy"] <= p["perfect_occupancy"] <= 1 and p["row_passes"] == sum(sum(r["exit_depths"][1:]) for r in run["per_request"])
+        assert 0 < p["occupancy"] <= p["perfect_occupancy"] <= 1
+        assert p["row_passes"] == sum(sum(r["exit_depths"][1:]) for r in run["per_request"])
     assert "loop passes carried" in log
     check_run(result["runs"][0])
     check_run(result["runs"][1], result["dataset"]["workload"]["total_output_tokens"])

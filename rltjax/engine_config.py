@@ -160,6 +160,16 @@ class SchedulerConfig:
             _bad("SchedulerConfig", "max_admission_bypasses", self.max_admission_bypasses, "must be an int >= 0")
 
 
+def _attn_splits_ok(value) -> bool:
+    def count(s):
+        return isinstance(s, int) and not isinstance(s, bool) and 1 <= s <= 64
+    if value is None or count(value):
+        return True
+    return isinstance(value, Mapping) and bool(value) and all(
+        isinstance(rows, int) and not isinstance(rows, bool) and rows >= 1 and rows & (rows - 1) == 0 and count(s)
+        for rows, s in value.items())
+
+
 def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rltjax" / "xla"
 
@@ -172,7 +182,10 @@ class ExecutionConfig:
     attn_num_splits: the decode attention kernel's key splits per row (flash-decoding; the
     splits' partial results are combined after it). None (default) picks
     ``kernels.pallas_triton.default_num_splits`` per batch bucket; set it to tune (like
-    SGLang's ``--triton-attention-num-kv-splits``). Prefill and the XLA path ignore it.
+    SGLang's ``--triton-attention-num-kv-splits``): an int for every decode batch, or
+    {rows: splits} for the decode batches padded to those row buckets (powers of two from
+    min(8, max_num_seqs) up to max_num_seqs; the others keep the default). Prefill and the XLA
+    path ignore it.
     matmul_impl: decode projections: ``auto`` (the default: on a GPU, the attention projections
     (q|k|v, o) of decode batches of up to 16 rows run on the weight-streaming Pallas kernel,
     which beat XLA's split-K GEMMs there on an H200 (measured at 1 and 8 rows); the rest is
@@ -206,7 +219,7 @@ class ExecutionConfig:
     fixed-trip decode windows, the last_exited layout and a model without boundary stages.
     """
     attn_impl: str = "auto"
-    attn_num_splits: int | None = None
+    attn_num_splits: int | Mapping[int, int] | None = None
     matmul_impl: str = "auto"
     interpret: bool = False
     decode_window: int | None = None
@@ -221,10 +234,10 @@ class ExecutionConfig:
     def __post_init__(self) -> None:
         if self.attn_impl not in ATTN_IMPLS:
             _bad("ExecutionConfig", "attn_impl", self.attn_impl, f"choose one of {ATTN_IMPLS}")
-        if self.attn_num_splits is not None and (
-                not isinstance(self.attn_num_splits, int) or isinstance(self.attn_num_splits, bool)
-                or not 1 <= self.attn_num_splits <= 64):
-            _bad("ExecutionConfig", "attn_num_splits", self.attn_num_splits, "must be None or an integer in [1, 64]")
+        if not _attn_splits_ok(self.attn_num_splits):
+            _bad("ExecutionConfig", "attn_num_splits", self.attn_num_splits,
+                 "must be None, an integer in [1, 64], or {rows: splits} with power-of-two decode row buckets "
+                 "as keys and integers in [1, 64] as values")
         if self.matmul_impl not in MATMUL_IMPLS:
             _bad("ExecutionConfig", "matmul_impl", self.matmul_impl, f"choose one of {MATMUL_IMPLS}")
         if self.decode_window is not None and (

@@ -105,11 +105,35 @@ def test_execution_flags_reach_the_engine_config():
         configs_from_args(p.parse_args(["--xla-option", "xla_gpu_graph_min_graph_size"]))
 
 
-@pytest.mark.parametrize("splits", [0, 65, 2.0, True])
+@pytest.mark.parametrize("splits", [0, 65, 2.0, True, {}, {12: 2}, {8: 0}, {8: 65}, {True: 2}, {"8": 2}, [8, 2]])
 def test_attn_num_splits_is_checked(splits):
     from rltjax.engine_config import EngineConfigError, ExecutionConfig
     with pytest.raises(EngineConfigError, match=r"attn_num_splits.*integer in \[1, 64\]"):
         ExecutionConfig(attn_num_splits=splits)
+
+
+def test_attn_num_splits_per_row_bucket_from_the_command_line():
+    import argparse
+
+    from rltjax.engine_config import ExecutionConfig
+    from rltjax.entrypoints.engine_args import add_engine_arguments, configs_from_args
+    p = argparse.ArgumentParser()
+    add_engine_arguments(p)
+    ex = configs_from_args(p.parse_args(["--attn-num-splits", "32:1,8:8"]))["execution_config"]
+    assert ex.attn_num_splits == {32: 1, 8: 8}
+    assert ExecutionConfig(attn_num_splits={8: 8, 64: 1}).attn_num_splits == {8: 8, 64: 1}
+    for bad in ("32:1,32:2", "32:", "a:1", "8:1:2", "x"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--attn-num-splits", bad])
+
+
+def test_backend_picks_the_splits_of_a_row_bucket():
+    from rltjax.cache.paged_kv import PagedKVBackend
+    per_bucket = PagedKVBackend(num_splits={32: 1, 8: 4})
+    assert per_bucket.num_splits == ((8, 4), (32, 1))          # hashable: a static jit argument
+    hash(per_bucket)
+    assert [per_bucket.splits_for(n) for n in (8, 16, 32)] == [4, None, 1]     # 16: the kernel's default
+    assert PagedKVBackend(num_splits=3).splits_for(16) == 3 and PagedKVBackend().splits_for(8) is None
 
 
 @pytest.mark.parametrize("options, match", [({"gpu_thing": 1}, "names are XLA debug options"),

@@ -82,7 +82,8 @@ def test_kernel_engine_matches_reference_with_aligned_prefill(small_ouro):
 def test_auto_matmul_and_set_splits(small_ouro, monkeypatch):
     """matmul_impl "auto" as on a GPU: the decode rows' q|k|v and o projections (and only those
     shapes) go through the weight-streaming kernel; attn_num_splits reaches the decode
-    attention kernel; the engine still equals the oracle."""
+    attention kernel (per row bucket: max_num_seqs 2 gives one, of 2 rows); the engine still
+    equals the oracle."""
     import jax
     from kernels import pallas_triton, skinny_matmul as sm
     cfg, params = small_ouro
@@ -97,8 +98,9 @@ def test_auto_matmul_and_set_splits(small_ouro, monkeypatch):
         None, params=params, cfg=cfg, cache_config=CacheConfig(kv_layout="last_exited", page_size=8),
         scheduler_config=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, prefill_chunk_size=32),
         exit_config=ExitConfig(mode="ouro"),
-        execution_config=ExecutionConfig(attn_impl="pallas", matmul_impl="auto", attn_num_splits=3, interpret=True,
-                                         compile_ahead=False, compilation_cache_dir=None, show_progress=False))
+        execution_config=ExecutionConfig(attn_impl="pallas", matmul_impl="auto", attn_num_splits={2: 3, 64: 1},
+                                         interpret=True, compile_ahead=False, compilation_cache_dir=None,
+                                         show_progress=False))
     rng = np.random.default_rng(5)
     arrivals = [(0, f"r{i}", rng.integers(3, cfg.vocab_size, n).tolist(),
                  SamplingParams(max_tokens=4, temperature=0.0, exit_threshold=0.5, ignore_eos=True, logprobs=1))

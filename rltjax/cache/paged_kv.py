@@ -37,6 +37,7 @@ sequential per request (different requests may share a batch).
 from __future__ import annotations
 
 import dataclasses
+from typing import Mapping
 
 import jax
 
@@ -90,7 +91,9 @@ class PagedKVBackend:
     batches use XLA's dot. (The engine's prefill backend always says "xla".)
     kernel_shapes: for "auto", the weight shapes the kernel beats XLA at (the runner
     names the attention projections: q|k|v and o; ``kernels.skinny_matmul``).
-    num_splits: the decode attention kernel's key splits per row (None: its default).
+    num_splits: the decode attention kernel's key splits per row: None (its default per
+    batch), an int, or per decode row bucket ((rows, splits), ...) (a {rows: splits} mapping
+    is taken too) with the default for the buckets not named.
     decode_rows: the caller promises every row is the newest token of its own request and
     writes its K/V at its position in the table it reads (lengths - 1), so no row reads
     another's write of this call: ``write_attend`` may then fuse the write into the
@@ -103,7 +106,17 @@ class PagedKVBackend:
     matmul_impl: str = "xla"
     decode_rows: bool = False
     kernel_shapes: tuple[tuple[int, int], ...] = ()
-    num_splits: int | None = None
+    num_splits: int | tuple[tuple[int, int], ...] | None = None
+
+    def __post_init__(self):
+        if isinstance(self.num_splits, Mapping):      # hashable: the backend is a static jit argument
+            object.__setattr__(self, "num_splits", tuple(sorted(self.num_splits.items())))
+
+    def splits_for(self, rows: int) -> int | None:
+        """The decode kernel's key splits for a batch of ``rows`` rows (None: its default)."""
+        if isinstance(self.num_splits, tuple):
+            return dict(self.num_splits).get(rows)
+        return self.num_splits
 
     def matmul(self, x, w, layer):
         if self.matmul_impl == "pallas" and x.shape[0] <= MAX_ROWS:
@@ -147,7 +160,7 @@ class PagedKVBackend:
         out, k_pages, v_pages = paged_attention_write(
             q, k, v, kv.k, kv.v, meta.block_tables, meta.row_tables, meta.lengths, meta.write_page,
             meta.write_offset, layer=layer, impl=self.attn_impl, interpret=self.interpret,
-            rope=(rope.cos, rope.sin) if rope_in_kernel else None, num_splits=self.num_splits)
+            rope=(rope.cos, rope.sin) if rope_in_kernel else None, num_splits=self.splits_for(q.shape[0]))
         return out, type(kv)(k_pages, v_pages)
 
     def attend(self, kv: PagedKV, layer, q, meta: PagedMeta):
@@ -158,4 +171,4 @@ class PagedKVBackend:
             return paged_prefill_attention(*args, layer=layer, impl=self.attn_impl, interpret=self.interpret,
                                            block_q=self.prefill_block_q)
         return paged_attention(*args, layer=layer, impl=self.attn_impl, interpret=self.interpret,
-                               num_splits=self.num_splits)
+                               num_splits=self.splits_for(q.shape[0]))

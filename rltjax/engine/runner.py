@@ -75,7 +75,7 @@ def auto_matmul_shapes(cfg) -> tuple[tuple[int, int], ...]:
 class ModelRunner:
     def __init__(self, model, params, kv: PagedKV, *, max_num_seqs: int, max_num_batched_tokens: int,
                  attn_impl: str, lookahead_w: np.ndarray, num_planes: int, matmul_impl: str = "auto",
-                 attn_num_splits: int | None = None,
+                 attn_num_splits=None,
                  boundary_kv: PagedKV | None = None, xla_options: tuple = (),
                  prefill_write_planes: int | None = None, raw_signal: bool = False, interpret: bool = False,
                  chunked_prefill: bool = True, window_spec: dict | None = None, window_trace_width: int = 1,

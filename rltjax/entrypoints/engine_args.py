@@ -49,8 +49,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("execution")
     g.add_argument("--attn-impl", default="auto", choices=ATTN_IMPLS,
                    help="paged attention: auto = Pallas kernel on GPU, XLA elsewhere")
-    g.add_argument("--attn-num-splits", type=int, default=None, metavar="N",
-                   help="decode attention kernel: key splits per row (default: picked per batch bucket)")
+    g.add_argument("--attn-num-splits", type=parse_attn_splits, default=None, metavar="N | ROWS:N,...",
+                   help="decode attention kernel: key splits per row, for every decode batch (N) or per decode "
+                        "row bucket (e.g. 32:1,64:1; the buckets not named keep the default); default: "
+                        "picked per batch bucket")
     g.add_argument("--matmul-impl", default="auto", choices=MATMUL_IMPLS,
                    help="decode projections: auto = on GPU, q|k|v and o of <= 16 decode rows on the "
                         "weight-streaming Pallas kernel, XLA's dot for the rest; xla = XLA's dot; "
@@ -77,6 +79,23 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="compile batch shapes on first use instead of at start-up")
     g.add_argument("--compilation-cache-dir", default=str(default_cache_dir()),
                    help="XLA persistent compilation cache ('' disables it)")
+
+
+def parse_attn_splits(text: str):
+    """'N' -> N; 'ROWS:N,ROWS:N' -> {ROWS: N, ...} (values are checked by ExecutionConfig)."""
+    try:
+        if ":" not in text:
+            return int(text)
+        pairs = [item.split(":") for item in text.split(",")]
+        if any(len(pair) != 2 for pair in pairs):
+            raise ValueError
+        splits = {int(rows): int(n) for rows, n in pairs}
+        if len(splits) != len(pairs):
+            raise ValueError
+        return splits
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected N or ROWS:N[,ROWS:N...] with each ROWS once, "
+                                         f"e.g. 32:1,64:1") from None
 
 
 def parse_xla_options(items: list[str]) -> dict:

@@ -20,6 +20,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from rltjax.benchmarks.depth_trace import closed_loop_passes
+
 PERCENTILES = (50, 95, 99)
 
 
@@ -95,7 +97,6 @@ def pass_occupancy(timings: Sequence[RequestTiming], loop_passes: int, wall_s: f
     scheduler (``depth_trace.closed_loop_passes``): what the drain alone leaves, so
     occupancy / perfect_occupancy is the engine's own share. ``rows``: the concurrency.
     None without passes or recorded exit depths."""
-    from rltjax.benchmarks.depth_trace import closed_loop_passes
     work = [int(sum(t.exit_depths[1:])) for t in timings if t.ok and t.exit_depths]
     row_passes = sum(work)
     if not loop_passes or not row_passes or rows < 1:

@@ -155,7 +155,7 @@ def run_benchmark(args, argv: list[str]) -> dict:
                                             summary["output_throughput"], args.bandwidth)
             mismatches = sum(t.ok and t.output_tokens != r.output_len for t, r in zip(timings, reqs))
             steps = dict(engine.steps_by_kind) if engine is not None else None
-            passes = steps and steps.get("window_passes", 0) + steps.get("loop", 0)
+            passes = (steps or {}).get("window_passes", 0) + (steps or {}).get("loop", 0)
             run = dict(concurrency=c, num_requests=n, summary=summary, roofline=roof,
                        output_len_mismatches=mismatches, per_request=report.per_request(timings),
                        compiles_during_run=compiles.report() if compiles else None, engine_steps=steps,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run a command inside the project's virtual environment, creating it first if needed.
 #   scripts/venv.sh rltjax generate          # the main job
-#   scripts/venv.sh python -m pytest -q      # the tests
+#   scripts/venv.sh python -m pytest -q -n 2 --dist loadfile   # the tests
 # The environment lives in .venv (Python 3.12: JAX 0.11 needs it) and is reinstalled
 # whenever pyproject.toml changes. Extra pip extras: RLTJAX_EXTRAS (default "test").
 set -euo pipefail

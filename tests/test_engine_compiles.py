@@ -79,6 +79,11 @@ def test_warm_up_compiles_in_parallel_then_runs_from_jit_cache(kwargs):
     assert {kind for kind, _ in jobs} >= {"prefill", "loop", "head", "window/greedy", "window/draw",
                                           "window/truncate"}
     assert report.executables == len(jobs) and report.compiled_late == 0, report
+    phases = report.phase_seconds    # the start-up split: its parts add up to the whole
+    assert set(phases) == {"trace_and_lower", "compile_wait", "run"} and min(phases.values()) >= 0
+    assert abs(sum(phases.values()) - report.seconds) < 0.01
+    assert set(report.lower_seconds_by_kind) == {kind.split("/")[0] for kind, _ in jobs}
+    assert sum(report.lower_seconds_by_kind.values()) <= phases["trace_and_lower"] + 0.01
     with compile_events() as events:     # and steady state compiles nothing either
         engine.add_request("a", TOKENS[:6], greedy(4))
         while engine.has_unfinished_requests():

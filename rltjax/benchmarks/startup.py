@@ -58,7 +58,7 @@ def build_engine_from_args(args, *, max_num_seqs: int, max_model_len: int, cache
     import jax
 
     from checkpoints.random_init import random_checkpoint
-    from rltjax.entrypoints.llm import build_engine
+    from rltjax.entrypoints.llm import build_engine, setup_compilation_cache
 
     configs = configs_from_args(args)
     if exit_config is not None:
@@ -73,6 +73,9 @@ def build_engine_from_args(args, *, max_num_seqs: int, max_model_len: int, cache
         engine = build_engine(args.model, **configs)
     else:
         cfg, dtype = model_config(args)
+        # the random weights stand in for loading a checkpoint; their draw's compile comes from
+        # the persistent cache in a warm start, as every engine executable's does
+        setup_compilation_cache(configs["execution_config"].compilation_cache_dir)
         # no reference kept here: the engine keeps one (split) copy of the weights
         engine = build_engine(None, params=jax.block_until_ready(random_checkpoint(cfg, seed=0, dtype=dtype)),
                               cfg=cfg, **{k: v for k, v in configs.items() if k not in ("dtype", "hf_overrides")})
@@ -82,6 +85,8 @@ def build_engine_from_args(args, *, max_num_seqs: int, max_model_len: int, cache
                         engine.compile_seconds, compile_ahead=configs["execution_config"].compile_ahead,
                         executables=engine.warm_up.executables if engine.warm_up else 0,
                         compiled_late=engine.warm_up.compiled_late if engine.warm_up else 0,
+                        compile_phases=engine.warm_up.phase_seconds if engine.warm_up else {},
+                        lower_seconds_by_kind=engine.warm_up.lower_seconds_by_kind if engine.warm_up else {},
                         engine=dict(max_num_seqs=sched.config.max_num_seqs, max_model_len=sched.max_model_len,
                                     num_pages=sched.allocator.num_pages, page_size=sched.page_size,
                                     num_planes=sched.num_planes, kv_layout=engine.cache_config.kv_layout,

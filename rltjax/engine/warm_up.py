@@ -40,6 +40,11 @@ class WarmUp(NamedTuple):
     seconds: float         # both passes
     executables: int       # compiled (or loaded from the persistent cache) in the record pass
     compiled_late: int     # compiled in the run pass: 0 unless jit's cache missed
+    # where the seconds went: tracing and lowering on this thread (record pass), waiting for
+    # the pool's compiles after it, and the run pass; and the tracing and lowering by
+    # executable kind ("window", "prefill", ...): with a warm cache that is most of it
+    phase_seconds: dict[str, float] = {}
+    lower_seconds_by_kind: dict[str, float] = {}
 
 
 def warm_up(runner, block_tables: np.ndarray, boundary_block_tables: np.ndarray | None = None, *,
@@ -51,19 +56,24 @@ def warm_up(runner, block_tables: np.ndarray, boundary_block_tables: np.ndarray 
     real_steps, state = runner.steps, (runner.kv, runner.slot_state, runner.bkv, runner.slot_inject,
                                        runner.slot_tokens)
     futures = []
+    lower_by_kind = defaultdict(float)
     with ThreadPoolExecutor(max_workers=threads) as pool:
         runner.steps = type(real_steps)(*(_recording(step, pool, futures) for step in real_steps))
         try:
             for kind, n in jobs:
+                t_job = time.perf_counter()
                 run_job(runner, kind, n, block_tables, boundary_block_tables)
+                lower_by_kind[kind.split("/")[0]] += time.perf_counter() - t_job
         finally:
             runner.steps = real_steps
             runner.kv, runner.slot_state, runner.bkv, runner.slot_inject, runner.slot_tokens = state
+        t_lowered = time.perf_counter()
         for done, future in enumerate(as_completed(futures), 1):
             future.result()
             if show_progress:
                 print(f"\r[rltjax] compiling {len(futures)} executables on {threads} threads ({done} done)",
                       end="", file=sys.stderr, flush=True)
+    t_compiled = time.perf_counter()
     with CompileWatch() as late:
         for kind, n in jobs:
             run_job(runner, kind, n, block_tables, boundary_block_tables)
@@ -71,7 +81,10 @@ def warm_up(runner, block_tables: np.ndarray, boundary_block_tables: np.ndarray 
     elapsed = time.perf_counter() - t0
     if show_progress:
         print(f"\r[rltjax] compiled {len(futures)} executables in {elapsed:.1f}s" + " " * 20, file=sys.stderr)
-    return WarmUp(elapsed, len(futures), late.count)
+    phases = dict(trace_and_lower=t_lowered - t0, compile_wait=t_compiled - t_lowered,
+                  run=elapsed - (t_compiled - t0))
+    return WarmUp(elapsed, len(futures), late.count, {k: round(v, 3) for k, v in phases.items()},
+                  {k: round(v, 3) for k, v in lower_by_kind.items()})
 
 
 def bucket_jobs(runner) -> list[tuple[str, int]]:

@@ -133,7 +133,7 @@ def bench_engine(args: argparse.Namespace, outputs: dict) -> dict:
     import jax
 
     from checkpoints.random_init import random_checkpoint
-    from rltjax.entrypoints.llm import build_engine
+    from rltjax.entrypoints.llm import build_engine, setup_compilation_cache
     from rltjax.presets import preset_config
     from rltjax.sampling_params import SamplingParams
 
@@ -147,6 +147,8 @@ def bench_engine(args: argparse.Namespace, outputs: dict) -> dict:
     else:
         cfg = preset_config(args.preset, QUICK_OVERRIDES if args.quick else None)
         dtype = configs["dtype"] or ("float32" if args.quick else "bfloat16")
+        # the draw's compile comes from the persistent cache too, as a warm engine's do
+        setup_compilation_cache(configs["execution_config"].compilation_cache_dir)
         # no reference kept here: the engine keeps one (split) copy of the weights
         engine = build_engine(None, params=random_checkpoint(cfg, seed=0, dtype=dtype), cfg=cfg,
                               **{k: v for k, v in configs.items() if k not in ("dtype", "hf_overrides")})

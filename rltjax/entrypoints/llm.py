@@ -29,7 +29,8 @@ from rltjax.tokenizer import Tokenizer
 Prompt = str | Sequence[int] | Mapping[str, Any]
 
 
-def _setup_compilation_cache(path: str | None) -> None:
+def setup_compilation_cache(path: str | None) -> None:
+    """Point JAX's persistent compilation cache at ``path`` (None or "": leave it as it is)."""
     if path:
         jax.config.update("jax_compilation_cache_dir", path)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
@@ -46,7 +47,7 @@ def build_engine(model_dir, *, dtype=None, hf_overrides=None, cache_config: Cach
     scheduler_config = scheduler_config or SchedulerConfig()
     exit_config = exit_config or ExitConfig()
     execution_config = execution_config or ExecutionConfig()
-    _setup_compilation_cache(execution_config.compilation_cache_dir)
+    setup_compilation_cache(execution_config.compilation_cache_dir)
     if params is None:
         ckpt = load_checkpoint(model_dir, dtype=dtype, hf_overrides=hf_overrides)
         cfg, params = ckpt.cfg, ckpt.params

@@ -150,13 +150,21 @@ def _recording(step, pool: ThreadPoolExecutor, futures: list):
 
 def _stand_ins(out_info, args):
     """Arrays shaped like the outputs: input arrays of the same shape and dtype, taken in
-    order (the donated state comes back as itself), else zeros."""
+    order (the donated state comes back as itself), else zeros on the inputs' device."""
     spare = defaultdict(deque)
+    device = None
     for leaf in jax.tree.leaves(args):
         if isinstance(leaf, jax.Array):
             spare[(leaf.shape, leaf.dtype)].append(leaf)
+            device = device or next(iter(leaf.devices()))
 
     def one(info):
         queue = spare[(tuple(info.shape), info.dtype)]
-        return queue.popleft() if queue else jnp.zeros(info.shape, info.dtype)
+        if queue:
+            return queue.popleft()
+        if jax.dtypes.issubdtype(info.dtype, jax.dtypes.extended):
+            return jnp.zeros(info.shape, info.dtype)
+        # a host copy, not jnp.zeros: that compiles an executable per shape (~40 small compiles
+        # on the start-up thread, none of them cached on disk)
+        return jax.device_put(np.zeros(info.shape, info.dtype), device)
     return jax.tree.map(one, out_info)

@@ -48,15 +48,19 @@ def _kernel(x_ref, y_ref, post_ref, next_ref, x_out_ref, h_ref, *, eps: float):
     row = pl.program_id(0)
     dtype, dim = x_ref.dtype, x_ref.shape[-1]
     f32 = jnp.float32
+    # Every load is issued first: a load after a reduction's barrier cannot be moved above
+    # it, so loaded where they are used the four reads would wait on each other in turn.
+    y, x = plgpu.load(y_ref.at[row, :]), plgpu.load(x_ref.at[row, :])
+    post_w, next_w = plgpu.load(post_ref), plgpu.load(next_ref)
 
-    def norm(v32, weight_ref):     # rms_norm: float32 terms, rounded where the reference rounds
+    def norm(v32, weight):     # rms_norm: float32 terms, rounded where the reference rounds
         unit = (v32 * jax.lax.rsqrt(jnp.sum(v32 * v32) / dim + eps)).astype(dtype)
-        return (plgpu.load(weight_ref).astype(f32) * unit.astype(f32)).astype(dtype)
+        return (weight.astype(f32) * unit.astype(f32)).astype(dtype)
 
-    branch = norm(plgpu.load(y_ref.at[row, :]).astype(f32), post_ref)
-    x_new = (plgpu.load(x_ref.at[row, :]).astype(f32) + branch.astype(f32)).astype(dtype)
+    branch = norm(y.astype(f32), post_w)
+    x_new = (x.astype(f32) + branch.astype(f32)).astype(dtype)
     plgpu.store(x_out_ref.at[row, :], x_new)
-    plgpu.store(h_ref.at[row, :], norm(x_new.astype(f32), next_ref))
+    plgpu.store(h_ref.at[row, :], norm(x_new.astype(f32), next_w))
 
 
 def kernel_unsupported(x, *weights) -> str | None:

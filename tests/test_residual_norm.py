@@ -79,6 +79,12 @@ def test_lowers_to_triton(lower_to_triton, dim, dtype):
     ir = lower_to_triton(lambda *a: residual_norm(*a, EPS, impl="pallas"), sd((8, dim), dtype),
                          sd((8, dim), dtype), sd((dim,), dtype), sd((dim,), dtype))
     assert "tt.func" in ir and ir.count("tt.store") == 2 and "tt.reduce" in ir
+    # the four input reads (x, y and both weights) are issued before the first reduction,
+    # whose barrier no later load can move above: they wait for memory together, not one
+    # after another (the loads after it are the stores' own, on the output pointers)
+    lines = ir.splitlines()
+    first_reduce = next(i for i, line in enumerate(lines) if "tt.reduce" in line)
+    assert sum("tt.load" in line for line in lines[:first_reduce]) == 4, ir
 
 
 @pytest.mark.gpu

@@ -92,6 +92,21 @@ def test_warm_up_compiles_in_parallel_then_runs_from_jit_cache(kwargs):
     assert_all_pages_free(engine)
 
 
+def test_warm_up_compiles_only_the_executables_it_hands_to_the_pool():
+    """Start-up compiles one executable per bucket job and nothing else: the stand-in outputs
+    of the record pass must not compile (jnp.zeros did, one small executable per shape, on the
+    start-up thread and never cached on disk)."""
+    from rltjax.benchmarks.compile_watch import CompileWatch
+    from rltjax.engine.warm_up import bucket_jobs, warm_up
+    engine = make_engine(compile_ahead=False, max_num_seqs=2, decode_window=3)
+    jax.clear_caches()     # nothing this process compiled before can hide a compile here
+    with CompileWatch() as watch:
+        report = warm_up(engine.runner, engine.batches.block_tables(), engine.batches.boundary_tables(),
+                         show_progress=False)
+    assert report.executables == len(bucket_jobs(engine.runner)) and report.compiled_late == 0
+    assert watch.count == report.executables, watch.events
+
+
 def test_first_steps_after_warm_up_do_not_compile():
     """A fresh engine's first batches (a 1-token prefill first) reuse the warm-up executables:
     the state arrays the steps replace are committed to the device before warm-up."""

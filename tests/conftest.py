@@ -1,12 +1,10 @@
 """Shared fixtures: the tiny upstream checkpoints and their reference outputs."""
 from __future__ import annotations
 
-import atexit
 import functools
-import os
-import shutil
-import tempfile
 from pathlib import Path
+
+import os
 
 import jax
 import numpy as np
@@ -21,17 +19,11 @@ settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
-# Each test process gets a persistent compilation cache of its own, empty when it starts and
-# removed when it ends: many tests build new engines of the same shapes, and their
-# executables then load from it instead of compiling again (about a quarter of the suite's
-# time on a 2-core machine). JAX fixes a process's cache directory at its first compile, so
-# an engine built later with another directory (ExecutionConfig's default is under the
-# user's home) cannot redirect it: nothing outside this run is read or written. Tests of the
-# cache itself run the engine in child processes with directories of their own.
-_TEST_CACHE_DIR = tempfile.mkdtemp(prefix="rltjax-test-xla-")
-atexit.register(shutil.rmtree, _TEST_CACHE_DIR, ignore_errors=True)
-jax.config.update("jax_compilation_cache_dir", _TEST_CACHE_DIR)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.05)
+# JAX's persistent compilation cache is process-wide: once one test builds an engine with a
+# cache directory (ExecutionConfig's default), every later compile in this process would be
+# written to it and read back by later tests, so results would depend on test order and on
+# what earlier runs left there. Tests of the cache itself run the engine in child processes.
+jax.config.update("jax_enable_compilation_cache", False)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -195,3 +195,41 @@ def test_source_digest_names_the_code_not_the_git_metadata(tmp_path):
     engine = b / "rltjax" / "engine" / "runner.py"
     engine.write_text(engine.read_text() + "\n")
     assert source_digest(b) != source_digest(a)
+
+
+class _Built(Exception):
+    """Raised by the stand-in build_engine: the order of calls up to it is what is checked."""
+
+
+@pytest.mark.parametrize("builder", ["startup", "bench"])
+def test_random_weights_are_drawn_with_the_compilation_cache_set(monkeypatch, tmp_path, builder):
+    """The benchmarks' random weights stand in for loading a checkpoint: their draw must be
+    compiled (cold) or loaded (warm) through the persistent cache like every engine
+    executable, so the cache directory is set before the draw."""
+    import argparse
+
+    import checkpoints.random_init
+    import rltjax.entrypoints.llm as llm
+    calls = []
+    monkeypatch.setattr(llm, "setup_compilation_cache", lambda path: calls.append(("cache", path)))
+    monkeypatch.setattr(checkpoints.random_init, "random_checkpoint",
+                        lambda cfg, seed=0, dtype=None: calls.append(("draw", seed)))
+
+    def build(*a, **k):
+        raise _Built
+    monkeypatch.setattr(llm, "build_engine", build)
+    cache = str(tmp_path / "xla")
+    p = argparse.ArgumentParser()
+    if builder == "startup":
+        from rltjax.benchmarks.startup import add_model_arguments, build_engine_from_args
+        add_model_arguments(p)
+        args = p.parse_args(["--quick", "--compilation-cache-dir", cache])
+        run = lambda: build_engine_from_args(args, max_num_seqs=2, max_model_len=64)   # noqa: E731
+    else:
+        from rltjax.entrypoints.bench import add_bench_arguments, bench_engine
+        add_bench_arguments(p)
+        args = p.parse_args(["--quick", "--concurrency", "1", "--compilation-cache-dir", cache])
+        run = lambda: bench_engine(args, {})   # noqa: E731
+    with pytest.raises(_Built):
+        run()
+    assert calls == [("cache", cache), ("draw", 0)]

@@ -21,6 +21,11 @@ attention kernels: a per-layer slice handed to a custom call would make XLA copy
 layer's weight first. Blocks: block_n, block_k powers of two dividing N and K
 (validated by `kernels.skinny_matmul`). float32 dots run at IEEE precision (Triton's
 default would be TF32).
+
+``gated_up_pallas`` is the same stream over two weights of one shape at once, the gate and
+up projections of a SwiGLU MLP: each program owns one column tile of both and writes
+silu(gate) * up for it, so the activation needs no kernel of its own (on an H200 it was
+1.6 us a layer at 8 rows, its own launch and a round trip of both products).
 """
 from __future__ import annotations
 
@@ -84,6 +89,27 @@ def _kernel(layer_ref, x_ref, w_ref, o_ref, *, block_n: int, block_k: int, steps
         o_ref[split, :, cols] = acc
 
 
+def _gated_kernel(layer_ref, x_ref, wg_ref, wu_ref, o_ref, *, block_n: int, block_k: int, steps: int):
+    j = pl.program_id(0)
+    layer = layer_ref[0]
+    cols = pl.ds(j * block_n, block_n)
+    m, dtype = x_ref.shape[0], x_ref.dtype
+
+    def body(i, accs):
+        k0 = i * block_k
+        xs = _to_dot_rows(x_ref[:, pl.ds(k0, block_k)])                    # [16, bk]
+        gate = plgpu.dot(xs, wg_ref[layer, pl.ds(k0, block_k), cols], precision=_precision(dtype))
+        up = plgpu.dot(xs, wu_ref[layer, pl.ds(k0, block_k), cols], precision=_precision(dtype))
+        return accs[0] + gate, accs[1] + up                               # [16, bn] f32 each
+
+    zeros = jnp.zeros((max(m, DOT_ROWS), block_n), jnp.float32)
+    gate, up = jax.lax.fori_loop(0, steps, body, (zeros, zeros))
+    # each product rounded to x's dtype as the two projections' outputs are, then
+    # silu(gate) * up in float32 and rounded once (XLA's fusion of the pair's elementwise ops)
+    gate, up = (_from_dot_rows(a, m).astype(dtype).astype(jnp.float32) for a in (gate, up))
+    o_ref[:, cols] = (gate / (1.0 + jnp.exp(-gate)) * up).astype(o_ref.dtype)
+
+
 def _layer_spec(shape):
     return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
 
@@ -114,3 +140,25 @@ def skinny_matmul_pallas(x, w, layer, *, block_n: int, block_k: int, k_splits: i
         interpret=interpret,
         name=f"rlt_skinny_bn{block_n}_bk{block_k}_s{k_splits}",
     )(layer, x.astype(w.dtype), w)
+
+
+@functools.partial(jax.jit, static_argnames=("block_n", "block_k", "num_warps", "num_stages", "interpret"))
+def gated_up_pallas(x, w_gate, w_up, layer, *, block_n: int, block_k: int, num_warps: int = 2,
+                    num_stages: int = 3, interpret: bool = False):
+    """x [M, K] (M a power of two), w_gate, w_up [L, K, F], layer [1] int32 ->
+    silu(x @ w_gate[layer]) * (x @ w_up[layer]) [M, F] in x's dtype. One pass over K."""
+    m, k = x.shape
+    if m < 1 or m & (m - 1):
+        raise ValueError(f"gated_up_pallas: x has {m} rows; the kernel takes a power of two (gated_up pads)")
+    f = w_gate.shape[-1]
+    out_shape = jax.ShapeDtypeStruct((m, f), x.dtype)
+    return pl.pallas_call(
+        functools.partial(_gated_kernel, block_n=block_n, block_k=block_k, steps=k // block_k),
+        grid=(f // block_n,),
+        in_specs=[_layer_spec((1,)), _layer_spec(x.shape), _layer_spec(w_gate.shape), _layer_spec(w_up.shape)],
+        out_specs=_layer_spec(out_shape.shape),
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"rlt_gated_up_bn{block_n}_bk{block_k}",
+    )(layer, x.astype(w_gate.dtype), w_gate, w_up)

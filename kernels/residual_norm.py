@@ -3,6 +3,11 @@
     x_new = x + rms_norm(y, post_weight)       x, y: [N, D] -> x_new [N, D]
     h     = rms_norm(x_new, next_weight)                    -> h [N, D]
 
+y may also come as [S, N, D] partial sums (a split-K projection's, unreduced:
+``kernels.skinny_matmul``'s ``partial_sums``): y is then their sum in float32, in order,
+rounded to x's dtype, and the kernel adds them up as it reads them, in place of a
+reduction kernel between the two.
+
 ``rms_norm`` is the models' (upstream) numerics: normalise in float32, cast to the
 activation dtype, then scale by the weight in that dtype. Ouro runs this twice a layer
 (after attention: the MLP's pre-norm; after the MLP: the next layer's, or the model's
@@ -35,8 +40,18 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * y.astype(x.dtype)
 
 
+def sum_partials(y: jax.Array, dtype) -> jax.Array:
+    """[S, N, D] partial sums -> [N, D]: added in float32 in order, rounded once to dtype."""
+    total = y[0].astype(jnp.float32)
+    for part in y[1:]:
+        total = total + part.astype(jnp.float32)
+    return total.astype(dtype)
+
+
 def residual_norm_ref(x, y, post_weight, next_weight, eps: float):
-    """The pure-XLA path and the kernel's oracle -> (x_new, h)."""
+    """The pure-XLA path and the kernel's oracle -> (x_new, h). y [N, D] or [S, N, D] partials."""
+    if y.ndim == 3:
+        y = sum_partials(y, x.dtype)
     # x_new is materialised (a barrier): left to itself XLA fused chains of adds and norms
     # across layers into the next norm's kernel and recomputed them there (3-5 us kernels
     # instead of ~1.5 us on an H200).
@@ -50,8 +65,16 @@ def _kernel(x_ref, y_ref, post_ref, next_ref, x_out_ref, h_ref, *, eps: float):
     f32 = jnp.float32
     # Every load is issued first: a load after a reduction's barrier cannot be moved above
     # it, so loaded where they are used the four reads would wait on each other in turn.
-    y, x = plgpu.load(y_ref.at[row, :]), plgpu.load(x_ref.at[row, :])
+    if len(y_ref.shape) == 3:     # partial sums: all S read up front, then added in order
+        parts = [plgpu.load(y_ref.at[jnp.int32(s), row, :]) for s in range(y_ref.shape[0])]
+    else:
+        parts = [plgpu.load(y_ref.at[row, :])]
+    x = plgpu.load(x_ref.at[row, :])
     post_w, next_w = plgpu.load(post_ref), plgpu.load(next_ref)
+    y = parts[0].astype(f32)
+    for part in parts[1:]:
+        y = y + part.astype(f32)
+    y = y.astype(dtype)
 
     def norm(v32, weight):     # rms_norm: float32 terms, rounded where the reference rounds
         unit = (v32 * jax.lax.rsqrt(jnp.sum(v32 * v32) / dim + eps)).astype(dtype)
@@ -96,9 +119,10 @@ def residual_norm(x: jax.Array, y: jax.Array, post_weight: jax.Array, next_weigh
     """(x + rms_norm(y, post_weight), rms_norm(of that, next_weight)): x, y [N, D], weights [D]."""
     if impl not in ("auto", "xla", "pallas"):
         raise ValueError(f"residual_norm: impl: expected 'auto', 'xla' or 'pallas', got {impl!r}")
-    if x.ndim != 2 or y.shape != x.shape or y.dtype != x.dtype:
-        raise ValueError(f"residual_norm: x, y: expected one [N, D] shape and dtype, got "
-                         f"{x.dtype} {x.shape} and {y.dtype} {y.shape}")
+    partials = y.ndim == 3 and y.shape[1:] == x.shape and y.dtype in (x.dtype, jnp.float32) and y.shape[0] >= 1
+    if x.ndim != 2 or not (partials or (y.shape == x.shape and y.dtype == x.dtype)):
+        raise ValueError(f"residual_norm: x, y: expected one [N, D] shape and dtype (or y as [S, N, D] "
+                         f"partial sums in float32 or x's dtype), got {x.dtype} {x.shape} and {y.dtype} {y.shape}")
     for name, w in (("post_weight", post_weight), ("next_weight", next_weight)):
         if w.shape != x.shape[-1:]:
             raise ValueError(f"residual_norm: {name}: expected [{x.shape[-1]}], got {w.shape}")

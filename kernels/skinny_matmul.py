@@ -1,6 +1,9 @@
 """Projections at decode batch sizes: the one public entry point, validated, dispatching by impl.
 
     skinny_matmul(x [M, K], w [K, N] or [L, K, N], layer=None) -> [M, N] in x's dtype
+    skinny_matmul(..., partial_sums=True) -> [S, M, N]: S K-splits' sums, for a consumer
+        that adds them up itself (``kernels.residual_norm``), so no reduction kernel runs
+    gated_up(x [M, K], w_gate, w_up [K, F] or [L, K, F], layer=None) -> silu(x @ w_gate) * (x @ w_up)
 
 Semantics: x @ w[layer] with float32 accumulation (`skinny_matmul_ref`). impl:
   "xla"    the reference, XLA's own dot (any backend, any shape);
@@ -23,7 +26,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels.pallas_skinny import choose_splits, skinny_matmul_pallas
+from kernels.pallas_skinny import choose_splits, gated_up_pallas, skinny_matmul_pallas
 from kernels.triton_common import next_pow2
 
 MAX_ROWS = 64           # beyond this XLA's tiled GEMMs fill the GPU by themselves
@@ -36,6 +39,22 @@ def skinny_matmul_ref(x: jax.Array, w: jax.Array, layer=None) -> jax.Array:
     if w.ndim == 3:
         w = jax.lax.dynamic_index_in_dim(w, jnp.asarray(layer, jnp.int32).reshape(()), keepdims=False)
     return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def gated_up_ref(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, layer=None) -> jax.Array:
+    """silu(x @ w_gate[layer]) * (x @ w_up[layer]) [M, F] in x's dtype: a SwiGLU MLP's
+    activation, each product rounded to x's dtype first (as two projections are)."""
+    return jax.nn.silu(skinny_matmul_ref(x, w_gate, layer)) * skinny_matmul_ref(x, w_up, layer)
+
+
+def check_operands(name: str, x, w, layer) -> None:
+    """x [M, K] against a weight [K, N] (layer None) or a stacked [L, K, N] (layer given)."""
+    if x.ndim != 2 or w.ndim not in (2, 3):
+        raise ValueError(f"{name}: x must be [M, K] and w [K, N] or [L, K, N]; got {x.shape}, {w.shape}")
+    if x.shape[1] != w.shape[-2]:
+        raise ValueError(f"{name}: x has K={x.shape[1]} but w has K={w.shape[-2]}")
+    if (w.ndim == 3) != (layer is not None):
+        raise ValueError(f"{name}: a stacked [L, K, N] weight needs layer=, a [K, N] one must not get it")
 
 
 def fit_block(dim: int, preferred: int) -> int | None:
@@ -92,27 +111,26 @@ def kernel_config(m: int, k: int, n: int, block_n: int | None = None, block_k: i
 
 def skinny_matmul(x: jax.Array, w: jax.Array, layer=None, *, impl: str = "xla", interpret: bool = False,
                   block_n: int | None = None, block_k: int | None = None, k_splits: int | None = None,
-                  num_warps: int | None = None, num_stages: int | None = None) -> jax.Array:
+                  num_warps: int | None = None, num_stages: int | None = None,
+                  partial_sums: bool = False) -> jax.Array:
     """x [M, K] @ w [K, N] (or w[layer] of a stacked [L, K, N]; layer an int32 scalar, may be
-    traced) -> [M, N] in x's dtype. The keyword sizes override `kernel_config` (tuning)."""
+    traced) -> [M, N] in x's dtype. The keyword sizes override `kernel_config` (tuning).
+    partial_sums: -> [S, M, N], whose sum over S in float32, rounded to x's dtype, is the
+    product: the kernel's S K-splits' float32 sums unreduced (S = 1: the product itself)."""
     if impl not in IMPLS:
         raise ValueError(f"skinny_matmul: impl: choose one of {IMPLS}, got {impl!r}")
-    if x.ndim != 2 or w.ndim not in (2, 3):
-        raise ValueError(f"skinny_matmul: x must be [M, K] and w [K, N] or [L, K, N]; got {x.shape}, {w.shape}")
-    if x.shape[1] != w.shape[-2]:
-        raise ValueError(f"skinny_matmul: x has K={x.shape[1]} but w has K={w.shape[-2]}")
-    if (w.ndim == 3) != (layer is not None):
-        raise ValueError("skinny_matmul: a stacked [L, K, N] weight needs layer=, a [K, N] one must not get it")
+    check_operands("skinny_matmul", x, w, layer)
     why_not = kernel_unsupported(x, w, block_n or 16, block_k or 16)
     if impl == "pallas" and why_not:
         raise ValueError(f"skinny_matmul: {why_not}")
     if k_splits is not None and k_splits < 1:
         raise ValueError(f"skinny_matmul: k_splits={k_splits} must be >= 1")
     if impl == "xla":
-        return skinny_matmul_ref(x, w, layer)
+        out = skinny_matmul_ref(x, w, layer)
+        return out[None] if partial_sums else out
     (m, k), n = x.shape, w.shape[-1]
     if m == 0:
-        return jnp.zeros((0, n), x.dtype)
+        return jnp.zeros((1, 0, n) if partial_sums else (0, n), x.dtype)
     # the kernel's tiles take power-of-two rows (the engine's buckets are); others are padded here
     rows = next_pow2(m)
     config = kernel_config(rows, k, n, block_n, block_k, k_splits, num_warps, num_stages)
@@ -124,6 +142,55 @@ def skinny_matmul(x: jax.Array, w: jax.Array, layer=None, *, impl: str = "xla", 
     if w.ndim == 2:
         w, layer = w[None], 0
     out = skinny_matmul_pallas(xp, w, jnp.asarray(layer, jnp.int32).reshape(1), interpret=interpret, **config)
+    if partial_sums:
+        out = out if config["k_splits"] > 1 else out[None]
+        return out if rows == m else out[:, :m]
     if config["k_splits"] > 1:
         out = out.sum(axis=0).astype(x.dtype)
     return out[:m]
+
+
+def gated_config(m: int, k: int, f: int, block_n: int | None = None, block_k: int | None = None,
+                 num_warps: int | None = None, num_stages: int | None = None) -> dict:
+    """``gated_up``'s blocks, warps and stages: one pass over K (measured on an H200 at Ouro's
+    2048 x 5632 pair, docs/performance.md); each K step loads two weight tiles, so the
+    stages are those of a single product at twice the tile."""
+    bn, bk, warps, stages = 32, 128, 4, 4
+    if m > 16:
+        stages = 2 if m >= 64 else 3
+    return dict(block_n=fit_block(f, block_n or bn), block_k=fit_block(k, block_k or bk),
+                num_warps=num_warps or warps, num_stages=num_stages or stages)
+
+
+def gated_up(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, layer=None, *, impl: str = "xla",
+             interpret: bool = False, **config) -> jax.Array:
+    """silu(x @ w_gate) * (x @ w_up): x [M, K], weights [K, F] (or stacked [L, K, F] with layer)
+    -> [M, F] in x's dtype. impl "pallas": both products in one kernel, which also applies the
+    activation (K up to SINGLE_PASS_MAX_K: one pass); config overrides ``gated_config``."""
+    if impl not in IMPLS:
+        raise ValueError(f"gated_up: impl: choose one of {IMPLS}, got {impl!r}")
+    if w_gate.shape != w_up.shape or w_gate.dtype != w_up.dtype:
+        raise ValueError(f"gated_up: w_gate and w_up must share a shape and dtype, got "
+                         f"{w_gate.dtype} {w_gate.shape} and {w_up.dtype} {w_up.shape}")
+    check_operands("gated_up", x, w_gate, layer)
+    if impl == "xla":
+        return gated_up_ref(x, w_gate, w_up, layer)
+    if why_not := gated_unsupported(x, w_gate):
+        raise ValueError(f"gated_up: {why_not}")
+    (m, k), f = x.shape, w_gate.shape[-1]
+    if m == 0:
+        return jnp.zeros((0, f), x.dtype)
+    rows = next_pow2(m)
+    xp = jnp.pad(x, ((0, rows - m), (0, 0))) if rows != m else x
+    if w_gate.ndim == 2:
+        w_gate, w_up, layer = w_gate[None], w_up[None], 0
+    out = gated_up_pallas(xp, w_gate, w_up, jnp.asarray(layer, jnp.int32).reshape(1), interpret=interpret,
+                          **gated_config(rows, k, f, **config))
+    return out[:m]
+
+
+def gated_unsupported(x, w_gate) -> str | None:
+    """Why ``gated_up``'s kernel cannot take these shapes / dtypes (None when it can)."""
+    if x.shape[1] > SINGLE_PASS_MAX_K:
+        return f"K={x.shape[1]}: the kernel makes one pass over K, up to {SINGLE_PASS_MAX_K}"
+    return kernel_unsupported(x, w_gate)

@@ -20,10 +20,7 @@ import argparse
 import itertools
 import json
 import os
-import statistics
 import sys
-import tempfile
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -31,7 +28,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from kernels.skinny_matmul import fit_block, kernel_config, kernel_unsupported, skinny_matmul  # noqa: E402
-from rltjax.benchmarks.kernel_trace import device_kernels, kernel_time_per_call, load_events  # noqa: E402
+from rltjax.benchmarks.kernel_trace import median_call_us  # noqa: E402
 
 SHAPES = {"qkv": (2048, 6144), "o": (2048, 2048), "gate": (2048, 5632), "down": (5632, 2048),
           "lm_head": (2048, 49152), "tiny": (64, 96)}
@@ -39,24 +36,7 @@ SHAPES = {"qkv": (2048, 6144), "o": (2048, 2048), "gate": (2048, 5632), "down": 
 
 def per_layer_us(fn, xs, ws, iters: int) -> float:
     """Median time of one call over all layers, divided by the layer count (microseconds)."""
-    jax.block_until_ready(fn(xs, ws))
-    if jax.default_backend() != "gpu":
-        times = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(xs, ws))
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times) * 1e6 / len(ws)
-    with tempfile.TemporaryDirectory() as trace_dir:
-        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-            for _ in range(iters):
-                jax.block_until_ready(fn(xs, ws))
-                time.sleep(0.002)            # an idle gap the trace splits calls at
-        kernels = device_kernels(load_events(trace_dir))
-    per_call = kernel_time_per_call(kernels)
-    if len(per_call) != iters:
-        raise RuntimeError(f"bench_skinny: the trace split into {len(per_call)} calls, expected {iters}")
-    return statistics.median(per_call) / len(ws)
+    return median_call_us(fn, (xs, ws), iters) / len(ws)
 
 
 def projection(impl: str, interpret: bool, **config):

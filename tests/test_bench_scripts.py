@@ -233,3 +233,17 @@ def test_random_weights_are_drawn_with_the_compilation_cache_set(monkeypatch, tm
     with pytest.raises(_Built):
         run()
     assert calls == [("cache", cache), ("draw", 0)]
+
+
+def test_bench_mlp_quick(tmp_path):
+    out = tmp_path / "mlp.json"
+    run_script("bench_mlp.py", "--quick", "--sweep", "--out", str(out))
+    rows = json.loads(out.read_text())["results"]
+    assert [r["rows"] for r in rows] == [1, 4]
+    for r in rows:
+        assert r["xla"]["up"] > 0 and r["xla"]["down"] > 0
+        halves = [(c["half"], c["label"]) for c in r["kernel"]]
+        assert halves == [("up", "config"), ("down", "config"), ("up", "sweep"), ("down", "sweep")]
+        # the fused kernels' outputs against XLA's path: the activation, and (x_new, h) of the norm
+        assert all(c["rel_err_vs_xla"] < 1e-2 and c["us"] > 0 for c in r["kernel"])
+        assert r["kernel"][3]["k_splits"] == 2          # the sweep's split point reached the norm

@@ -81,15 +81,17 @@ def test_kernel_engine_matches_reference_with_aligned_prefill(small_ouro):
 
 def test_auto_matmul_and_set_splits(small_ouro, monkeypatch):
     """matmul_impl "auto" as on a GPU: the decode rows' q|k|v and o projections (and only those
-    shapes) go through the weight-streaming kernel; attn_num_splits reaches the decode
+    shapes) go through the weight-streaming kernel, the MLP through its fused kernels; attn_num_splits reaches the decode
     attention kernel (per row bucket: max_num_seqs 2 gives one, of 2 rows); the engine still
     equals the oracle."""
     import jax
     from kernels import pallas_triton, skinny_matmul as sm
     cfg, params = small_ouro
     shapes, splits = [], []
-    real = sm.skinny_matmul_pallas
+    real, real_gated = sm.skinny_matmul_pallas, sm.gated_up_pallas
     monkeypatch.setattr(sm, "skinny_matmul_pallas", lambda x, w, *a, **k: shapes.append(w.shape[1:]) or real(x, w, *a, **k))
+    monkeypatch.setattr(sm, "gated_up_pallas", lambda x, w, *a, **k: shapes.append(("gated",) + w.shape[1:])
+                        or real_gated(x, w, *a, **k))
     real_attention = pallas_triton.paged_attention_pallas
     monkeypatch.setattr(pallas_triton, "paged_attention_pallas",
                         lambda *a, **k: splits.append(k["num_splits"]) or real_attention(*a, **k))
@@ -110,7 +112,9 @@ def test_auto_matmul_and_set_splits(small_ouro, monkeypatch):
     for _, rid, prompt, sp in arrivals:
         check_equal(outputs[rid], ref.generate(prompt, sp, request_id=rid))
     D, qkv = cfg.hidden_size, cfg.q_width + 2 * cfg.kv_width
-    assert set(shapes) == {(D, qkv), (cfg.q_width, D)}
+    # and the MLP: gate | up with its activation in one kernel, down's partial sums to the norm
+    F = cfg.intermediate_size
+    assert set(shapes) == {(D, qkv), (cfg.q_width, D), ("gated", D, F), (F, D)}
     assert splits and set(splits) == {3}
     assert_all_pages_free(engine)
 
@@ -122,6 +126,7 @@ def test_auto_matmul_stays_on_xla_where_attention_does(small_ouro, monkeypatch):
     cfg, params = small_ouro
     calls = []
     monkeypatch.setattr(sm, "skinny_matmul_pallas", lambda *a, **k: calls.append(a))
+    monkeypatch.setattr(sm, "gated_up_pallas", lambda *a, **k: calls.append(a))
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     engine = build_engine(
         None, params=params, cfg=cfg, cache_config=CacheConfig(kv_layout="last_exited", page_size=8),

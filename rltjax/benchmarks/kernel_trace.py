@@ -20,7 +20,10 @@ import glob
 import gzip
 import json
 import os
+import statistics
 import sys
+import tempfile
+import time
 
 
 def load_events(trace_dir: str) -> list[dict]:
@@ -63,6 +66,29 @@ def kernel_time_per_call(kernels: list[dict], gap_us: float = 1000.0) -> list[fl
         sums[-1] += e["dur"]
         last_end = max(last_end or e["ts"], e["ts"] + e["dur"])
     return sums
+
+
+def median_call_us(fn, args: tuple, iters: int) -> float:
+    """Median time of ``fn(*args)`` in microseconds: on a GPU its kernels' summed durations
+    from a profiler trace (launch gaps and host dispatch are not in it), else wall-clock."""
+    import jax
+    jax.block_until_ready(fn(*args))
+    if jax.default_backend() != "gpu":
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times) * 1e6
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            for _ in range(iters):
+                jax.block_until_ready(fn(*args))
+                time.sleep(0.002)            # an idle gap the trace splits calls at
+        per_call = kernel_time_per_call(device_kernels(load_events(trace_dir)))
+    if len(per_call) != iters:
+        raise RuntimeError(f"median_call_us: the trace split into {len(per_call)} calls, expected {iters}")
+    return statistics.median(per_call)
 
 
 def summarise(kernels: list[dict], per: int = 1, top: int = 15) -> dict:

@@ -39,8 +39,11 @@ class MixedKVBackend:
     prefill: PagedKVBackend
     num_rows: int
 
-    def matmul(self, x, w, layer):
-        return self.prefill.matmul(x, w, layer)
+    def matmul(self, x, w, layer, partial_sums: bool = False):
+        return self.prefill.matmul(x, w, layer, partial_sums)
+
+    def gated_up(self, x, w_gate, w_up, layer):
+        return self.prefill.gated_up(x, w_gate, w_up, layer)
 
     def residual_norm(self, x, y, post_weight, next_weight, eps):
         return self.prefill.residual_norm(x, y, post_weight, next_weight, eps)

@@ -116,7 +116,8 @@ class ModelRunner:
         uses_kernel = attention_uses_kernel(attn_impl, self.cfg, kv)
         self.backend = PagedKVBackend(attn_impl=attn_impl, interpret=interpret, matmul_impl=matmul_impl,
                                       decode_rows=True, num_splits=attn_num_splits,
-                                      kernel_shapes=auto_matmul_shapes(self.cfg) if uses_kernel else ())
+                                      kernel_shapes=auto_matmul_shapes(self.cfg) if uses_kernel else (),
+                                      mlp_kernels=uses_kernel)
         self.prefill_alignment = PREFILL_BLOCK_Q if chunked_prefill and uses_kernel else 1
         # prefill is compute-bound: its projections stay on XLA's dot whatever matmul_impl says
         self.prefill_backend = dataclasses.replace(self.backend, matmul_impl="xla", decode_rows=False,

@@ -62,9 +62,16 @@ class KVBackend(Protocol):
         sandwich layer's residual add and the next pre-norm (``kernels.residual_norm``)."""
         ...
 
-    def matmul(self, x: jax.Array, w: jax.Array, layer: jax.Array) -> jax.Array:
+    def matmul(self, x: jax.Array, w: jax.Array, layer: jax.Array, partial_sums: bool = False) -> jax.Array:
         """A layer's projection: x [N, K] @ w[layer] of a stacked [L, K, N'] weight -> [N, N'] in
-        x's dtype (float32 accumulation). Stacked in, so a kernel can read the layer in place."""
+        x's dtype (float32 accumulation). Stacked in, so a kernel can read the layer in place.
+        partial_sums: the result goes to ``residual_norm`` as its y, which also takes [S, N, N']
+        split-K partial sums; the backend may hand those on unreduced."""
+        ...
+
+    def gated_up(self, x: jax.Array, w_gate: jax.Array, w_up: jax.Array, layer: jax.Array) -> jax.Array:
+        """A SwiGLU MLP's activation: silu(x @ w_gate[layer]) * (x @ w_up[layer]) [N, F], each
+        product rounded to x's dtype (``kernels.skinny_matmul.gated_up_ref``)."""
         ...
 
 

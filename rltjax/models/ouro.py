@@ -22,8 +22,7 @@ import jax.numpy as jnp
 
 from rltjax.config import ModelConfig
 from rltjax.models.base import KVBackend
-from rltjax.models.layers import (SplitLayers, over_layers, project_qkv, projection_source, rms_norm, Rope,
-                                  swiglu)
+from rltjax.models.layers import SplitLayers, over_layers, project_qkv, projection_source, rms_norm, Rope
 from rltjax.models.params import TensorSpec, llama_stack_specs
 
 
@@ -115,7 +114,9 @@ class OuroModel:
             attn = mm(out.reshape(n, cfg.q_width), lw.wo)                     # [N, D]
             # x += post_norm(branch), then the next pre-norm: one kernel on the decode path.
             x, h = backend.residual_norm(x, attn, p.attn_post_norm, p.mlp_norm, cfg.norm_eps)
-            mlp = swiglu(h, mm, lw.w_gate, lw.w_up, lw.w_down)
+            # SwiGLU; down's output may come as split-K partial sums that the norm adds up
+            act = backend.gated_up(h, lw.w_gate, lw.w_up, index)                  # [N, F]
+            mlp = backend.matmul(act, lw.w_down, index, partial_sums=True)       # [(S,) N, D]
             x, h = backend.residual_norm(x, mlp, p.mlp_post_norm, next_norm, cfg.norm_eps)
             return (x, h, kv), None
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels.residual_norm import residual_norm_ref
-from kernels.skinny_matmul import skinny_matmul_ref
+from kernels.skinny_matmul import gated_up_ref, skinny_matmul_ref
 from rltjax.models.layers import causal_softmax_attention
 
 
@@ -49,8 +49,11 @@ class DenseKVBackend:
         idx = (layer, meta.write_plane, meta.positions)
         return DenseKV(kv.k.at[idx].set(k.astype(kv.k.dtype)), kv.v.at[idx].set(v.astype(kv.v.dtype)))
 
-    def matmul(self, x, w, layer):
+    def matmul(self, x, w, layer, partial_sums: bool = False):
         return skinny_matmul_ref(x, w, layer)
+
+    def gated_up(self, x, w_gate, w_up, layer):
+        return gated_up_ref(x, w_gate, w_up, layer)
 
     def residual_norm(self, x, y, post_weight, next_weight, eps):
         return residual_norm_ref(x, y, post_weight, next_weight, eps)

@@ -1,0 +1,177 @@
+"""A SwiGLU MLP on the decode kernels: the gate | up pair with its activation in one kernel
+(``gated_up``) and down's split-K partial sums handed to the residual-norm kernel unreduced
+(``skinny_matmul(partial_sums=True)`` -> ``residual_norm``). Interpret mode against float64
+numpy formulas and the XLA references, lowered to Triton without a GPU, the engine
+backend's choice of path, and on a GPU the compiled kernels at Ouro-1.4B's shapes."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from kernels.residual_norm import residual_norm, residual_norm_ref, sum_partials
+from kernels.skinny_matmul import MAX_ROWS, gated_config, gated_up, gated_up_ref, skinny_matmul
+
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1.2e-2}     # relative Frobenius error vs float64
+EPS = 1e-6
+
+
+def silu_mul64(x, wg, wu):
+    g, u = (np.asarray(x, np.float64) @ np.asarray(w, np.float64) for w in (wg, wu))
+    return g / (1 + np.exp(-g)) * u
+
+
+def rel(got, want):
+    got = np.asarray(got, np.float64)
+    return np.linalg.norm(got - want) / np.linalg.norm(want)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(m=st.integers(1, MAX_ROWS), k_blocks=st.integers(1, 4), f_blocks=st.integers(1, 3),
+       block_k=st.sampled_from([16, 32]), block_n=st.sampled_from([16, 32]), num_layers=st.sampled_from([0, 3]),
+       dtype=st.sampled_from([jnp.float32, jnp.bfloat16]), seed=st.integers(0, 2**16))
+def test_gated_up_matches_float64(m, k_blocks, f_blocks, block_k, block_n, num_layers, dtype, seed):
+    rng = np.random.default_rng(seed)
+    k, f = k_blocks * block_k, f_blocks * block_n
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    shape = (num_layers, k, f) if num_layers else (k, f)
+    wg, wu = (jnp.asarray(rng.standard_normal(shape) / np.sqrt(k), dtype) for _ in range(2))
+    layer = int(rng.integers(num_layers)) if num_layers else None
+    pick = (lambda w: w[layer]) if num_layers else (lambda w: w)       # noqa: E731
+    out = gated_up(x, wg, wu, layer, impl="pallas", interpret=True, block_n=block_n, block_k=block_k)
+    assert out.shape == (m, f) and out.dtype == dtype
+    want = silu_mul64(x, pick(wg), pick(wu))
+    assert rel(out, want) < TOL[dtype]
+    assert rel(gated_up_ref(x, wg, wu, layer), want) < TOL[dtype]       # the XLA path's formula too
+
+
+def test_gated_up_validation():
+    x, w = jnp.ones((4, 64), jnp.float32), jnp.ones((64, 32), jnp.float32)
+    with pytest.raises(ValueError, match="share a shape and dtype"):
+        gated_up(x, w, jnp.ones((64, 48), jnp.float32))
+    with pytest.raises(ValueError, match="needs layer="):
+        gated_up(x, w[None], w[None])
+    with pytest.raises(ValueError, match="one pass over K, up to 2048"):
+        gated_up(jnp.ones((4, 4096), jnp.float32), jnp.ones((4096, 32), jnp.float32),
+                 jnp.ones((4096, 32), jnp.float32), impl="pallas", interpret=True)
+    with pytest.raises(ValueError, match="at most 64"):
+        gated_up(jnp.ones((MAX_ROWS + 1, 64), jnp.float32), w, w, impl="pallas", interpret=True)
+    assert gated_up(jnp.ones((0, 64), jnp.float32), w, w, impl="pallas", interpret=True).shape == (0, 32)
+    assert gated_config(8, 2048, 5632)["block_n"] == 32 and gated_config(64, 2048, 5632)["num_stages"] == 2
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(m=st.integers(1, 9), splits=st.sampled_from([1, 2, 4]), dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
+       seed=st.integers(0, 2**16))
+def test_partial_sums_through_the_residual_norm(m, splits, dtype, seed):
+    """down's K-split sums, unreduced, into the norm: the same (x_new, h) as the reduced
+    product through it, and both the float64 product's up to the dtype's rounding."""
+    rng = np.random.default_rng(seed)
+    k, d = 128, 64
+    act = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    w = jnp.asarray(rng.standard_normal((k, d)) / np.sqrt(k), dtype)
+    x = jnp.asarray(rng.standard_normal((m, d)) * 3, dtype)
+    w1, w2 = (jnp.asarray(rng.uniform(0.5, 2, d), dtype) for _ in range(2))
+    parts = skinny_matmul(act, w, impl="pallas", interpret=True, block_n=16, block_k=32, k_splits=splits,
+                          partial_sums=True)
+    assert parts.shape == (splits, m, d) and parts.dtype == (jnp.float32 if splits > 1 else dtype)
+    y = sum_partials(parts, dtype)
+    assert rel(y, np.asarray(act, np.float64) @ np.asarray(w, np.float64)) < TOL[dtype]
+    want = residual_norm_ref(x, y, w1, w2, EPS)
+    for g, r in zip(residual_norm(x, parts, w1, w2, EPS, impl="xla"), want):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(r, np.float32))
+    step = 2.0 ** -7 if dtype == jnp.bfloat16 else 2.0 ** -20     # the kernel's row sums: another order
+    for g, r in zip(residual_norm(x, parts, w1, w2, EPS, impl="pallas", interpret=True), want):
+        assert g.dtype == dtype and g.shape == (m, d)
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32), rtol=step, atol=step)
+    # the XLA path of the projection hands its product on as one "partial sum"
+    plain = skinny_matmul(act, w, partial_sums=True)
+    assert plain.shape == (1, m, d)
+
+
+def test_partial_sums_are_validated():
+    x = jnp.ones((4, 64), jnp.bfloat16)
+    w = jnp.ones((64,), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"partial sums in float32 or x's dtype"):
+        residual_norm(x, jnp.ones((2, 4, 64), jnp.float16), w, w, EPS, impl="xla")
+    with pytest.raises(ValueError, match=r"\[S, N, D\]"):
+        residual_norm(x, jnp.ones((2, 3, 64), jnp.float32), w, w, EPS, impl="xla")
+
+
+def test_both_kernels_lower_to_triton(lower_to_triton):
+    sd = jax.ShapeDtypeStruct
+    bf = jnp.bfloat16
+    ir = lower_to_triton(lambda x, g, u: gated_up(x, g, u, impl="pallas"), sd((8, 2048), bf), sd((2048, 5632), bf),
+                         sd((2048, 5632), bf))
+    # two products a K step, one store of [8, 32] in bf16: no activation kernel after it
+    assert ir.count("tt.dot") == 2 and ir.count("tt.store") == 1
+    hlo = jax.jit(lambda x, g, u: gated_up(x, g, u, impl="pallas")).trace(
+        sd((8, 2048), bf), sd((2048, 5632), bf), sd((2048, 5632), bf)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "stablehlo.logistic" not in hlo and "stablehlo.multiply" not in hlo
+    # the norm reads its S = 4 partial sums, x and both weights before its first reduction
+    ir = lower_to_triton(lambda x, y, a, b: residual_norm(x, y, a, b, EPS, impl="pallas"), sd((8, 2048), bf),
+                         sd((4, 8, 2048), jnp.float32), sd((2048,), bf), sd((2048,), bf))
+    lines = ir.splitlines()
+    first_reduce = next(i for i, line in enumerate(lines) if "tt.reduce" in line)
+    assert sum("tt.load" in line for line in lines[:first_reduce]) == 4 + 3, ir
+
+
+def test_backend_runs_the_mlp_on_the_kernels_where_auto_says(monkeypatch):
+    """Under "auto" on a GPU, decode rows up to AUTO_MAX_ROWS: gated_up on its kernel, and a
+    projection asked for partial sums hands them on from the split kernel; otherwise XLA."""
+    from kernels import skinny_matmul as sm
+    from rltjax.cache.paged_kv import AUTO_MAX_ROWS, PagedKVBackend
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((8, 64)), jnp.float32)
+    wg, wu = (jnp.asarray(rng.standard_normal((2, 64, 256)) / 8, jnp.float32) for _ in range(2))
+    wd = jnp.asarray(rng.standard_normal((2, 4096, 64)) / 64, jnp.float32)   # K > 2048: split
+    act = jnp.asarray(rng.standard_normal((8, 4096)), jnp.float32)
+    calls = []
+    real_gated, real_split = sm.gated_up_pallas, sm.skinny_matmul_pallas
+    monkeypatch.setattr(sm, "gated_up_pallas", lambda *a, **k: calls.append("gated") or real_gated(*a, **k))
+    monkeypatch.setattr(sm, "skinny_matmul_pallas", lambda *a, **k: calls.append("split") or real_split(*a, **k))
+    auto = PagedKVBackend(attn_impl="pallas", matmul_impl="auto", decode_rows=True, interpret=True, mlp_kernels=True)
+    assert auto.gated_up(x, wg, wu, 1).shape == (8, 256) and auto.matmul(act, wd, 1, partial_sums=True).ndim == 2
+    assert calls == []                                                  # CPU: XLA's dot
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    np.testing.assert_allclose(np.asarray(auto.gated_up(x, wg, wu, 1)), silu_mul64(x, wg[1], wu[1]), rtol=2e-4,
+                               atol=2e-5)
+    parts = auto.matmul(act, wd, 1, partial_sums=True)
+    assert calls == ["gated", "split"] and parts.ndim == 3 and parts.shape[1:] == (8, 64)
+    np.testing.assert_allclose(np.asarray(parts.sum(0)), np.asarray(act, np.float64) @ np.asarray(wd[1], np.float64),
+                               rtol=1e-4, atol=1e-4)
+    assert auto.matmul(act, wd, 1).ndim == 2 and calls[-1] == "split"    # asked for the product
+    del calls[:]
+    big = jnp.ones((AUTO_MAX_ROWS + 1, 64), jnp.float32)
+    for backend, rows in ((auto, big), (dataclasses.replace(auto, decode_rows=False), x),
+                          (dataclasses.replace(auto, matmul_impl="xla"), x),
+                          (dataclasses.replace(auto, mlp_kernels=False), x)):
+        backend.gated_up(rows, wg, wu, 1)
+        assert backend.matmul(jnp.ones((rows.shape[0], 4096), jnp.float32), wd, 1, partial_sums=True).ndim == 2
+    assert calls == []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 8, 16, 32])
+def test_compiled_on_gpu(m):
+    rng = np.random.default_rng(m)
+    bf = jnp.bfloat16
+    x = jnp.asarray(rng.standard_normal((m, 2048)), bf)
+    wg, wu = (jnp.asarray(rng.standard_normal((2, 2048, 5632)) / 45, bf) for _ in range(2))
+    got = jax.jit(lambda *a: gated_up(*a, 1, impl="pallas"))(x, wg, wu)
+    assert rel(got, silu_mul64(x, wg[1], wu[1])) < TOL[bf]
+    act = jnp.asarray(rng.standard_normal((m, 5632)), bf)
+    wd = jnp.asarray(rng.standard_normal((2, 5632, 2048)) / 75, bf)
+    res = jnp.asarray(rng.standard_normal((m, 2048)), bf)
+    w1 = jnp.ones((2048,), bf)
+    fused = jax.jit(lambda a, w, r: residual_norm(r, skinny_matmul(a, w, 1, impl="pallas", partial_sums=True), w1,
+                                                  w1, EPS, impl="pallas"))(act, wd, res)
+    parts = jax.jit(lambda a, w: skinny_matmul(a, w, 1, impl="pallas", partial_sums=True))(act, wd)
+    want = residual_norm_ref(res, sum_partials(parts, bf), w1, w1, EPS)
+    for g, r in zip(fused, want):      # up to one bf16 step: the row sums' order is XLA's there
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32), rtol=2.0 ** -7,
+                                   atol=2.0 ** -7)

@@ -92,14 +92,15 @@ def kernel_config(m: int, k: int, n: int, block_n: int | None = None, block_k: i
     """The kernel's blocks, K splits, warps and pipeline stages for an [m, k] @ [k, n] product
     (m: the padded, power-of-two row count); explicit arguments override. One pass over K
     with narrow tiles up to SINGLE_PASS_MAX_K (the H200 measurements of the module
-    docstring, at 1-8 rows); longer K split across programs (64 x 128 blocks, the split
-    kernel's best at Ouro's down projection); fewer pipeline stages from 32 rows, where the
+    docstring, at 1-8 rows); longer K split across programs (32 x 128 blocks: 4 splits of Ouro's down, which with
+    its partial sums added in the residual-norm kernel was the best of `bench_mlp.py --sweep`
+    at 1-32 rows); fewer pipeline stages from 32 rows, where the
     row tile grows (64-row tiles at three stages overflowed shared memory on an H200)."""
     single = k <= SINGLE_PASS_MAX_K
     if single:   # narrow tiles: enough programs without splitting K
         bn, bk, warps, stages = (16, 256, 2, 5) if n <= 2048 else (32, 128, 2, 5)
-    else:
-        bn, bk, warps, stages = 64, 128, 4, 3
+    else:        # 32 x 128 blocks: 4 splits of Ouro's down (the fewest partial sums for a consumer to add)
+        bn, bk, warps, stages = 32, 128, 4, 3
     bn, bk = fit_block(n, block_n or bn), fit_block(k, block_k or bk)
     if k_splits is None:
         k_splits = 1 if single else choose_splits(k, n, bn, bk)
@@ -152,12 +153,12 @@ def skinny_matmul(x: jax.Array, w: jax.Array, layer=None, *, impl: str = "xla", 
 
 def gated_config(m: int, k: int, f: int, block_n: int | None = None, block_k: int | None = None,
                  num_warps: int | None = None, num_stages: int | None = None) -> dict:
-    """``gated_up``'s blocks, warps and stages: one pass over K (measured on an H200 at Ouro's
-    2048 x 5632 pair, docs/performance.md); each K step loads two weight tiles, so the
-    stages are those of a single product at twice the tile."""
-    bn, bk, warps, stages = 32, 128, 4, 4
-    if m > 16:
-        stages = 2 if m >= 64 else 3
+    """``gated_up``'s blocks, warps and stages: one pass over K in 64 x 128 tiles of each weight,
+    two warps up to 8 rows and four from 16 (the best of a sweep on an H200 at Ouro's 2048 x
+    5632 pair at 1-32 rows, `scripts/bench_mlp.py --sweep`, docs/performance.md)."""
+    bn, bk, warps, stages = 64, 128, (2 if m <= 8 else 4), 4
+    if m >= 64:       # 64-row tiles: fewer stages fit in shared memory
+        stages = 2
     return dict(block_n=fit_block(f, block_n or bn), block_k=fit_block(k, block_k or bk),
                 num_warps=num_warps or warps, num_stages=num_stages or stages)
 

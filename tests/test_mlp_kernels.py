@@ -61,7 +61,7 @@ def test_gated_up_validation():
     with pytest.raises(ValueError, match="at most 64"):
         gated_up(jnp.ones((MAX_ROWS + 1, 64), jnp.float32), w, w, impl="pallas", interpret=True)
     assert gated_up(jnp.ones((0, 64), jnp.float32), w, w, impl="pallas", interpret=True).shape == (0, 32)
-    assert gated_config(8, 2048, 5632)["block_n"] == 32 and gated_config(64, 2048, 5632)["num_stages"] == 2
+    assert gated_config(8, 2048, 5632)["block_n"] == 64 and gated_config(64, 2048, 5632)["num_stages"] == 2
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -121,10 +121,12 @@ def test_both_kernels_lower_to_triton(lower_to_triton):
 
 
 def test_backend_runs_the_mlp_on_the_kernels_where_auto_says(monkeypatch):
-    """Under "auto" on a GPU, decode rows up to AUTO_MAX_ROWS: gated_up on its kernel, and a
-    projection asked for partial sums hands them on from the split kernel; otherwise XLA."""
+    """Under "auto" on a GPU with mlp_kernels, decode rows up to AUTO_GATED_MAX_ROWS: gated_up
+    on its kernel; down (a shape not in kernel_shapes) stays on XLA's dot even when partial
+    sums are welcome. Under "pallas" a projection asked for partial sums hands them on
+    unreduced from the split kernel. Otherwise XLA."""
     from kernels import skinny_matmul as sm
-    from rltjax.cache.paged_kv import AUTO_MAX_ROWS, PagedKVBackend
+    from rltjax.cache.paged_kv import AUTO_GATED_MAX_ROWS, PagedKVBackend
     rng = np.random.default_rng(5)
     x = jnp.asarray(rng.standard_normal((8, 64)), jnp.float32)
     wg, wu = (jnp.asarray(rng.standard_normal((2, 64, 256)) / 8, jnp.float32) for _ in range(2))
@@ -132,26 +134,31 @@ def test_backend_runs_the_mlp_on_the_kernels_where_auto_says(monkeypatch):
     act = jnp.asarray(rng.standard_normal((8, 4096)), jnp.float32)
     calls = []
     real_gated, real_split = sm.gated_up_pallas, sm.skinny_matmul_pallas
-    monkeypatch.setattr(sm, "gated_up_pallas", lambda *a, **k: calls.append("gated") or real_gated(*a, **k))
-    monkeypatch.setattr(sm, "skinny_matmul_pallas", lambda *a, **k: calls.append("split") or real_split(*a, **k))
+    monkeypatch.setattr(sm, "gated_up_pallas", lambda *a, **k: calls.append(("gated", a[0].shape[0]))
+                        or real_gated(*a, **k))
+    monkeypatch.setattr(sm, "skinny_matmul_pallas", lambda *a, **k: calls.append(("split", a[0].shape[0]))
+                        or real_split(*a, **k))
     auto = PagedKVBackend(attn_impl="pallas", matmul_impl="auto", decode_rows=True, interpret=True, mlp_kernels=True)
     assert auto.gated_up(x, wg, wu, 1).shape == (8, 256) and auto.matmul(act, wd, 1, partial_sums=True).ndim == 2
     assert calls == []                                                  # CPU: XLA's dot
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     np.testing.assert_allclose(np.asarray(auto.gated_up(x, wg, wu, 1)), silu_mul64(x, wg[1], wu[1]), rtol=2e-4,
                                atol=2e-5)
-    parts = auto.matmul(act, wd, 1, partial_sums=True)
-    assert calls == ["gated", "split"] and parts.ndim == 3 and parts.shape[1:] == (8, 64)
+    edge = jnp.asarray(rng.standard_normal((AUTO_GATED_MAX_ROWS, 64)), jnp.float32)
+    auto.gated_up(edge, wg, wu, 1)
+    assert auto.matmul(act, wd, 1, partial_sums=True).ndim == 2          # down: XLA under auto
+    assert calls == [("gated", 8), ("gated", AUTO_GATED_MAX_ROWS)]
+    parts = dataclasses.replace(auto, matmul_impl="pallas").matmul(act, wd, 1, partial_sums=True)
+    assert calls[-1] == ("split", 8) and parts.ndim == 3 and parts.shape[1:] == (8, 64)
     np.testing.assert_allclose(np.asarray(parts.sum(0)), np.asarray(act, np.float64) @ np.asarray(wd[1], np.float64),
                                rtol=1e-4, atol=1e-4)
-    assert auto.matmul(act, wd, 1).ndim == 2 and calls[-1] == "split"    # asked for the product
     del calls[:]
-    big = jnp.ones((AUTO_MAX_ROWS + 1, 64), jnp.float32)
+    big = jnp.ones((AUTO_GATED_MAX_ROWS + 1, 64), jnp.float32)
     for backend, rows in ((auto, big), (dataclasses.replace(auto, decode_rows=False), x),
                           (dataclasses.replace(auto, matmul_impl="xla"), x),
                           (dataclasses.replace(auto, mlp_kernels=False), x)):
-        backend.gated_up(rows, wg, wu, 1)
-        assert backend.matmul(jnp.ones((rows.shape[0], 4096), jnp.float32), wd, 1, partial_sums=True).ndim == 2
+        np.testing.assert_array_equal(np.asarray(backend.gated_up(rows, wg, wu, 1)),
+                                      np.asarray(gated_up_ref(rows, wg, wu, 1)))
     assert calls == []
 
 

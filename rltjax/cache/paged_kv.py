@@ -47,6 +47,7 @@ from kernels.residual_norm import kernel_unsupported as norm_unsupported, residu
 from kernels.skinny_matmul import MAX_ROWS, gated_unsupported, gated_up, kernel_unsupported, skinny_matmul
 
 AUTO_MAX_ROWS = 16      # matmul_impl "auto": the kernel for decode batches up to this many rows
+AUTO_GATED_MAX_ROWS = 32    # ... and the SwiGLU pair's kernel up to this many (docs/performance.md)
 
 
 @jax.tree_util.register_dataclass
@@ -91,11 +92,13 @@ class PagedKVBackend:
     batches use XLA's dot. (The engine's prefill backend always says "xla".)
     kernel_shapes: for "auto", the weight shapes the kernel beats XLA at (the runner
     names the attention projections: q|k|v and o; ``kernels.skinny_matmul``).
-    mlp_kernels: for "auto", a SwiGLU MLP's pair (``gated_up``) and a projection whose
-    consumer adds up split-K partial sums itself (``matmul(partial_sums=True)``: the
-    residual-norm kernel) run on the kernels at every shape they support, under the same
-    row rule: each leaves a kernel out of the pass (the activation, the split-K reduction).
-    The runner sets it where attention runs on the Pallas kernels.
+    mlp_kernels: for "auto", a SwiGLU MLP's pair (``gated_up``: both products and the
+    activation in one kernel) runs on its kernel for decode batches of up to
+    AUTO_GATED_MAX_ROWS rows, at every shape it supports. The runner sets it where attention
+    runs on the Pallas kernels. (``matmul(partial_sums=True)``, split-K partial sums added
+    up by the residual-norm kernel, is taken wherever the projection runs on the kernel:
+    "pallas", or a shape in kernel_shapes; on an H200 it did not beat XLA's GEMM and its
+    reduction at Ouro's down projection, so "auto" leaves down to XLA.)
     num_splits: the decode attention kernel's key splits per row: None (its default per
     batch), an int, or per decode row bucket ((rows, splits), ...) (a {rows: splits} mapping
     is taken too) with the default for the buckets not named.
@@ -127,25 +130,24 @@ class PagedKVBackend:
     def matmul(self, x, w, layer, partial_sums: bool = False):
         """partial_sums: the consumer is ``residual_norm``, which adds up split-K partial sums
         itself; the kernel path then hands them on unreduced ([S, N, N'])."""
-        named = tuple(w.shape[-2:]) in self.kernel_shapes
-        impl = self._impl(x, w, kernel_unsupported, named or (partial_sums and self.mlp_kernels))
+        impl = self._impl(x, w, kernel_unsupported, tuple(w.shape[-2:]) in self.kernel_shapes, AUTO_MAX_ROWS)
         partial_sums = partial_sums and impl == "pallas"
         return skinny_matmul(x, w, layer, impl=impl, interpret=self.interpret, partial_sums=partial_sums)
 
     def gated_up(self, x, w_gate, w_up, layer):
         """silu(x @ w_gate) * (x @ w_up) [N, F]: a SwiGLU MLP's activation, one kernel on the
         kernel path (``kernels.skinny_matmul.gated_up``)."""
-        impl = self._impl(x, w_gate, gated_unsupported, self.mlp_kernels)
+        impl = self._impl(x, w_gate, gated_unsupported, self.mlp_kernels, AUTO_GATED_MAX_ROWS)
         return gated_up(x, w_gate, w_up, layer, impl=impl, interpret=self.interpret)
 
-    def _impl(self, x, w, unsupported, auto_shape: bool) -> str:
+    def _impl(self, x, w, unsupported, auto_shape: bool, auto_rows: int) -> str:
         """"pallas" or "xla" for a projection of x by w under ``matmul_impl``."""
         if self.matmul_impl == "pallas" and x.shape[0] <= MAX_ROWS:
             if why_not := unsupported(x, w):
                 raise ValueError(f"ExecutionConfig.matmul_impl='pallas': a [{x.shape[1]}, {w.shape[-1]}] projection "
                                  f"cannot run on the kernel: {why_not} (use matmul_impl='xla' or 'auto')")
             return "pallas"
-        auto = (self.matmul_impl == "auto" and self.decode_rows and x.shape[0] <= AUTO_MAX_ROWS and auto_shape
+        auto = (self.matmul_impl == "auto" and self.decode_rows and x.shape[0] <= auto_rows and auto_shape
                 and jax.default_backend() == "gpu" and not unsupported(x, w))
         return "pallas" if auto else "xla"
 

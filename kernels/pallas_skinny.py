@@ -12,10 +12,9 @@ no conversion kernel run after it, which is what makes it beat XLA's split-K GEM
 the grid enough programs: 2048 / 16 = 128 for o). S > 1 (the caller adds the partial
 sums) is for long K, where one program per column tile would stream too much alone.
 
-Tensor-core dots need >= 16 rows. Fewer rows are read as a 16-row tile whose rows past
-M are masked to zeros, and only the M rows are stored: no padded copy of x is made in
-XLA. (Replicating the M rows to 16 in registers instead, and collapsing the copies'
-results, cost the gate | up kernel 0.5-1.1 us more at 1-8 rows on an H200.)
+Tensor-core dots need >= 16 rows. Fewer rows (M a power of two) are replicated in
+registers to 16 and the copies' identical results collapsed again (max over copies:
+exact), so no padded copy of x is made in XLA and only M rows are written.
 
 Weights go in stacked ([L, K, N]) with a layer index, like the paged pool of the
 attention kernels: a per-layer slice handed to a custom call would make XLA copy the
@@ -52,26 +51,19 @@ def choose_splits(k: int, n: int, block_n: int, block_k: int, min_programs: int 
     return steps
 
 
-def _live_rows(m: int):
-    """[16, 1] bool: which rows of a 16-row dot tile hold one of the M < 16 real rows."""
-    return jax.lax.broadcasted_iota(jnp.int32, (DOT_ROWS, 1), 0) < m
-
-
-def load_dot_rows(x_ref, k_cols):
-    """x_ref[:, k_cols] ([M, bk]) as a [max(M, 16), bk] dot tile: past M, masked zeros."""
-    m = x_ref.shape[0]
+def _to_dot_rows(x):
+    """[M, bk] -> [max(M, 16), bk]: rows replicated up to the tensor-core tile."""
+    m = x.shape[0]
     if m >= DOT_ROWS:
-        return x_ref[:, k_cols]
-    return plgpu.load(x_ref.at[pl.ds(0, DOT_ROWS), k_cols], mask=_live_rows(m), other=0)
+        return x
+    return jnp.broadcast_to(x[None], (DOT_ROWS // m, m, x.shape[1])).reshape(DOT_ROWS, x.shape[1])
 
 
-def store_dot_rows(o_ref, lead: tuple, cols, tile):
-    """The first M rows of a [max(M, 16), bn] tile to o_ref[*lead, :, cols] (o_ref's M rows)."""
-    m = o_ref.shape[len(lead)]
+def _from_dot_rows(acc, m: int):
+    """[max(M, 16), bn] -> [M, bn]: the replicas' results are identical; max returns one."""
     if m >= DOT_ROWS:
-        o_ref[lead + (slice(None), cols)] = tile
-    else:
-        plgpu.store(o_ref.at[lead + (pl.ds(0, DOT_ROWS), cols)], tile, mask=_live_rows(m))
+        return acc
+    return jnp.max(acc.reshape(DOT_ROWS // m, m, acc.shape[1]), axis=0)
 
 
 def _precision(dtype):
@@ -86,15 +78,15 @@ def _kernel(layer_ref, x_ref, w_ref, o_ref, *, block_n: int, block_k: int, steps
 
     def body(i, acc):
         k0 = (split * steps + i) * block_k
-        xs = load_dot_rows(x_ref, pl.ds(k0, block_k))                      # [16, bk]
+        xs = _to_dot_rows(x_ref[:, pl.ds(k0, block_k)])                    # [16, bk]
         ws = w_ref[layer, pl.ds(k0, block_k), cols]                        # [bk, bn]
         return acc + plgpu.dot(xs, ws, precision=_precision(x_ref.dtype))  # [16, bn] f32
 
-    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((max(m, DOT_ROWS), block_n), jnp.float32))
+    acc = _from_dot_rows(jax.lax.fori_loop(0, steps, body, jnp.zeros((max(m, DOT_ROWS), block_n), jnp.float32)), m)
     if len(o_ref.shape) == 2:      # one split: the whole sum, rounded once to the output dtype
-        store_dot_rows(o_ref, (), cols, acc.astype(o_ref.dtype))
+        o_ref[:, cols] = acc.astype(o_ref.dtype)
     else:
-        store_dot_rows(o_ref, (split,), cols, acc)
+        o_ref[split, :, cols] = acc
 
 
 def _gated_kernel(layer_ref, x_ref, wg_ref, wu_ref, o_ref, *, block_n: int, block_k: int, steps: int):
@@ -102,20 +94,31 @@ def _gated_kernel(layer_ref, x_ref, wg_ref, wu_ref, o_ref, *, block_n: int, bloc
     layer = layer_ref[0]
     cols = pl.ds(j * block_n, block_n)
     m, dtype = x_ref.shape[0], x_ref.dtype
+    rows = max(m, DOT_ROWS)
+    # Fewer than 16 rows are read as 16 with the rest masked to zero, not replicated: with
+    # two products sharing the tile, the replication cost 8 rows 2 us more than 16 on an H200.
+    live = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0) < m                 # [16, 1]
 
     def body(i, accs):
         k0 = i * block_k
-        xs = load_dot_rows(x_ref, pl.ds(k0, block_k))                      # [16, bk]
+        if m < DOT_ROWS:
+            xs = plgpu.load(x_ref.at[pl.ds(0, rows), pl.ds(k0, block_k)], mask=live, other=0)   # [16, bk]
+        else:
+            xs = x_ref[:, pl.ds(k0, block_k)]
         gate = plgpu.dot(xs, wg_ref[layer, pl.ds(k0, block_k), cols], precision=_precision(dtype))
         up = plgpu.dot(xs, wu_ref[layer, pl.ds(k0, block_k), cols], precision=_precision(dtype))
         return accs[0] + gate, accs[1] + up                               # [16, bn] f32 each
 
-    zeros = jnp.zeros((max(m, DOT_ROWS), block_n), jnp.float32)
+    zeros = jnp.zeros((rows, block_n), jnp.float32)
     gate, up = jax.lax.fori_loop(0, steps, body, (zeros, zeros))
     # each product rounded to x's dtype as the two projections' outputs are, then
     # silu(gate) * up in float32 and rounded once (XLA's fusion of the pair's elementwise ops)
     gate, up = (a.astype(dtype).astype(jnp.float32) for a in (gate, up))
-    store_dot_rows(o_ref, (), cols, (gate / (1.0 + jnp.exp(-gate)) * up).astype(o_ref.dtype))
+    act = (gate / (1.0 + jnp.exp(-gate)) * up).astype(o_ref.dtype)               # [16, bn]
+    if m < DOT_ROWS:
+        plgpu.store(o_ref.at[pl.ds(0, rows), cols], act, mask=live)
+    else:
+        o_ref[:, cols] = act
 
 
 def _layer_spec(shape):

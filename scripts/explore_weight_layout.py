@@ -35,6 +35,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import triton as plgpu  # noqa: E402
 
+from kernels.pallas_skinny import _from_dot_rows, _to_dot_rows  # noqa: E402
 from kernels.skinny_matmul import skinny_matmul  # noqa: E402
 from rltjax.benchmarks.kernel_trace import device_kernels, kernel_time_per_call, load_events  # noqa: E402
 
@@ -42,22 +43,6 @@ SHAPES = {"qkv": (2048, 6144), "o": (2048, 2048), "gateup": (2048, 11264), "down
 CASES = [("qkv", 1), ("qkv", 8), ("qkv", 32), ("o", 1), ("o", 8), ("o", 32), ("gateup", 8), ("gateup", 32),
          ("down", 8), ("down", 32), ("downsw", 8), ("downsw", 32)]
 NT = (((1,), (1,)), ((), ()))          # x [M, K] . wt [N, K] over K
-
-
-def _to_dot_rows(x):
-    """[M, bk] -> [max(M, 16), bk]: rows replicated up to the tensor-core tile (the layout the
-    engine's kernel used when this exploration ran)."""
-    m = x.shape[0]
-    if m >= 16:
-        return x
-    return jnp.broadcast_to(x[None], (16 // m, m, x.shape[1])).reshape(16, x.shape[1])
-
-
-def _from_dot_rows(acc, m: int):
-    """[max(M, 16), bn] -> [M, bn]: the replicas' results are identical; max returns one."""
-    if m >= 16:
-        return acc
-    return jnp.max(acc.reshape(16 // m, m, acc.shape[1]), axis=0)
 
 
 def _nk_kernel(x_ref, w_ref, o_ref, *, block_n, block_k, steps, swiglu, evict):

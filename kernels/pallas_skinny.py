@@ -95,8 +95,9 @@ def _gated_kernel(layer_ref, x_ref, wg_ref, wu_ref, o_ref, *, block_n: int, bloc
     cols = pl.ds(j * block_n, block_n)
     m, dtype = x_ref.shape[0], x_ref.dtype
     rows = max(m, DOT_ROWS)
-    # Fewer than 16 rows are read as 16 with the rest masked to zero, not replicated: with
-    # two products sharing the tile, the replication cost 8 rows 2 us more than 16 on an H200.
+    # Fewer than 16 rows are read as 16 with the rest masked to zero, not replicated as in
+    # ``_kernel``: on an H200 replication cost this kernel 0.6-1.0 us a layer at 1-8 rows (the
+    # single-product kernel lost 0.4-0.9 us with masking instead; docs/performance.md).
     live = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0) < m                 # [16, 1]
 
     def body(i, accs):

@@ -188,11 +188,13 @@ class ExecutionConfig:
     path ignore it.
     matmul_impl: decode projections: ``auto`` (the default: on a GPU, the attention projections
     (q|k|v, o) of decode batches of up to 16 rows run on the weight-streaming Pallas kernel,
-    which beat XLA's split-K GEMMs there on an H200 (measured at 1 and 8 rows); the rest is
+    which beat XLA's split-K GEMMs there on an H200 (measured at 1 and 8 rows), and Ouro's
+    gate | up pair with its SiLU-multiply on one Pallas kernel up to 32 rows; the rest is
     XLA's dot; where attention runs on XLA, everything does), ``xla`` (XLA's
     dot everywhere) or ``pallas`` (every projection of at most
-    ``kernels.skinny_matmul.MAX_ROWS`` rows on the kernel: slower than XLA at gate / up and
-    down); prefill batches always use XLA's dot.
+    ``kernels.skinny_matmul.MAX_ROWS`` rows on the kernels, Ouro's down handing its split-K
+    partial sums to the residual-norm kernel: slower than XLA at down); prefill batches
+    always use XLA's dot.
     interpret: run the Pallas kernels in interpret mode (CPU testing of the "pallas" impls).
     decode_window: K > 0 runs decode as device-side windows of up to K loop passes
     (``rltjax.engine.decode_window``) whenever every running request is decoding; 0 runs

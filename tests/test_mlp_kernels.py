@@ -163,7 +163,7 @@ def test_backend_runs_the_mlp_on_the_kernels_where_auto_says(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 8, 16, 32])
+@pytest.mark.parametrize("m", [1, 8, 16, 32, 64])
 def test_compiled_on_gpu(m):
     rng = np.random.default_rng(m)
     bf = jnp.bfloat16

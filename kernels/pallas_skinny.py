@@ -3,7 +3,8 @@
     x [M, K] @ w[layer] [K, N] -> [M, N] in x's dtype (k_splits = 1)
                                -> partial sums [S, M, N] float32 (k_splits = S > 1)
 
-At decode batch sizes (the engine's buckets up to 16 rows for "auto", 64 for "pallas")
+At decode batch sizes (the engine's buckets up to 16 rows for "auto", 32 for the gate | up
+kernel under "auto", 64 for "pallas")
 a projection's cost is reading the weight once. The grid is (N / block_n, S): each program owns one column tile over 1/S of K
 and streams its [K/S, block_n] slab in block_k steps into a float32 accumulator.
 With S = 1 the program writes its tile rounded to x's dtype: no reduction kernel and
@@ -112,10 +113,11 @@ def _gated_kernel(layer_ref, x_ref, wg_ref, wu_ref, o_ref, *, block_n: int, bloc
 
     zeros = jnp.zeros((rows, block_n), jnp.float32)
     gate, up = jax.lax.fori_loop(0, steps, body, (zeros, zeros))
-    # each product rounded to x's dtype as the two projections' outputs are, then
-    # silu(gate) * up in float32 and rounded once (XLA's fusion of the pair's elementwise ops)
+    # ``kernels.skinny_matmul.silu_mul``'s rounding: each product rounded to x's dtype as the
+    # two projections' outputs are, SiLU in float32 rounded, then the product rounded
     gate, up = (a.astype(dtype).astype(jnp.float32) for a in (gate, up))
-    act = (gate / (1.0 + jnp.exp(-gate)) * up).astype(o_ref.dtype)               # [16, bn]
+    silu = (gate / (1.0 + jnp.exp(-gate))).astype(dtype).astype(jnp.float32)
+    act = (silu * up).astype(o_ref.dtype)                                        # [16, bn]
     if m < DOT_ROWS:
         plgpu.store(o_ref.at[pl.ds(0, rows), cols], act, mask=live)
     else:

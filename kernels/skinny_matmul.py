@@ -13,13 +13,15 @@ Semantics: x @ w[layer] with float32 accumulation (`skinny_matmul_ref`). impl:
 H200 at 1-8 rows (docs/performance.md, ninth session): for K <= 2048 one pass over K
 (no split, narrow column tiles, the output rounded in the kernel) took 8.7 us at
 Ouro-1.4B's q|k|v (2048 x 6144) and 5.3 us at o (2048 x 2048), against XLA's split-K
-GEMM plus its reduction, 9.8 and 5.8 us; at down (5632 x 2048) and the gate / up pair
-XLA stays ahead, so the engine's "auto" puts only the attention projections here
-(``PagedKVBackend.kernel_shapes``).
+GEMM plus its reduction, 9.8 and 5.8 us; at down (5632 x 2048) XLA stays ahead, so the
+engine's "auto" puts the attention projections here (``PagedKVBackend.kernel_shapes``)
+and, since the fifteenth session, the gate / up pair through ``gated_up``'s kernel, which
+also applies the activation (up to 32 rows).
 Kernel-supported: M <= MAX_ROWS, K and N multiples of 16 (blocks are the largest powers
 of two up to the configured ones that divide them), bfloat16 / float16 / float32
-weights in x's dtype. A Mosaic GPU or jax-triton port replaces the "pallas" branch and
-nothing else.
+weights in x's dtype; ``gated_up``'s kernel also K <= SINGLE_PASS_MAX_K (above it, impl
+"pallas" runs the two products on the split kernel and the activation in XLA). A Mosaic
+GPU or jax-triton port replaces the "pallas" branches and nothing else.
 """
 from __future__ import annotations
 
@@ -41,10 +43,19 @@ def skinny_matmul_ref(x: jax.Array, w: jax.Array, layer=None) -> jax.Array:
     return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
+def silu_mul(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """silu(gate) * up in their dtype, rounded as the upstream PyTorch code rounds in bfloat16:
+    SiLU computed in float32 and rounded, then the product rounded (one rounding each,
+    whatever XLA's fusion would keep in float32). The gate | up kernel rounds the same."""
+    g32 = gate.astype(jnp.float32)
+    silu = (g32 / (1.0 + jnp.exp(-g32))).astype(gate.dtype)
+    return (silu.astype(jnp.float32) * up.astype(jnp.float32)).astype(gate.dtype)
+
+
 def gated_up_ref(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, layer=None) -> jax.Array:
     """silu(x @ w_gate[layer]) * (x @ w_up[layer]) [M, F] in x's dtype: a SwiGLU MLP's
     activation, each product rounded to x's dtype first (as two projections are)."""
-    return jax.nn.silu(skinny_matmul_ref(x, w_gate, layer)) * skinny_matmul_ref(x, w_up, layer)
+    return silu_mul(skinny_matmul_ref(x, w_gate, layer), skinny_matmul_ref(x, w_up, layer))
 
 
 def check_operands(name: str, x, w, layer) -> None:
@@ -85,6 +96,12 @@ def kernel_unsupported(x, w, block_n: int = 16, block_k: int = 16) -> str | None
 
 
 SINGLE_PASS_MAX_K = 2048    # one program streams all of K up to this (measured); longer K is split
+MAX_PARTIAL_SUMS = 8        # partial_sums: at most this many splits (Ouro's down takes 4)
+
+
+def fewer_splits(steps: int, splits: int, most: int) -> int:
+    """``splits`` if <= most, else the largest divisor of ``steps`` (K / block_k) that is."""
+    return splits if splits <= most else max(s for s in range(1, most + 1) if steps % s == 0)
 
 
 def kernel_config(m: int, k: int, n: int, block_n: int | None = None, block_k: int | None = None,
@@ -99,7 +116,7 @@ def kernel_config(m: int, k: int, n: int, block_n: int | None = None, block_k: i
     single = k <= SINGLE_PASS_MAX_K
     if single:   # narrow tiles: enough programs without splitting K
         bn, bk, warps, stages = (16, 256, 2, 5) if n <= 2048 else (32, 128, 2, 5)
-    else:        # 32 x 128 blocks: 4 splits of Ouro's down (the fewest partial sums for a consumer to add)
+    else:        # 32 x 128 blocks: choose_splits then gives 4 splits at Ouro's down (256 programs)
         bn, bk, warps, stages = 32, 128, 4, 3
     bn, bk = fit_block(n, block_n or bn), fit_block(k, block_k or bk)
     if k_splits is None:
@@ -135,6 +152,8 @@ def skinny_matmul(x: jax.Array, w: jax.Array, layer=None, *, impl: str = "xla", 
     # the kernel's tiles take power-of-two rows (the engine's buckets are); others are padded here
     rows = next_pow2(m)
     config = kernel_config(rows, k, n, block_n, block_k, k_splits, num_warps, num_stages)
+    if partial_sums and k_splits is None:
+        config["k_splits"] = fewer_splits(k // config["block_k"], config["k_splits"], MAX_PARTIAL_SUMS)
     if (k // config["block_k"]) % config["k_splits"]:
         raise ValueError(f"skinny_matmul: k_splits={k_splits} must divide K / block_k = {k} / {config['block_k']} "
                          f"= {k // config['block_k']} (block_k is the largest power of two <= the one asked "
@@ -143,7 +162,7 @@ def skinny_matmul(x: jax.Array, w: jax.Array, layer=None, *, impl: str = "xla", 
     if w.ndim == 2:
         w, layer = w[None], 0
     out = skinny_matmul_pallas(xp, w, jnp.asarray(layer, jnp.int32).reshape(1), interpret=interpret, **config)
-    if partial_sums:
+    if partial_sums:    # S <= MAX_PARTIAL_SUMS (the consumer holds all S rows in registers)
         out = out if config["k_splits"] > 1 else out[None]
         return out if rows == m else out[:, :m]
     if config["k_splits"] > 1:
@@ -151,16 +170,22 @@ def skinny_matmul(x: jax.Array, w: jax.Array, layer=None, *, impl: str = "xla", 
     return out[:m]
 
 
+GATED_SMEM_BYTES = 160 * 1024    # the pipeline's buffers: under an H200's 232 KB with room
+
+
 def gated_config(m: int, k: int, f: int, block_n: int | None = None, block_k: int | None = None,
-                 num_warps: int | None = None, num_stages: int | None = None) -> dict:
+                 num_warps: int | None = None, num_stages: int | None = None, itemsize: int = 2) -> dict:
     """``gated_up``'s blocks, warps and stages: one pass over K in 64 x 128 tiles of each weight,
-    two warps up to 8 rows and four from 16 (the best of a sweep on an H200 at Ouro's 2048 x
-    5632 pair at 1-32 rows, `scripts/bench_mlp.py --sweep`, docs/performance.md)."""
-    bn, bk, warps, stages = 64, 128, (2 if m <= 8 else 4), 4
-    if m >= 64:       # 64-row tiles: fewer stages fit in shared memory
-        stages = 2
-    return dict(block_n=fit_block(f, block_n or bn), block_k=fit_block(k, block_k or bk),
-                num_warps=num_warps or warps, num_stages=num_stages or stages)
+    two warps up to 8 rows and four from 16, 4 stages (the best of a sweep on an H200 at Ouro's
+    2048 x 5632 pair at 1-32 rows, `scripts/bench_mlp.py --sweep`, docs/performance.md).
+    Fewer stages where the buffers would pass GATED_SMEM_BYTES: Triton keeps stages - 1 of
+    them, each an x tile and two weight tiles (bf16 64 x 256 tiles at 32 rows and 4 stages
+    asked for 240 KB of the 232 KB), so float32 at 16-32 rows gets 3; from 64 rows 2, as the
+    single-product kernel."""
+    bn, bk = fit_block(f, block_n or 64), fit_block(k, block_k or 128)
+    stage_bytes = (max(m, 16) * bk + 2 * bk * bn) * itemsize
+    stages = num_stages or (2 if m >= 64 else max(2, min(4, 1 + GATED_SMEM_BYTES // stage_bytes)))
+    return dict(block_n=bn, block_k=bk, num_warps=num_warps or (2 if m <= 8 else 4), num_stages=stages)
 
 
 def gated_up(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, layer=None, *, impl: str = "xla",
@@ -176,6 +201,10 @@ def gated_up(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, layer=None, *, im
     check_operands("gated_up", x, w_gate, layer)
     if impl == "xla":
         return gated_up_ref(x, w_gate, w_up, layer)
+    if x.shape[1] > SINGLE_PASS_MAX_K and not kernel_unsupported(x, w_gate):
+        # the pair's kernel makes one pass over K: longer K on the split kernel, activation in XLA
+        mm = lambda w: skinny_matmul(x, w, layer, impl="pallas", interpret=interpret)   # noqa: E731
+        return silu_mul(mm(w_gate), mm(w_up))
     if why_not := gated_unsupported(x, w_gate):
         raise ValueError(f"gated_up: {why_not}")
     (m, k), f = x.shape, w_gate.shape[-1]
@@ -186,12 +215,13 @@ def gated_up(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, layer=None, *, im
     if w_gate.ndim == 2:
         w_gate, w_up, layer = w_gate[None], w_up[None], 0
     out = gated_up_pallas(xp, w_gate, w_up, jnp.asarray(layer, jnp.int32).reshape(1), interpret=interpret,
-                          **gated_config(rows, k, f, **config))
+                          **gated_config(rows, k, f, **config, itemsize=jnp.dtype(x.dtype).itemsize))
     return out[:m]
 
 
 def gated_unsupported(x, w_gate) -> str | None:
-    """Why ``gated_up``'s kernel cannot take these shapes / dtypes (None when it can)."""
+    """Why ``gated_up``'s kernel cannot take these shapes / dtypes (None when it can; impl
+    "pallas" still runs K > SINGLE_PASS_MAX_K, on the split kernel)."""
     if x.shape[1] > SINGLE_PASS_MAX_K:
         return f"K={x.shape[1]}: the kernel makes one pass over K, up to {SINGLE_PASS_MAX_K}"
     return kernel_unsupported(x, w_gate)

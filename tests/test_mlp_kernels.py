@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from kernels.residual_norm import residual_norm, residual_norm_ref, sum_partials
-from kernels.skinny_matmul import MAX_ROWS, gated_config, gated_up, gated_up_ref, skinny_matmul
+from kernels.skinny_matmul import MAX_ROWS, gated_config, gated_up, gated_up_ref, skinny_matmul, skinny_matmul_ref
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1.2e-2}     # relative Frobenius error vs float64
 EPS = 1e-6
@@ -46,7 +46,13 @@ def test_gated_up_matches_float64(m, k_blocks, f_blocks, block_k, block_n, num_l
     assert out.shape == (m, f) and out.dtype == dtype
     want = silu_mul64(x, pick(wg), pick(wu))
     assert rel(out, want) < TOL[dtype]
-    assert rel(gated_up_ref(x, wg, wu, layer), want) < TOL[dtype]       # the XLA path's formula too
+    ref = gated_up_ref(x, wg, wu, layer)
+    assert rel(ref, want) < TOL[dtype]                                  # the XLA path's formula too
+    # and the two round alike: within two steps of the dtype of each other (the products'
+    # float32 sums differ in order, which can move a rounded product by one step)
+    step = 2.0 ** -7 if dtype == jnp.bfloat16 else 2.0 ** -20
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), rtol=2 * step,
+                               atol=2 * step * float(np.max(np.abs(np.asarray(ref, np.float32)))))
 
 
 def test_gated_up_validation():
@@ -55,13 +61,28 @@ def test_gated_up_validation():
         gated_up(x, w, jnp.ones((64, 48), jnp.float32))
     with pytest.raises(ValueError, match="needs layer="):
         gated_up(x, w[None], w[None])
-    with pytest.raises(ValueError, match="one pass over K, up to 2048"):
-        gated_up(jnp.ones((4, 4096), jnp.float32), jnp.ones((4096, 32), jnp.float32),
-                 jnp.ones((4096, 32), jnp.float32), impl="pallas", interpret=True)
+    with pytest.raises(ValueError, match="x is float32 but w is bfloat16"):
+        gated_up(x, w.astype(jnp.bfloat16), w.astype(jnp.bfloat16), impl="pallas", interpret=True)
+    with pytest.raises(ValueError, match="K=40 must be a multiple of 16"):
+        gated_up(jnp.ones((4, 40), jnp.float32), jnp.ones((40, 32), jnp.float32),
+                 jnp.ones((40, 32), jnp.float32), impl="pallas", interpret=True)
     with pytest.raises(ValueError, match="at most 64"):
         gated_up(jnp.ones((MAX_ROWS + 1, 64), jnp.float32), w, w, impl="pallas", interpret=True)
     assert gated_up(jnp.ones((0, 64), jnp.float32), w, w, impl="pallas", interpret=True).shape == (0, 32)
     assert gated_config(8, 2048, 5632)["block_n"] == 64 and gated_config(64, 2048, 5632)["num_stages"] == 2
+    # the measured bf16 config up to 32 rows; float32 tiles get fewer stages (shared memory)
+    assert [gated_config(m, 2048, 5632)["num_stages"] for m in (1, 16, 32)] == [4, 4, 4]
+    assert gated_config(32, 2048, 5632, itemsize=4)["num_stages"] == 3
+
+
+def test_gated_up_beyond_one_pass_runs_on_the_split_kernel():
+    """impl "pallas" with K past the pair kernel's single pass: the two products on the split
+    kernel, the activation in XLA, the same formula."""
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((4, 4096)), jnp.float32)
+    wg, wu = (jnp.asarray(rng.standard_normal((4096, 32)) / 64, jnp.float32) for _ in range(2))
+    out = gated_up(x, wg, wu, impl="pallas", interpret=True)
+    assert rel(out, silu_mul64(x, wg, wu)) < TOL[jnp.float32]
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -81,16 +102,27 @@ def test_partial_sums_through_the_residual_norm(m, splits, dtype, seed):
     assert parts.shape == (splits, m, d) and parts.dtype == (jnp.float32 if splits > 1 else dtype)
     y = sum_partials(parts, dtype)
     assert rel(y, np.asarray(act, np.float64) @ np.asarray(w, np.float64)) < TOL[dtype]
-    want = residual_norm_ref(x, y, w1, w2, EPS)
-    for g, r in zip(residual_norm(x, parts, w1, w2, EPS, impl="xla"), want):
-        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(r, np.float32))
-    step = 2.0 ** -7 if dtype == jnp.bfloat16 else 2.0 ** -20     # the kernel's row sums: another order
-    for g, r in zip(residual_norm(x, parts, w1, w2, EPS, impl="pallas", interpret=True), want):
-        assert g.dtype == dtype and g.shape == (m, d)
-        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32), rtol=step, atol=step)
+    # against the reduced product through the norm (the split kernel's sums added by XLA)
+    reduced = skinny_matmul(act, w, impl="pallas", interpret=True, block_n=16, block_k=32, k_splits=splits)
+    want = residual_norm_ref(x, reduced, w1, w2, EPS)
+    step = 2.0 ** -7 if dtype == jnp.bfloat16 else 2.0 ** -20     # sums in another order
+    for impl, kw in (("xla", {}), ("pallas", dict(interpret=True))):
+        for g, r in zip(residual_norm(x, parts, w1, w2, EPS, impl=impl, **kw), want):
+            assert g.dtype == dtype and g.shape == (m, d)
+            np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32), rtol=2 * step,
+                                       atol=2 * step)
     # the XLA path of the projection hands its product on as one "partial sum"
     plain = skinny_matmul(act, w, partial_sums=True)
-    assert plain.shape == (1, m, d)
+    assert plain.shape == (1, m, d) and plain.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(plain[0], np.float32), np.asarray(skinny_matmul_ref(act, w), np.float32))
+
+
+def test_partial_sums_are_at_most_eight():
+    """The default split count is capped for a consumer that holds every partial sum: 4096 / 128
+    = 32 K blocks would split 32 ways for 256 programs; partial sums take 8."""
+    x = jnp.ones((8, 4096), jnp.float32)
+    w = jnp.ones((4096, 64), jnp.float32) / 4096
+    assert skinny_matmul(x, w, impl="pallas", interpret=True, partial_sums=True).shape == (8, 8, 64)
 
 
 def test_partial_sums_are_validated():
@@ -107,7 +139,7 @@ def test_both_kernels_lower_to_triton(lower_to_triton):
     bf = jnp.bfloat16
     ir = lower_to_triton(lambda x, g, u: gated_up(x, g, u, impl="pallas"), sd((8, 2048), bf), sd((2048, 5632), bf),
                          sd((2048, 5632), bf))
-    # two products a K step, one store of [8, 32] in bf16: no activation kernel after it
+    # two products a K step and one (masked 16-row) store: no activation kernel after it
     assert ir.count("tt.dot") == 2 and ir.count("tt.store") == 1
     hlo = jax.jit(lambda x, g, u: gated_up(x, g, u, impl="pallas")).trace(
         sd((8, 2048), bf), sd((2048, 5632), bf), sd((2048, 5632), bf)).lower(lowering_platforms=("cuda",)).as_text()
@@ -160,6 +192,17 @@ def test_backend_runs_the_mlp_on_the_kernels_where_auto_says(monkeypatch):
         np.testing.assert_array_equal(np.asarray(backend.gated_up(rows, wg, wu, 1)),
                                       np.asarray(gated_up_ref(rows, wg, wu, 1)))
     assert calls == []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, dtype", [(1, jnp.float32), (32, jnp.float32)])
+def test_gated_float32_compiles_on_gpu(m, dtype):
+    """float32 tiles are twice the bytes: the config's stages must still fit shared memory."""
+    rng = np.random.default_rng(m)
+    x = jnp.asarray(rng.standard_normal((m, 2048)), dtype)
+    wg, wu = (jnp.asarray(rng.standard_normal((2048, 5632)) / 45, dtype) for _ in range(2))
+    got = jax.jit(lambda *a: gated_up(*a, impl="pallas"))(x, wg, wu)
+    assert rel(got, silu_mul64(x, wg, wu)) < TOL[dtype]
 
 
 @pytest.mark.gpu

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from rltjax.config import ModelConfig
 from rltjax.models.base import KVBackend
-from rltjax.models.layers import over_layers, project_qkv, projection_source, rms_norm, Rope
+from rltjax.models.layers import over_layers, project_qkv, projection_source, rms_norm, Rope, silu_mul
 from rltjax.models.params import TensorSpec
 
 HF_IGNORED_TENSORS = ("freqs_cis",)   # RoPE table: recomputed from rope_base
@@ -130,7 +130,7 @@ def _blocks(cfg: ModelConfig, blocks: HuginnBlocks, x, kv, meta, backend: KVBack
         attn = mm(out.reshape(n, cfg.q_width), src.wo)                     # [N, D]
         x = rms_norm(attn + x, p.norm_2, eps)
         a, b = jnp.split(mm(rms_norm(x, p.norm_3, eps), src.w_fc), 2, axis=-1)  # [N, F] each
-        x = rms_norm(mm(jax.nn.silu(a) * b, src.w_proj) + x, p.norm_4, eps)
+        x = rms_norm(mm(silu_mul(a, b), src.w_proj) + x, p.norm_4, eps)
         return (x, kv), None
 
     return over_layers(block_step, (x, kv), blocks, first_layer=offset)

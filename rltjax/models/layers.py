@@ -1,7 +1,8 @@
 """Numerics shared by the model files: RMSNorm, RoPE, SwiGLU, projections.
 
 Precision rules: norms and RoPE are computed in float32 and cast back to the
-activation dtype; matmuls run in the parameter dtype; logits and exit signals are
+activation dtype; matmuls run in the parameter dtype; SwiGLU's SiLU is computed in
+float32 and rounded, then multiplied and rounded (``silu_mul``); logits and exit signals are
 float32. (In float32 this is the upstream PyTorch code exactly; its bfloat16 RoPE
 rounds cos / sin and each term to bfloat16, ours rounds once.)
 """
@@ -14,6 +15,7 @@ import jax.numpy as jnp
 
 from kernels.paged_attention_ref import rope_rotate_half_ref
 from kernels.residual_norm import rms_norm as upstream_rms_norm
+from kernels.skinny_matmul import silu_mul
 
 
 rms_norm = upstream_rms_norm     # the models' RMSNorm, shared with the fused kernel's oracle
@@ -116,7 +118,7 @@ def unfuse_qkv(layer, q_width: int, kv_width: int):
 def swiglu(x: jax.Array, matmul, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
     """[N, D] -> [N, D]; ``matmul(x, w)`` applies one projection (w_gate/w_up [.., D, F],
     w_down [.., F, D]: the backend's matmul picks the layer of stacked weights)."""
-    return matmul(jax.nn.silu(matmul(x, w_gate)) * matmul(x, w_up), w_down)
+    return matmul(silu_mul(matmul(x, w_gate), matmul(x, w_up)), w_down)
 
 
 def causal_softmax_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:

@@ -116,7 +116,8 @@ def _residual_norm_pallas(x, y, post_weight, next_weight, *, eps: float, interpr
 
 def residual_norm(x: jax.Array, y: jax.Array, post_weight: jax.Array, next_weight: jax.Array,
                   eps: float, *, impl: str = "auto", interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """(x + rms_norm(y, post_weight), rms_norm(of that, next_weight)): x, y [N, D], weights [D]."""
+    """(x + rms_norm(y, post_weight), rms_norm(of that, next_weight)): x [N, D], y [N, D] or
+    [S, N, D] partial sums (float32 or x's dtype; their in-order float32 sum is y), weights [D]."""
     if impl not in ("auto", "xla", "pallas"):
         raise ValueError(f"residual_norm: impl: expected 'auto', 'xla' or 'pallas', got {impl!r}")
     partials = y.ndim == 3 and y.shape[1:] == x.shape and y.dtype in (x.dtype, jnp.float32) and y.shape[0] >= 1

@@ -88,7 +88,7 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="tiny shapes in interpret mode (CPU smoke run)")
     p.add_argument("--out")
     args = p.parse_args(argv)
-    if any(m & (m - 1) for m in args.rows):
+    if any(m < 1 or m & (m - 1) for m in args.rows):
         raise SystemExit(f"bench_mlp: --rows {args.rows}: the kernels take power-of-two row counts")
     interpret = args.quick
     if args.quick:

@@ -246,4 +246,4 @@ def test_bench_mlp_quick(tmp_path):
         assert halves == [("up", "config"), ("down", "config"), ("up", "sweep"), ("down", "sweep")]
         # the fused kernels' outputs against XLA's path: the activation, and (x_new, h) of the norm
         assert all(c["rel_err_vs_xla"] < 1e-2 and c["us"] > 0 for c in r["kernel"])
-        assert r["kernel"][3]["k_splits"] == 2          # the sweep's split point reached the norm
+        assert r["kernel"][3]["k_splits"] == 2          # the sweep's split point ran (checked by rel_err above)

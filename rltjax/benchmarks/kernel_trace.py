@@ -11,6 +11,8 @@ fusion names repeat across executables, and a prefill step's kernel once passed
 for a decode window's. Busy much smaller than span means
 the GPU waited for launches (host or launch overhead); busy close to span means
 the kernels themselves are the cost.
+
+``median_call_us`` times a jitted call from such a trace (the kernel benchmarks' timer).
 """
 from __future__ import annotations
 
@@ -71,7 +73,7 @@ def kernel_time_per_call(kernels: list[dict], gap_us: float = 1000.0) -> list[fl
 def median_call_us(fn, args: tuple, iters: int) -> float:
     """Median time of ``fn(*args)`` in microseconds: on a GPU its kernels' summed durations
     from a profiler trace (launch gaps and host dispatch are not in it), else wall-clock."""
-    import jax
+    import jax       # here: summarising a trace (this module's CLI) needs no jax
     jax.block_until_ready(fn(*args))
     if jax.default_backend() != "gpu":
         times = []

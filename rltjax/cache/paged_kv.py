@@ -97,8 +97,9 @@ class PagedKVBackend:
     AUTO_GATED_MAX_ROWS rows, at every shape it supports. The runner sets it where attention
     runs on the Pallas kernels. (``matmul(partial_sums=True)``, split-K partial sums added
     up by the residual-norm kernel, is taken wherever the projection runs on the kernel:
-    "pallas", or a shape in kernel_shapes; on an H200 it did not beat XLA's GEMM and its
-    reduction at Ouro's down projection, so "auto" leaves down to XLA.)
+    "pallas", or a shape in kernel_shapes. At Ouro's down projection on an H200 it lost 0.44
+    us a layer to XLA's GEMM and reduction in the engine at one row, and led by 0.3-0.4 us in
+    isolation from 8 rows, not measured in the engine there; "auto" leaves down to XLA.)
     num_splits: the decode attention kernel's key splits per row: None (its default per
     batch), an int, or per decode row bucket ((rows, splits), ...) (a {rows: splits} mapping
     is taken too) with the default for the buckets not named.
@@ -140,15 +141,16 @@ class PagedKVBackend:
         impl = self._impl(x, w_gate, gated_unsupported, self.mlp_kernels, AUTO_GATED_MAX_ROWS)
         return gated_up(x, w_gate, w_up, layer, impl=impl, interpret=self.interpret)
 
-    def _impl(self, x, w, unsupported, auto_shape: bool, auto_rows: int) -> str:
-        """"pallas" or "xla" for a projection of x by w under ``matmul_impl``."""
+    def _impl(self, x, w, auto_unsupported, auto_shape: bool, auto_rows: int) -> str:
+        """"pallas" or "xla" for a projection of x by w under ``matmul_impl`` ("auto" also asks
+        ``auto_unsupported``: the gate | up kernel's one pass over K)."""
         if self.matmul_impl == "pallas" and x.shape[0] <= MAX_ROWS:
-            if why_not := unsupported(x, w):
+            if why_not := kernel_unsupported(x, w):
                 raise ValueError(f"ExecutionConfig.matmul_impl='pallas': a [{x.shape[1]}, {w.shape[-1]}] projection "
                                  f"cannot run on the kernel: {why_not} (use matmul_impl='xla' or 'auto')")
             return "pallas"
         auto = (self.matmul_impl == "auto" and self.decode_rows and x.shape[0] <= auto_rows and auto_shape
-                and jax.default_backend() == "gpu" and not unsupported(x, w))
+                and jax.default_backend() == "gpu" and not auto_unsupported(x, w))
         return "pallas" if auto else "xla"
 
     @property

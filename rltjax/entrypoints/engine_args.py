@@ -54,10 +54,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "row bucket (e.g. 32:1,64:1; the buckets not named keep the default); default: "
                         "picked per batch bucket")
     g.add_argument("--matmul-impl", default="auto", choices=MATMUL_IMPLS,
-                   help="decode projections: auto = on GPU, q|k|v and o of <= 16 decode rows on the "
-                        "weight-streaming Pallas kernel and Ouro's gate|up with its activation on one "
-                        "kernel up to 32 rows, XLA's dot for the rest; xla = XLA's dot; pallas = the "
-                        "kernels for every projection of <= 64 rows")
+                   help="decode projections: auto = on GPU where attention runs on the Pallas kernels, "
+                        "q|k|v and o of <= 16 decode rows on the weight-streaming Pallas kernel and Ouro's "
+                        "gate|up with its activation on one kernel up to 32 rows, XLA's dot for the rest; "
+                        "xla = XLA's dot; pallas = the kernels for every projection of <= 64 rows")
     g.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
                    help="an XLA compiler option for every engine executable (repeatable), e.g. "
                         "xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUSTOM_CALL,WHILE,CONDITIONAL")

@@ -114,10 +114,9 @@ def _gated_kernel(layer_ref, x_ref, wg_ref, wu_ref, o_ref, *, block_n: int, bloc
     zeros = jnp.zeros((rows, block_n), jnp.float32)
     gate, up = jax.lax.fori_loop(0, steps, body, (zeros, zeros))
     # ``kernels.skinny_matmul.silu_mul``'s rounding: each product rounded to x's dtype as the
-    # two projections' outputs are, SiLU in float32 rounded, then the product rounded
+    # two projections' outputs are, then silu(gate) * up in float32, rounded once
     gate, up = (a.astype(dtype).astype(jnp.float32) for a in (gate, up))
-    silu = (gate / (1.0 + jnp.exp(-gate))).astype(dtype).astype(jnp.float32)
-    act = (silu * up).astype(o_ref.dtype)                                        # [16, bn]
+    act = (gate / (1.0 + jnp.exp(-gate)) * up).astype(o_ref.dtype)               # [16, bn]
     if m < DOT_ROWS:
         plgpu.store(o_ref.at[pl.ds(0, rows), cols], act, mask=live)
     else:

@@ -1,9 +1,9 @@
 """Numerics shared by the model files: RMSNorm, RoPE, SwiGLU, projections.
 
 Precision rules: norms and RoPE are computed in float32 and cast back to the
-activation dtype; matmuls run in the parameter dtype; SwiGLU's SiLU is computed in
-float32 and rounded, then multiplied and rounded (``silu_mul``); logits and exit signals are
-float32. (In float32 this is the upstream PyTorch code exactly; its bfloat16 RoPE
+activation dtype; matmuls run in the parameter dtype; SwiGLU's silu(gate) * up is computed
+in float32 and rounded once (``silu_mul``; upstream's bfloat16 rounds the SiLU too); logits and
+exit signals are float32. (In float32 this is the upstream PyTorch code exactly; its bfloat16 RoPE
 rounds cos / sin and each term to bfloat16, ours rounds once.)
 """
 from __future__ import annotations

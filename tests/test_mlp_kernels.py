@@ -30,7 +30,7 @@ def rel(got, want):
     return np.linalg.norm(got - want) / np.linalg.norm(want)
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(m=st.integers(1, MAX_ROWS), k_blocks=st.integers(1, 4), f_blocks=st.integers(1, 3),
        block_k=st.sampled_from([16, 32]), block_n=st.sampled_from([16, 32]), num_layers=st.sampled_from([0, 3]),
        dtype=st.sampled_from([jnp.float32, jnp.bfloat16]), seed=st.integers(0, 2**16))
@@ -85,7 +85,7 @@ def test_gated_up_beyond_one_pass_runs_on_the_split_kernel():
     assert rel(out, silu_mul64(x, wg, wu)) < TOL[jnp.float32]
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(m=st.integers(1, 9), splits=st.sampled_from([1, 2, 4]), dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
        seed=st.integers(0, 2**16))
 def test_partial_sums_through_the_residual_norm(m, splits, dtype, seed):

@@ -35,18 +35,13 @@ from rltjax.entrypoints.engine_args import parse_xla_options  # noqa: E402
 from rltjax.models.base import get_model  # noqa: E402
 from rltjax.presets import preset_config  # noqa: E402
 from bench_loop_pass import build_pass  # noqa: E402
-from rltjax.benchmarks.kernel_trace import format_summary, summarise_dir  # noqa: E402
+from rltjax.benchmarks.kernel_trace import format_summary, median_wall_us, summarise_dir  # noqa: E402
 
 
 def timed(fn, *args, iters=30):
-    out = fn(*args)
-    jax.block_until_ready(out)
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    """Median wall-clock ms of fn(*args) after one warm-up call."""
+    jax.block_until_ready(fn(*args))
+    return median_wall_us(fn, args, iters) / 1e3
 
 
 def timed_donating(compiled, params, state, kv, meta, iters=30):

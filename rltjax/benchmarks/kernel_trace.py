@@ -70,18 +70,25 @@ def kernel_time_per_call(kernels: list[dict], gap_us: float = 1000.0) -> list[fl
     return sums
 
 
+def median_wall_us(fn, args: tuple, iters: int) -> float:
+    """Median wall-clock time of ``fn(*args)``, each call waited for, in microseconds (no
+    warm-up call: the caller makes one)."""
+    import jax       # here: summarising a trace (this module's CLI) needs no jax
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
 def median_call_us(fn, args: tuple, iters: int) -> float:
     """Median time of ``fn(*args)`` in microseconds: on a GPU its kernels' summed durations
     from a profiler trace (launch gaps and host dispatch are not in it), else wall-clock."""
     import jax       # here: summarising a trace (this module's CLI) needs no jax
     jax.block_until_ready(fn(*args))
     if jax.default_backend() != "gpu":
-        times = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times) * 1e6
+        return median_wall_us(fn, args, iters)
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
             for _ in range(iters):

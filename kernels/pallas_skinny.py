@@ -3,8 +3,7 @@
     x [M, K] @ w[layer] [K, N] -> [M, N] in x's dtype (k_splits = 1)
                                -> partial sums [S, M, N] float32 (k_splits = S > 1)
 
-At decode batch sizes (the engine's buckets up to 16 rows for "auto", 32 for the gate | up
-kernel under "auto", 64 for "pallas")
+At decode batch sizes (the engine's buckets up to 64 rows)
 a projection's cost is reading the weight once. The grid is (N / block_n, S): each program owns one column tile over 1/S of K
 and streams its [K/S, block_n] slab in block_k steps into a float32 accumulator.
 With S = 1 the program writes its tile rounded to x's dtype: no reduction kernel and

@@ -16,7 +16,9 @@ Ouro-1.4B's q|k|v (2048 x 6144) and 5.3 us at o (2048 x 2048), against XLA's spl
 GEMM plus its reduction, 9.8 and 5.8 us; at down (5632 x 2048) XLA stays ahead, so the
 engine's "auto" puts the attention projections here (``PagedKVBackend.kernel_shapes``)
 and, since the fifteenth session, the gate / up pair through ``gated_up``'s kernel, which
-also applies the activation (up to 32 rows).
+also applies the activation; since the sixteenth all three up to 64 rows (wider tiles from 32
+rows: q|k|v 9.9 / 10.2 us against XLA's 10.9 / 12.7 at 32 / 64 rows), o in two K splits
+whose partial sums the residual-norm kernel adds.
 Kernel-supported: M <= MAX_ROWS, K and N multiples of 16 (blocks are the largest powers
 of two up to the configured ones that divide them), bfloat16 / float16 / float32
 weights in x's dtype; ``gated_up``'s kernel also K <= SINGLE_PASS_MAX_K (above it, impl
@@ -104,27 +106,46 @@ def fewer_splits(steps: int, splits: int, most: int) -> int:
     return splits if splits <= most else max(s for s in range(1, most + 1) if steps % s == 0)
 
 
+SMEM_BYTES = 160 * 1024    # the pipelines' buffers: under an H200's 232 KB with room
+
+
+def fitting_stages(stage_bytes: int, most: int) -> int:
+    """Pipeline stages whose buffers fit SMEM_BYTES: Triton keeps stages - 1 of them in
+    flight (2..most)."""
+    return max(2, min(most, 1 + SMEM_BYTES // stage_bytes))
+
+
 def kernel_config(m: int, k: int, n: int, block_n: int | None = None, block_k: int | None = None,
-                  k_splits: int | None = None, num_warps: int | None = None, num_stages: int | None = None) -> dict:
+                  k_splits: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                  partial_sums: bool = False, itemsize: int = 2) -> dict:
     """The kernel's blocks, K splits, warps and pipeline stages for an [m, k] @ [k, n] product
-    (m: the padded, power-of-two row count); explicit arguments override. One pass over K
-    with narrow tiles up to SINGLE_PASS_MAX_K (the H200 measurements of the module
-    docstring, at 1-8 rows); longer K split across programs (32 x 128 blocks: 4 splits of Ouro's down, which with
-    its partial sums added in the residual-norm kernel was the best of `bench_mlp.py --sweep`
-    at 1-32 rows); fewer pipeline stages from 32 rows, where the
-    row tile grows (64-row tiles at three stages overflowed shared memory on an H200)."""
+    (m: the padded, power-of-two row count); explicit arguments override. Measured on an
+    H200 (docs/performance.md: `bench_skinny.py`, `bench_mlp.py --sweep`):
+    - K <= SINGLE_PASS_MAX_K, up to 16 rows: one pass over K in narrow tiles (16 or 32 x 256 / 128);
+      from 32 rows 64- (N > 2048) or 32-column tiles x 256, four warps.
+    - partial_sums (the consumer adds split-K partial sums: ``kernels.residual_norm``) with
+      K <= SINGLE_PASS_MAX_K: two K splits in 32 x 256 tiles, four warps (Ouro's o projection
+      into the norm: 6.5-6.8 us against 7.5 in one pass at 1-8 rows).
+    - longer K: split across programs in 32 x 128 blocks (4 splits of Ouro's down).
+    Stages: as many as fit SMEM_BYTES, at most 5 (one pass) / 4 (split K); 32- and 64-row
+    tiles get 3-4 (64 x 256 tiles at 64 rows and 4 stages overflowed an H200's shared memory)."""
     single = k <= SINGLE_PASS_MAX_K
-    if single:   # narrow tiles: enough programs without splitting K
-        bn, bk, warps, stages = (16, 256, 2, 5) if n <= 2048 else (32, 128, 2, 5)
+    splits = None
+    if single and partial_sums:
+        bn, bk, warps, most, splits = 32, 256, 4, 4, 2
+    elif single and m <= 16:     # narrow tiles: enough programs without splitting K
+        bn, bk, warps, most = (16, 256, 2, 5) if n <= 2048 else (32, 128, 2, 5)
+    elif single:
+        bn, bk, warps, most = (32 if n <= 2048 else 64), 256, 4, 4
     else:        # 32 x 128 blocks: choose_splits then gives 4 splits at Ouro's down (256 programs)
-        bn, bk, warps, stages = 32, 128, 4, 3
+        bn, bk, warps, most = 32, 128, 4, 3
     bn, bk = fit_block(n, block_n or bn), fit_block(k, block_k or bk)
     if k_splits is None:
-        k_splits = 1 if single else choose_splits(k, n, bn, bk)
-    if m > 16:      # wider row tiles: fewer stages fit in shared memory
+        k_splits = splits if splits and (k // bk) % splits == 0 else 1 if single else choose_splits(k, n, bn, bk)
+    stages = num_stages or fitting_stages((max(m, 16) * bk + bk * bn) * itemsize, most)
+    if not single and m > 16 and not num_stages:   # the long-K rule measured before (32: 3, 64: 2)
         stages = 2 if m >= 64 else 3
-    return dict(block_n=bn, block_k=bk, k_splits=k_splits, num_warps=num_warps or warps,
-                num_stages=num_stages or stages)
+    return dict(block_n=bn, block_k=bk, k_splits=k_splits, num_warps=num_warps or warps, num_stages=stages)
 
 
 def skinny_matmul(x: jax.Array, w: jax.Array, layer=None, *, impl: str = "xla", interpret: bool = False,
@@ -151,7 +172,8 @@ def skinny_matmul(x: jax.Array, w: jax.Array, layer=None, *, impl: str = "xla", 
         return jnp.zeros((1, 0, n) if partial_sums else (0, n), x.dtype)
     # the kernel's tiles take power-of-two rows (the engine's buckets are); others are padded here
     rows = next_pow2(m)
-    config = kernel_config(rows, k, n, block_n, block_k, k_splits, num_warps, num_stages)
+    config = kernel_config(rows, k, n, block_n, block_k, k_splits, num_warps, num_stages, partial_sums,
+                           jnp.dtype(x.dtype).itemsize)
     if partial_sums and k_splits is None:
         config["k_splits"] = fewer_splits(k // config["block_k"], config["k_splits"], MAX_PARTIAL_SUMS)
     if (k // config["block_k"]) % config["k_splits"]:
@@ -170,21 +192,16 @@ def skinny_matmul(x: jax.Array, w: jax.Array, layer=None, *, impl: str = "xla", 
     return out[:m]
 
 
-GATED_SMEM_BYTES = 160 * 1024    # the pipeline's buffers: under an H200's 232 KB with room
-
-
 def gated_config(m: int, k: int, f: int, block_n: int | None = None, block_k: int | None = None,
                  num_warps: int | None = None, num_stages: int | None = None, itemsize: int = 2) -> dict:
     """``gated_up``'s blocks, warps and stages: one pass over K in 64 x 128 tiles of each weight,
     two warps up to 8 rows and four from 16, 4 stages (the best of a sweep on an H200 at Ouro's
-    2048 x 5632 pair at 1-32 rows, `scripts/bench_mlp.py --sweep`, docs/performance.md).
-    Fewer stages where the buffers would pass GATED_SMEM_BYTES: Triton keeps stages - 1 of
-    them, each an x tile and two weight tiles (bf16 64 x 256 tiles at 32 rows and 4 stages
-    asked for 240 KB of the 232 KB), so float32 at 16-32 rows gets 3; from 64 rows 2, as the
-    single-product kernel."""
+    2048 x 5632 pair at 1-64 rows, `scripts/bench_mlp.py --sweep`, docs/performance.md).
+    Fewer stages where the buffers would pass SMEM_BYTES, each stage an x tile and two weight
+    tiles (bf16 64 x 256 tiles at 32 rows and 4 stages asked for 240 KB of the 232 KB): float32
+    at 16-32 rows gets 3. (At 64 rows 4 stages took 15.2 us, 2 stages 26.3.)"""
     bn, bk = fit_block(f, block_n or 64), fit_block(k, block_k or 128)
-    stage_bytes = (max(m, 16) * bk + 2 * bk * bn) * itemsize
-    stages = num_stages or (2 if m >= 64 else max(2, min(4, 1 + GATED_SMEM_BYTES // stage_bytes)))
+    stages = num_stages or fitting_stages((max(m, 16) * bk + 2 * bk * bn) * itemsize, 4)
     return dict(block_n=bn, block_k=bk, num_warps=num_warps or (2 if m <= 8 else 4), num_stages=stages)
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import math
 import os
@@ -105,10 +106,15 @@ def builtin(interpret, ppcb, splits):
     return fn
 
 
-def our_grid(quick, group, pages_per_seq):
-    """(pages_per_block, num_splits, num_warps, num_stages, use_dot); None = the kernel's default."""
+def our_grid(quick, group, pages_per_seq, sweep=None):
+    """(pages_per_block, num_splits, num_warps, num_stages, use_dot); None = the kernel's default.
+    sweep: (ppbs, splits, warps, stages) lists for a full grid instead of the built-in one."""
     if quick:
         return [(None,) * 5, (2, 2, 4, 2, None)]
+    if sweep:
+        return [(None,) * 5] + [(ppb, splits, warps, stages, None)
+                                for ppb, splits, warps, stages in itertools.product(*sweep)
+                                if splits == 1 or pages_per_seq // splits >= ppb]
     grid = [(None,) * 5]
     for ppb, warps, splits_set in ((4, 4, (1, 2, 4, 8, 16, 32)), (8, 4, (1, 2, 4, 8, 16, 32)),
                                    (4, 8, (2, 16))):
@@ -139,7 +145,7 @@ def bench_shape(args, batch, context, results):
     if "pallas" in args.impls:
         candidates += [("pallas", dict(pages_per_block=a, num_splits=b, num_warps=c,
                                        num_stages=d, use_dot=e), ours(interpret, a, b, c, d, e))
-                       for a, b, c, d, e in our_grid(args.quick, h // hkv, pages_per_seq)]
+                       for a, b, c, d, e in our_grid(args.quick, h // hkv, pages_per_seq, args.sweep)]
     if "jax" in args.impls:
         candidates += [("jax_builtin", dict(pages_per_compute_block=a, k_splits=b),
                         builtin(interpret, a, b)) for a, b in builtin_grid(args.quick, pages_per_seq)]
@@ -176,7 +182,12 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--chain", type=int, default=10,
                    help="min calls per timed sample (raised until a sample lasts >= 2 ms)")
+    p.add_argument("--sweep-ppb", type=int, nargs="+", help="with --sweep-*: a full grid of pages per block ...")
+    p.add_argument("--sweep-splits", type=int, nargs="+", default=[1, 2, 4], help="... key splits ...")
+    p.add_argument("--sweep-warps", type=int, nargs="+", default=[4], help="... warps ...")
+    p.add_argument("--sweep-stages", type=int, nargs="+", default=[2], help="... and pipeline stages")
     args = p.parse_args(argv)
+    args.sweep = (args.sweep_ppb, args.sweep_splits, args.sweep_warps, args.sweep_stages) if args.sweep_ppb else None
     if args.quick:
         args.batches, args.contexts = [2], [64]
         args.heads, args.kv_heads, args.head_dim = 4, 2, 64

@@ -4,6 +4,8 @@ fused kernels, kernel time per layer.
     python scripts/bench_mlp.py --out mlp.json             # GPU, Ouro-1.4B shapes, rows 1 8 16 32
     python scripts/bench_mlp.py --rows 8 --sweep           # also sweep both kernels' blocks
     python scripts/bench_mlp.py --quick                    # CPU smoke run (interpret mode, tiny shapes)
+    python scripts/bench_mlp.py --halves down --intermediate 2048 --sweep --down-splits 1 2 4 8
+                                 # the o projection's shape (K = 2048) into the norm
 
 Two halves, each over L layers' own weights in one jitted call (as in ``bench_skinny``):
 - "up": XLA's GEMM of the two weights side by side and the activation's fusion (what XLA
@@ -58,17 +60,18 @@ def max_rel_err(got, want) -> float:
                for g, w in zip(flat(got), flat(want)))
 
 
-def sweep_points(sweep: bool, quick: bool, k: int, f: int, d: int):
+def sweep_points(args, k: int, f: int, d: int):
     """(half, config) pairs: each kernel's default first, then the sweep's valid points."""
-    yield "up", {}
-    yield "down", {}
-    if not sweep:
+    yield from ((half, {}) for half in args.halves)
+    if not args.sweep:
         return
-    if quick:
+    if args.quick:
         ups, downs = [(16, 16, 4, 3)], [(16, 16, 2, 4, 3)]
     else:
         ups = list(itertools.product((16, 32, 64), (128, 256), (2, 4), (4,)))
-        downs = list(itertools.product((16, 32, 64), (128,), (2, 4, 11), (2, 4), (3,)))
+        downs = list(itertools.product(args.down_block_n, args.down_block_k, args.down_splits, (2, 4),
+                                       args.down_stages))
+    ups, downs = (ups if "up" in args.halves else []), (downs if "down" in args.halves else [])
     for bn, bk, warps, stages in ups:
         if fit_block(f, bn) == bn and fit_block(k, bk) == bk:
             yield "up", dict(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
@@ -85,6 +88,11 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--sweep", action="store_true", help="also time a grid of both kernels' blocks")
+    p.add_argument("--halves", nargs="+", default=["up", "down"], choices=["up", "down"])
+    p.add_argument("--down-block-n", type=int, nargs="+", default=[16, 32, 64], help="sweep: down's column tiles")
+    p.add_argument("--down-block-k", type=int, nargs="+", default=[128], help="sweep: down's K steps")
+    p.add_argument("--down-splits", type=int, nargs="+", default=[2, 4, 11], help="sweep: down's K splits")
+    p.add_argument("--down-stages", type=int, nargs="+", default=[3], help="sweep: down's pipeline stages")
     p.add_argument("--quick", action="store_true", help="tiny shapes in interpret mode (CPU smoke run)")
     p.add_argument("--out")
     args = p.parse_args(argv)
@@ -111,10 +119,10 @@ def main(argv=None):
         up_args, down_args = (xs, gates, ups), (acts, downs, res, norm_w)
         want = dict(up=tuple(gated_up_ref(*a) for a in zip(*up_args)),
                     down=down_fn("xla", interpret, norm_impl)(*down_args))
-        row = dict(rows=m, xla=dict(up=median_call_us(up_fn("xla", False), (xs, pairs), args.iters) / num,
-                                    down=median_call_us(down_fn("xla", interpret, norm_impl), down_args, args.iters) / num),
+        xla_fns = dict(up=(up_fn("xla", False), (xs, pairs)), down=(down_fn("xla", interpret, norm_impl), down_args))
+        row = dict(rows=m, xla={half: median_call_us(*xla_fns[half], args.iters) / num for half in args.halves},
                    kernel=[])
-        for half, config in sweep_points(args.sweep, args.quick, d, f, d):
+        for half, config in sweep_points(args, d, f, d):
             fn = up_fn("pallas", interpret, **config) if half == "up" else down_fn("pallas", interpret, norm_impl,
                                                                                    **config)
             fn_args = up_args if half == "up" else down_args
@@ -134,7 +142,7 @@ def main(argv=None):
             with open(args.out, "w") as fh:
                 json.dump(dict(jax=jax.__version__, device=jax.devices()[0].device_kind, hidden=d, intermediate=f,
                                layers=num, results=results), fh, indent=1)
-        for half in ("up", "down"):
+        for half in args.halves:
             points = [r for r in row["kernel"] if r["half"] == half]
             best = min(points, key=lambda r: r["us"])
             blocks = " ".join(f"{k}={best[k]}" for k in ("block_n", "block_k", "k_splits", "num_warps", "num_stages")

@@ -69,10 +69,10 @@ def test_gated_up_validation():
     with pytest.raises(ValueError, match="at most 64"):
         gated_up(jnp.ones((MAX_ROWS + 1, 64), jnp.float32), w, w, impl="pallas", interpret=True)
     assert gated_up(jnp.ones((0, 64), jnp.float32), w, w, impl="pallas", interpret=True).shape == (0, 32)
-    assert gated_config(8, 2048, 5632)["block_n"] == 64 and gated_config(64, 2048, 5632)["num_stages"] == 2
-    # the measured bf16 config up to 32 rows; float32 tiles get fewer stages (shared memory)
-    assert [gated_config(m, 2048, 5632)["num_stages"] for m in (1, 16, 32)] == [4, 4, 4]
-    assert gated_config(32, 2048, 5632, itemsize=4)["num_stages"] == 3
+    assert gated_config(8, 2048, 5632)["block_n"] == 64
+    # the measured bf16 config up to 64 rows; float32 tiles get fewer stages (shared memory)
+    assert [gated_config(m, 2048, 5632)["num_stages"] for m in (1, 16, 32, 64)] == [4, 4, 4, 4]
+    assert [gated_config(m, 2048, 5632, itemsize=4)["num_stages"] for m in (32, 64)] == [3, 2]
 
 
 def test_gated_up_beyond_one_pass_runs_on_the_split_kernel():
@@ -123,6 +123,32 @@ def test_partial_sums_are_at_most_eight():
     x = jnp.ones((8, 4096), jnp.float32)
     w = jnp.ones((4096, 64), jnp.float32) / 4096
     assert skinny_matmul(x, w, impl="pallas", interpret=True, partial_sums=True).shape == (8, 8, 64)
+
+
+def test_single_pass_partial_sums_split_in_two():
+    """K <= 2048 (o's shape): a consumer of partial sums gets two K splits by default, whose
+    float32 sum is the product; K with a single block_k step keeps one."""
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((3, 512)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((512, 64)) / np.sqrt(512), jnp.float32)
+    parts = skinny_matmul(x, w, impl="pallas", interpret=True, partial_sums=True)
+    assert parts.shape == (2, 3, 64) and parts.dtype == jnp.float32
+    assert rel(parts.sum(0), np.asarray(x, np.float64) @ np.asarray(w, np.float64)) < TOL[jnp.float32]
+    one = skinny_matmul(x[:, :256], w[:256], impl="pallas", interpret=True, partial_sums=True)
+    assert one.shape == (1, 3, 64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 8, 16, 32, 64])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_o_partial_sums_compile_on_gpu(m, dtype):
+    """Ouro's o (2048 x 2048) into the norm at every decode bucket: two splits' partial sums."""
+    rng = np.random.default_rng(m)
+    x = jnp.asarray(rng.standard_normal((m, 2048)), dtype)
+    w = jnp.asarray(rng.standard_normal((2, 2048, 2048)) / np.sqrt(2048), dtype)
+    parts = jax.jit(lambda x, w: skinny_matmul(x, w, 1, impl="pallas", partial_sums=True))(x, w)
+    assert parts.shape == (2, m, 2048)
+    assert rel(parts.sum(0), np.asarray(x, np.float64) @ np.asarray(w[1], np.float64)) < TOL[dtype]
 
 
 def test_partial_sums_are_validated():

@@ -46,8 +46,8 @@ from kernels.paged_attention import paged_attention, paged_attention_write, page
 from kernels.residual_norm import kernel_unsupported as norm_unsupported, residual_norm
 from kernels.skinny_matmul import MAX_ROWS, gated_unsupported, gated_up, kernel_unsupported, skinny_matmul
 
-AUTO_MAX_ROWS = 16      # matmul_impl "auto": the kernel for decode batches up to this many rows
-AUTO_GATED_MAX_ROWS = 32    # ... and the SwiGLU pair's kernel up to this many (docs/performance.md)
+AUTO_MAX_ROWS = 64      # matmul_impl "auto": the kernel for decode batches up to this many rows
+AUTO_GATED_MAX_ROWS = 64    # ... and the SwiGLU pair's kernel up to this many (docs/performance.md)
 
 
 @jax.tree_util.register_dataclass
@@ -95,11 +95,12 @@ class PagedKVBackend:
     mlp_kernels: for "auto", a SwiGLU MLP's pair (``gated_up``: both products and the
     activation in one kernel) runs on its kernel for decode batches of up to
     AUTO_GATED_MAX_ROWS rows, at every shape it supports. The runner sets it where attention
-    runs on the Pallas kernels. (``matmul(partial_sums=True)``, split-K partial sums added
-    up by the residual-norm kernel, is taken wherever the projection runs on the kernel:
-    "pallas", or a shape in kernel_shapes. At Ouro's down projection on an H200 it lost 0.44
-    us a layer to XLA's GEMM and reduction in the engine at one row, and led by 0.3-0.4 us in
-    isolation from 8 rows, not measured in the engine there; "auto" leaves down to XLA.)
+    runs on the Pallas kernels. ``matmul(partial_sums=True)`` (the consumer is the
+    residual-norm kernel, which adds split-K partial sums itself) is taken wherever the
+    projection runs on the kernel: "pallas", or a shape in kernel_shapes (Ouro's o: two K
+    splits, 0.45 us a layer less than one pass at 8 rows in the engine on an H200). Down is
+    not in kernel_shapes: its split kernel lost 0.44 us a layer to XLA's GEMM and reduction
+    in the engine at one row (docs/performance.md), so "auto" leaves it to XLA.
     num_splits: the decode attention kernel's key splits per row: None (its default per
     batch), an int, or per decode row bucket ((rows, splits), ...) (a {rows: splits} mapping
     is taken too) with the default for the buckets not named.

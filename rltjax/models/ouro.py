@@ -111,10 +111,11 @@ class OuroModel:
             mm = lambda a, w: backend.matmul(a, w, index)               # noqa: E731
             q, k, v = project_qkv(h, lw, mm, cfg)                          # [N, H | Hkv, Dh]
             out, kv = backend.write_attend(kv, layer, q, k, v, meta, rope)         # [N, H, Dh]
-            attn = mm(out.reshape(n, cfg.q_width), lw.wo)                     # [N, D]
+            # o's (and below down's) output may come as split-K partial sums the norm adds up
+            attn = backend.matmul(out.reshape(n, cfg.q_width), lw.wo, index, partial_sums=True)  # [(S,) N, D]
             # x += post_norm(branch), then the next pre-norm: one kernel on the decode path.
             x, h = backend.residual_norm(x, attn, p.attn_post_norm, p.mlp_norm, cfg.norm_eps)
-            # SwiGLU; down's output may come as split-K partial sums that the norm adds up
+            # SwiGLU
             act = backend.gated_up(h, lw.w_gate, lw.w_up, index)                  # [N, F]
             mlp = backend.matmul(act, lw.w_down, index, partial_sums=True)       # [(S,) N, D]
             x, h = backend.residual_norm(x, mlp, p.mlp_post_norm, next_norm, cfg.norm_eps)

@@ -126,7 +126,9 @@ def kernel_config(m: int, k: int, n: int, block_n: int | None = None, block_k: i
     - partial_sums (the consumer adds split-K partial sums: ``kernels.residual_norm``) with
       K <= SINGLE_PASS_MAX_K: two K splits in 32 x 256 tiles, four warps (Ouro's o projection
       into the norm: 6.5-6.8 us against 7.5 in one pass at 1-8 rows).
-    - longer K: split across programs in 32 x 128 blocks (4 splits of Ouro's down).
+    - longer K: split across programs in 32 x 128 blocks, two warps (4 splits of Ouro's down
+      into the norm: 10.1 / 10.3 / 11.4 us at 1 / 8 / 32 rows, 11.3 / 12.5 with 4 warps and 3
+      stages at 8 / 32 rows).
     Stages: as many as fit SMEM_BYTES, at most 5 (one pass) / 4 (split K); 32- and 64-row
     tiles get 3-4 (64 x 256 tiles at 64 rows and 4 stages overflowed an H200's shared memory)."""
     single = k <= SINGLE_PASS_MAX_K
@@ -138,13 +140,11 @@ def kernel_config(m: int, k: int, n: int, block_n: int | None = None, block_k: i
     elif single:
         bn, bk, warps, most = (32 if n <= 2048 else 64), 256, 4, 4
     else:        # 32 x 128 blocks: choose_splits then gives 4 splits at Ouro's down (256 programs)
-        bn, bk, warps, most = 32, 128, 4, 3
+        bn, bk, warps, most = 32, 128, 2, 4
     bn, bk = fit_block(n, block_n or bn), fit_block(k, block_k or bk)
     if k_splits is None:
         k_splits = splits if splits and (k // bk) % splits == 0 else 1 if single else choose_splits(k, n, bn, bk)
     stages = num_stages or fitting_stages((max(m, 16) * bk + bk * bn) * itemsize, most)
-    if not single and m > 16 and not num_stages:   # the long-K rule measured before (32: 3, 64: 2)
-        stages = 2 if m >= 64 else 3
     return dict(block_n=bn, block_k=bk, k_splits=k_splits, num_warps=num_warps or warps, num_stages=stages)
 
 

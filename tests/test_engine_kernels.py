@@ -80,8 +80,8 @@ def test_kernel_engine_matches_reference_with_aligned_prefill(small_ouro):
 
 
 def test_auto_matmul_and_set_splits(small_ouro, monkeypatch):
-    """matmul_impl "auto" as on a GPU: the decode rows' q|k|v and o projections (and only those
-    shapes) go through the weight-streaming kernel, the MLP through its fused kernels; attn_num_splits reaches the decode
+    """matmul_impl "auto" as on a GPU: the decode rows' q|k|v, o and down projections (and only
+    those shapes) go through the weight-streaming kernel, the gate | up pair through its fused kernel; attn_num_splits reaches the decode
     attention kernel (per row bucket: max_num_seqs 2 gives one, of 2 rows); the engine still
     equals the oracle."""
     import jax
@@ -112,9 +112,9 @@ def test_auto_matmul_and_set_splits(small_ouro, monkeypatch):
     for _, rid, prompt, sp in arrivals:
         check_equal(outputs[rid], ref.generate(prompt, sp, request_id=rid))
     D, qkv = cfg.hidden_size, cfg.q_width + 2 * cfg.kv_width
-    # and the MLP's gate | up with its activation in one kernel (down stays on XLA's GEMM)
+    # the MLP's gate | up with its activation in one kernel, down (partial sums into the norm)
     F = cfg.intermediate_size
-    assert set(shapes) == {(D, qkv), (cfg.q_width, D), ("gated", D, F)}
+    assert set(shapes) == {(D, qkv), (cfg.q_width, D), ("gated", D, F), (F, D)}
     assert splits and set(splits) == {3}
     assert_all_pages_free(engine)
 

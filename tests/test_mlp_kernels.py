@@ -180,9 +180,9 @@ def test_both_kernels_lower_to_triton(lower_to_triton):
 
 def test_backend_runs_the_mlp_on_the_kernels_where_auto_says(monkeypatch):
     """Under "auto" on a GPU with mlp_kernels, decode rows up to AUTO_GATED_MAX_ROWS: gated_up
-    on its kernel; down (a shape not in kernel_shapes) stays on XLA's dot even when partial
-    sums are welcome. Under "pallas" a projection asked for partial sums hands them on
-    unreduced from the split kernel. Otherwise XLA."""
+    on its kernel, and down (a shape not in kernel_shapes) on the split kernel where its
+    consumer takes partial sums, handed on unreduced; asked for a plain product, XLA's dot.
+    Under "pallas" the same split kernel either way. Otherwise XLA."""
     from kernels import skinny_matmul as sm
     from rltjax.cache.paged_kv import AUTO_GATED_MAX_ROWS, PagedKVBackend
     rng = np.random.default_rng(5)
@@ -204,12 +204,14 @@ def test_backend_runs_the_mlp_on_the_kernels_where_auto_says(monkeypatch):
                                atol=2e-5)
     edge = jnp.asarray(rng.standard_normal((AUTO_GATED_MAX_ROWS, 64)), jnp.float32)
     auto.gated_up(edge, wg, wu, 1)
-    assert auto.matmul(act, wd, 1, partial_sums=True).ndim == 2          # down: XLA under auto
     assert calls == [("gated", 8), ("gated", AUTO_GATED_MAX_ROWS)]
-    parts = dataclasses.replace(auto, matmul_impl="pallas").matmul(act, wd, 1, partial_sums=True)
-    assert calls[-1] == ("split", 8) and parts.ndim == 3 and parts.shape[1:] == (8, 64)
-    np.testing.assert_allclose(np.asarray(parts.sum(0)), np.asarray(act, np.float64) @ np.asarray(wd[1], np.float64),
-                               rtol=1e-4, atol=1e-4)
+    want = np.asarray(act, np.float64) @ np.asarray(wd[1], np.float64)
+    np.testing.assert_array_equal(np.asarray(auto.matmul(act, wd, 1)), np.asarray(skinny_matmul_ref(act, wd, 1)))
+    assert len(calls) == 2                                              # a plain product: XLA's dot
+    for backend in (auto, dataclasses.replace(auto, matmul_impl="pallas")):
+        parts = backend.matmul(act, wd, 1, partial_sums=True)
+        assert calls[-1] == ("split", 8) and parts.ndim == 3 and parts.shape[1:] == (8, 64)
+        np.testing.assert_allclose(np.asarray(parts.sum(0)), want, rtol=1e-4, atol=1e-4)
     del calls[:]
     big = jnp.ones((AUTO_GATED_MAX_ROWS + 1, 64), jnp.float32)
     for backend, rows in ((auto, big), (dataclasses.replace(auto, decode_rows=False), x),
@@ -217,6 +219,7 @@ def test_backend_runs_the_mlp_on_the_kernels_where_auto_says(monkeypatch):
                           (dataclasses.replace(auto, mlp_kernels=False), x)):
         np.testing.assert_array_equal(np.asarray(backend.gated_up(rows, wg, wu, 1)),
                                       np.asarray(gated_up_ref(rows, wg, wu, 1)))
+    assert dataclasses.replace(auto, mlp_kernels=False).matmul(act, wd, 1, partial_sums=True).ndim == 2
     assert calls == []
 
 

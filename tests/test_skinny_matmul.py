@@ -57,7 +57,10 @@ def test_default_blocks_fit_any_multiple_of_16():
     # K <= 2048: one pass, narrow tiles (o: 128 programs of 16 columns); longer K is split
     assert kernel_config(8, 2048, 2048) == dict(block_n=16, block_k=256, k_splits=1, num_warps=2, num_stages=5)
     assert kernel_config(1, 2048, 6144)["block_n"] == 32 and kernel_config(1, 2048, 6144)["k_splits"] == 1
-    assert kernel_config(8, 5632, 2048)["k_splits"] == 4 and kernel_config(64, 5632, 2048)["num_stages"] == 2
+    # down (K > 2048): 4 splits of 32 x 128 blocks, 2 warps, 4 stages at every bucket
+    assert kernel_config(8, 5632, 2048) == dict(block_n=32, block_k=128, k_splits=4, num_warps=2, num_stages=4)
+    assert kernel_config(64, 5632, 2048)["num_stages"] == 4
+    assert kernel_config(64, 5632, 2048, itemsize=4)["num_stages"] == 4   # 48 KB a stage
     # from 32 rows wider tiles, with the stages that fit shared memory (64 x 256 at 64 rows: 3)
     assert kernel_config(32, 2048, 6144) == dict(block_n=64, block_k=256, k_splits=1, num_warps=4, num_stages=4)
     assert kernel_config(64, 2048, 6144)["num_stages"] == 3 and kernel_config(64, 2048, 2048)["num_stages"] == 4

@@ -94,13 +94,13 @@ class PagedKVBackend:
     names the attention projections: q|k|v and o; ``kernels.skinny_matmul``).
     mlp_kernels: for "auto", a SwiGLU MLP's pair (``gated_up``: both products and the
     activation in one kernel) runs on its kernel for decode batches of up to
-    AUTO_GATED_MAX_ROWS rows, at every shape it supports. The runner sets it where attention
-    runs on the Pallas kernels. ``matmul(partial_sums=True)`` (the consumer is the
-    residual-norm kernel, which adds split-K partial sums itself) is taken wherever the
-    projection runs on the kernel: "pallas", or a shape in kernel_shapes (Ouro's o: two K
-    splits, 0.45 us a layer less than one pass at 8 rows in the engine on an H200). Down is
-    not in kernel_shapes: its split kernel lost 0.44 us a layer to XLA's GEMM and reduction
-    in the engine at one row (docs/performance.md), so "auto" leaves it to XLA.
+    AUTO_GATED_MAX_ROWS rows, at every shape it supports, and so does any projection whose
+    consumer adds split-K partial sums itself (``matmul(partial_sums=True)``: the residual-norm
+    kernel; Ouro's down, and o, which kernel_shapes names anyway), on the split kernel with no
+    reduction kernel after it. The runner sets it where attention runs on the Pallas kernels.
+    (On an H200, o in two K splits took 0.45 us a layer less than in one pass at 8 rows in the
+    engine; down's split kernel with 2 warps and 4 stages 0.9 us less than XLA's GEMM and
+    reduction at 8 rows in isolation: docs/performance.md.)
     num_splits: the decode attention kernel's key splits per row: None (its default per
     batch), an int, or per decode row bucket ((rows, splits), ...) (a {rows: splits} mapping
     is taken too) with the default for the buckets not named.
@@ -132,7 +132,8 @@ class PagedKVBackend:
     def matmul(self, x, w, layer, partial_sums: bool = False):
         """partial_sums: the consumer is ``residual_norm``, which adds up split-K partial sums
         itself; the kernel path then hands them on unreduced ([S, N, N'])."""
-        impl = self._impl(x, w, kernel_unsupported, tuple(w.shape[-2:]) in self.kernel_shapes, AUTO_MAX_ROWS)
+        on_kernel = tuple(w.shape[-2:]) in self.kernel_shapes or (partial_sums and self.mlp_kernels)
+        impl = self._impl(x, w, kernel_unsupported, on_kernel, AUTO_MAX_ROWS)
         partial_sums = partial_sums and impl == "pallas"
         return skinny_matmul(x, w, layer, impl=impl, interpret=self.interpret, partial_sums=partial_sums)
 

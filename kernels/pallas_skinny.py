@@ -8,9 +8,10 @@ a projection's cost is reading the weight once. The grid is (N / block_n, S): ea
 and streams its [K/S, block_n] slab in block_k steps into a float32 accumulator.
 With S = 1 the program writes its tile rounded to x's dtype: no reduction kernel and
 no conversion kernel run after it, which is what makes it beat XLA's split-K GEMMs
-(a GEMM, then a reduction) at Ouro's q|k|v and o shapes on an H200 (narrow tiles give
-the grid enough programs: 2048 / 16 = 128 for o). S > 1 (the caller adds the partial
-sums) is for long K, where one program per column tile would stream too much alone.
+(a GEMM, then a reduction) at Ouro's q|k|v shape on an H200 (narrow tiles give the grid
+enough programs: 6144 / 32 = 192). S > 1 hands the partial sums on for the caller to add:
+for long K, where one program per column tile would stream too much alone, and for a
+consumer that adds them as it reads them (the residual-norm kernel; Ouro's o and down).
 
 Tensor-core dots need >= 16 rows. Fewer rows (M a power of two) are replicated in
 registers to 16 and the copies' identical results collapsed again (max over copies:

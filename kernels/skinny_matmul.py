@@ -13,12 +13,13 @@ Semantics: x @ w[layer] with float32 accumulation (`skinny_matmul_ref`). impl:
 H200 at 1-8 rows (docs/performance.md, ninth session): for K <= 2048 one pass over K
 (no split, narrow column tiles, the output rounded in the kernel) took 8.7 us at
 Ouro-1.4B's q|k|v (2048 x 6144) and 5.3 us at o (2048 x 2048), against XLA's split-K
-GEMM plus its reduction, 9.8 and 5.8 us; at down (5632 x 2048) XLA stays ahead, so the
-engine's "auto" puts the attention projections here (``PagedKVBackend.kernel_shapes``)
-and, since the fifteenth session, the gate / up pair through ``gated_up``'s kernel, which
-also applies the activation; since the sixteenth all three up to 64 rows (wider tiles from 32
-rows: q|k|v 9.9 / 10.2 us against XLA's 10.9 / 12.7 at 32 / 64 rows), o in two K splits
-whose partial sums the residual-norm kernel adds.
+GEMM plus its reduction, 9.8 and 5.8 us, so the engine's "auto" puts the attention
+projections here (``PagedKVBackend.kernel_shapes``) and, since the fifteenth session, the
+gate / up pair through ``gated_up``'s kernel, which also applies the activation. Since the
+sixteenth every decode projection of Ouro runs here up to 64 rows (wider tiles from 32 rows:
+q|k|v 9.9 / 10.2 us against XLA's 10.9 / 12.7 at 32 / 64 rows), o and down as split-K partial
+sums that the residual-norm kernel adds (with the norm at 8 rows: o 6.8 against 7.6 us in one
+pass, down 10.3 against 11.2 for XLA's GEMM, reduction and norm).
 Kernel-supported: M <= MAX_ROWS, K and N multiples of 16 (blocks are the largest powers
 of two up to the configured ones that divide them), bfloat16 / float16 / float32
 weights in x's dtype; ``gated_up``'s kernel also K <= SINGLE_PASS_MAX_K (above it, impl
@@ -106,13 +107,27 @@ def fewer_splits(steps: int, splits: int, most: int) -> int:
     return splits if splits <= most else max(s for s in range(1, most + 1) if steps % s == 0)
 
 
-SMEM_BYTES = 160 * 1024    # the pipelines' buffers: under an H200's 232 KB with room
+# the pipelines' buffers: under an H100 / H200's 227 KB a block with room (the configs were
+# measured there; a GPU with less shared memory a block needs a smaller budget)
+SMEM_BYTES = 160 * 1024
 
 
 def fitting_stages(stage_bytes: int, most: int) -> int:
     """Pipeline stages whose buffers fit SMEM_BYTES: Triton keeps stages - 1 of them in
     flight (2..most)."""
     return max(2, min(most, 1 + SMEM_BYTES // stage_bytes))
+
+
+def base_config(m: int, k: int, n: int, partial_sums: bool) -> tuple[int, int, int, int, int | None]:
+    """``kernel_config``'s choice before overrides: (block_n, block_k, warps, most stages, K splits;
+    None: ``choose_splits``)."""
+    if k > SINGLE_PASS_MAX_K:      # 32 x 128 blocks: choose_splits gives 4 splits at Ouro's down
+        return 32, 128, 2, 4, None
+    if partial_sums and (k // (fit_block(k, 256) or 16)) % 2 == 0:
+        return 32, 256, 4, 4, 2
+    if m <= 16:                    # narrow tiles: enough programs without splitting K
+        return (16, 256, 2, 5, 1) if n <= 2048 else (32, 128, 2, 5, 1)
+    return (32 if n <= 2048 else 64), 256, 4, 4, 1
 
 
 def kernel_config(m: int, k: int, n: int, block_n: int | None = None, block_k: int | None = None,
@@ -124,26 +139,19 @@ def kernel_config(m: int, k: int, n: int, block_n: int | None = None, block_k: i
     - K <= SINGLE_PASS_MAX_K, up to 16 rows: one pass over K in narrow tiles (16 or 32 x 256 / 128);
       from 32 rows 64- (N > 2048) or 32-column tiles x 256, four warps.
     - partial_sums (the consumer adds split-K partial sums: ``kernels.residual_norm``) with
-      K <= SINGLE_PASS_MAX_K: two K splits in 32 x 256 tiles, four warps (Ouro's o projection
-      into the norm: 6.5-6.8 us against 7.5 in one pass at 1-8 rows).
+      K <= SINGLE_PASS_MAX_K in an even number of 256-wide steps: two K splits in 32 x 256
+      tiles, four warps (Ouro's o projection into the norm: 6.5-6.8 us against 7.5 in one pass
+      at 1-8 rows).
     - longer K: split across programs in 32 x 128 blocks, two warps (4 splits of Ouro's down
       into the norm: 10.1 / 10.3 / 11.4 us at 1 / 8 / 32 rows, 11.3 / 12.5 with 4 warps and 3
       stages at 8 / 32 rows).
-    Stages: as many as fit SMEM_BYTES, at most 5 (one pass) / 4 (split K); 32- and 64-row
-    tiles get 3-4 (64 x 256 tiles at 64 rows and 4 stages overflowed an H200's shared memory)."""
-    single = k <= SINGLE_PASS_MAX_K
-    splits = None
-    if single and partial_sums:
-        bn, bk, warps, most, splits = 32, 256, 4, 4, 2
-    elif single and m <= 16:     # narrow tiles: enough programs without splitting K
-        bn, bk, warps, most = (16, 256, 2, 5) if n <= 2048 else (32, 128, 2, 5)
-    elif single:
-        bn, bk, warps, most = (32 if n <= 2048 else 64), 256, 4, 4
-    else:        # 32 x 128 blocks: choose_splits then gives 4 splits at Ouro's down (256 programs)
-        bn, bk, warps, most = 32, 128, 2, 4
+    Stages: as many as fit SMEM_BYTES, up to 5 for one pass at <= 16 rows and 4 otherwise: bf16
+    tiles get 3-4 at 32-64 rows (64 x 256 tiles at 64 rows and 4 stages overflowed an H200's
+    shared memory), float32 2-3."""
+    bn, bk, warps, most, splits = base_config(m, k, n, partial_sums)
     bn, bk = fit_block(n, block_n or bn), fit_block(k, block_k or bk)
-    if k_splits is None:
-        k_splits = splits if splits and (k // bk) % splits == 0 else 1 if single else choose_splits(k, n, bn, bk)
+    if k_splits is None:           # a block_k override may leave an odd step count: one split
+        k_splits = choose_splits(k, n, bn, bk) if splits is None else splits if (k // bk) % splits == 0 else 1
     stages = num_stages or fitting_stages((max(m, 16) * bk + bk * bn) * itemsize, most)
     return dict(block_n=bn, block_k=bk, k_splits=k_splits, num_warps=num_warps or warps, num_stages=stages)
 
@@ -172,10 +180,13 @@ def skinny_matmul(x: jax.Array, w: jax.Array, layer=None, *, impl: str = "xla", 
         return jnp.zeros((1, 0, n) if partial_sums else (0, n), x.dtype)
     # the kernel's tiles take power-of-two rows (the engine's buckets are); others are padded here
     rows = next_pow2(m)
-    config = kernel_config(rows, k, n, block_n, block_k, k_splits, num_warps, num_stages, partial_sums,
-                           jnp.dtype(x.dtype).itemsize)
+    config = kernel_config(rows, k, n, block_n=block_n, block_k=block_k, k_splits=k_splits, num_warps=num_warps,
+                           num_stages=num_stages, partial_sums=partial_sums, itemsize=jnp.dtype(x.dtype).itemsize)
     if partial_sums and k_splits is None:
         config["k_splits"] = fewer_splits(k // config["block_k"], config["k_splits"], MAX_PARTIAL_SUMS)
+    if partial_sums and config["k_splits"] > MAX_PARTIAL_SUMS:
+        raise ValueError(f"skinny_matmul: partial_sums takes at most {MAX_PARTIAL_SUMS} K splits (the consumer "
+                         f"holds every partial sum in registers), got k_splits={k_splits}")
     if (k // config["block_k"]) % config["k_splits"]:
         raise ValueError(f"skinny_matmul: k_splits={k_splits} must divide K / block_k = {k} / {config['block_k']} "
                          f"= {k // config['block_k']} (block_k is the largest power of two <= the one asked "
@@ -199,7 +210,7 @@ def gated_config(m: int, k: int, f: int, block_n: int | None = None, block_k: in
     2048 x 5632 pair at 1-64 rows, `scripts/bench_mlp.py --sweep`, docs/performance.md).
     Fewer stages where the buffers would pass SMEM_BYTES, each stage an x tile and two weight
     tiles (bf16 64 x 256 tiles at 32 rows and 4 stages asked for 240 KB of the 232 KB): float32
-    at 16-32 rows gets 3. (At 64 rows 4 stages took 15.2 us, 2 stages 26.3.)"""
+    gets 3 up to 32 rows and 2 at 64. (bf16 at 64 rows: 15.2 us at 4 stages, 26.3 at 2.)"""
     bn, bk = fit_block(f, block_n or 64), fit_block(k, block_k or 128)
     stages = num_stages or fitting_stages((max(m, 16) * bk + 2 * bk * bn) * itemsize, 4)
     return dict(block_n=bn, block_k=bk, num_warps=num_warps or (2 if m <= 8 else 4), num_stages=stages)

@@ -187,14 +187,13 @@ class ExecutionConfig:
     min(8, max_num_seqs) up to max_num_seqs; the others keep the default). Prefill and the XLA
     path ignore it.
     matmul_impl: decode projections: ``auto`` (the default: on a GPU, the attention projections
-    (q|k|v, o) of decode batches of up to 16 rows run on the weight-streaming Pallas kernel,
-    which beat XLA's split-K GEMMs there on an H200 (measured at 1 and 8 rows), and Ouro's
-    gate | up pair with its SiLU-multiply on one Pallas kernel up to 32 rows; the rest is
-    XLA's dot; where attention runs on XLA, everything does), ``xla`` (XLA's
-    dot everywhere) or ``pallas`` (every projection of at most
-    ``kernels.skinny_matmul.MAX_ROWS`` rows on the kernels, Ouro's down handing its split-K
-    partial sums to the residual-norm kernel: slower than XLA at down); prefill batches
-    always use XLA's dot.
+    (q|k|v, o) of decode batches of up to ``kernels.skinny_matmul.MAX_ROWS`` (64) rows run on
+    the weight-streaming Pallas kernel, which beat XLA's split-K GEMMs there on an H200, and
+    Ouro's MLP on its fused kernels: the gate | up pair with its SiLU-multiply in one, down
+    (like o) handing split-K partial sums to the residual-norm kernel; the rest is XLA's dot;
+    where attention runs on XLA, everything does), ``xla`` (XLA's dot everywhere) or
+    ``pallas`` (every projection of at most MAX_ROWS rows on the kernels, Nanbeige's and
+    Huginn's too); prefill batches always use XLA's dot.
     interpret: run the Pallas kernels in interpret mode (CPU testing of the "pallas" impls).
     decode_window: K > 0 runs decode as device-side windows of up to K loop passes
     (``rltjax.engine.decode_window``) whenever every running request is decoding; 0 runs

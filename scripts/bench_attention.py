@@ -182,12 +182,18 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--chain", type=int, default=10,
                    help="min calls per timed sample (raised until a sample lasts >= 2 ms)")
-    p.add_argument("--sweep-ppb", type=int, nargs="+", help="with --sweep-*: a full grid of pages per block ...")
-    p.add_argument("--sweep-splits", type=int, nargs="+", default=[1, 2, 4], help="... key splits ...")
-    p.add_argument("--sweep-warps", type=int, nargs="+", default=[4], help="... warps ...")
-    p.add_argument("--sweep-stages", type=int, nargs="+", default=[2], help="... and pipeline stages")
+    p.add_argument("--sweep-ppb", type=int, nargs="+",
+                   help="pages per block of a full grid in place of the built-in one (turns it on; each split "
+                        "keeps >= one block)")
+    p.add_argument("--sweep-splits", type=int, nargs="+", help="the grid's key splits (default 1 2 4)")
+    p.add_argument("--sweep-warps", type=int, nargs="+", help="the grid's warps (default 4)")
+    p.add_argument("--sweep-stages", type=int, nargs="+", help="the grid's pipeline stages (default 2)")
     args = p.parse_args(argv)
-    args.sweep = (args.sweep_ppb, args.sweep_splits, args.sweep_warps, args.sweep_stages) if args.sweep_ppb else None
+    rest = (args.sweep_splits, args.sweep_warps, args.sweep_stages)
+    if not args.sweep_ppb and any(rest):
+        p.error("--sweep-splits / --sweep-warps / --sweep-stages need --sweep-ppb")
+    args.sweep = (args.sweep_ppb, args.sweep_splits or [1, 2, 4], args.sweep_warps or [4],
+                  args.sweep_stages or [2]) if args.sweep_ppb else None
     if args.quick:
         args.batches, args.contexts = [2], [64]
         args.heads, args.kv_heads, args.head_dim = 4, 2, 64

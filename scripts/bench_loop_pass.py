@@ -48,7 +48,7 @@ def build_pass(model, params, cfg, batch, context, page_size, attn, compiler_opt
                      row_tables=jnp.arange(batch, dtype=jnp.int32),
                      lengths=positions + 1, block_tables=tables)
     backend = PagedKVBackend(attn_impl=attn, matmul_impl=matmul, decode_rows=True,     # one row per request
-                             kernel_shapes=auto_matmul_shapes(cfg), mlp_kernels=True)
+                             kernel_shapes=auto_matmul_shapes(cfg), fused_kernels=True)
 
     def one_pass(params, state, kv, meta):
         return model.loop(params, state, None, kv, meta, backend)

@@ -126,7 +126,8 @@ def main(argv=None):
             fn = up_fn("pallas", interpret, **config) if half == "up" else down_fn("pallas", interpret, norm_impl,
                                                                                    **config)
             fn_args = up_args if half == "up" else down_args
-            full = gated_config(m, d, f, **config) if half == "up" else kernel_config(m, f, d, **config)
+            full = gated_config(m, d, f, **config) if half == "up" else kernel_config(m, f, d, **config,
+                                                                                        partial_sums=True)
             point = dict(half=half, label="sweep" if config else "config", **full)
             try:
                 point.update(us=median_call_us(fn, fn_args, args.iters) / num,

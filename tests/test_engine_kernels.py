@@ -92,6 +92,10 @@ def test_auto_matmul_and_set_splits(small_ouro, monkeypatch):
     monkeypatch.setattr(sm, "skinny_matmul_pallas", lambda x, w, *a, **k: shapes.append(w.shape[1:]) or real(x, w, *a, **k))
     monkeypatch.setattr(sm, "gated_up_pallas", lambda x, w, *a, **k: shapes.append(("gated",) + w.shape[1:])
                         or real_gated(x, w, *a, **k))
+    from rltjax.cache.paged_kv import PagedKVBackend
+    summed, real_matmul = {}, PagedKVBackend.matmul
+    monkeypatch.setattr(PagedKVBackend, "matmul", lambda self, x, w, layer, partial_sums=False: summed.update(
+        {w.shape[-2:]: partial_sums}) or real_matmul(self, x, w, layer, partial_sums))
     real_attention = pallas_triton.paged_attention_pallas
     monkeypatch.setattr(pallas_triton, "paged_attention_pallas",
                         lambda *a, **k: splits.append(k["num_splits"]) or real_attention(*a, **k))
@@ -115,6 +119,8 @@ def test_auto_matmul_and_set_splits(small_ouro, monkeypatch):
     # the MLP's gate | up with its activation in one kernel, down (partial sums into the norm)
     F = cfg.intermediate_size
     assert set(shapes) == {(D, qkv), (cfg.q_width, D), ("gated", D, F), (F, D)}
+    # o and down hand their output to the residual-norm kernel, which may take partial sums
+    assert summed == {(D, qkv): False, (cfg.q_width, D): True, (F, D): True}
     assert splits and set(splits) == {3}
     assert_all_pages_free(engine)
 

@@ -123,6 +123,8 @@ def test_partial_sums_are_at_most_eight():
     x = jnp.ones((8, 4096), jnp.float32)
     w = jnp.ones((4096, 64), jnp.float32) / 4096
     assert skinny_matmul(x, w, impl="pallas", interpret=True, partial_sums=True).shape == (8, 8, 64)
+    with pytest.raises(ValueError, match="at most 8 K splits.*k_splits=16"):
+        skinny_matmul(x, w, impl="pallas", interpret=True, partial_sums=True, k_splits=16)
 
 
 def test_single_pass_partial_sums_split_in_two():
@@ -179,12 +181,12 @@ def test_both_kernels_lower_to_triton(lower_to_triton):
 
 
 def test_backend_runs_the_mlp_on_the_kernels_where_auto_says(monkeypatch):
-    """Under "auto" on a GPU with mlp_kernels, decode rows up to AUTO_GATED_MAX_ROWS: gated_up
+    """Under "auto" on a GPU with fused_kernels, decode rows up to MAX_ROWS: gated_up
     on its kernel, and down (a shape not in kernel_shapes) on the split kernel where its
     consumer takes partial sums, handed on unreduced; asked for a plain product, XLA's dot.
     Under "pallas" the same split kernel either way. Otherwise XLA."""
     from kernels import skinny_matmul as sm
-    from rltjax.cache.paged_kv import AUTO_GATED_MAX_ROWS, PagedKVBackend
+    from rltjax.cache.paged_kv import PagedKVBackend
     rng = np.random.default_rng(5)
     x = jnp.asarray(rng.standard_normal((8, 64)), jnp.float32)
     wg, wu = (jnp.asarray(rng.standard_normal((2, 64, 256)) / 8, jnp.float32) for _ in range(2))
@@ -196,15 +198,15 @@ def test_backend_runs_the_mlp_on_the_kernels_where_auto_says(monkeypatch):
                         or real_gated(*a, **k))
     monkeypatch.setattr(sm, "skinny_matmul_pallas", lambda *a, **k: calls.append(("split", a[0].shape[0]))
                         or real_split(*a, **k))
-    auto = PagedKVBackend(attn_impl="pallas", matmul_impl="auto", decode_rows=True, interpret=True, mlp_kernels=True)
+    auto = PagedKVBackend(attn_impl="pallas", matmul_impl="auto", decode_rows=True, interpret=True, fused_kernels=True)
     assert auto.gated_up(x, wg, wu, 1).shape == (8, 256) and auto.matmul(act, wd, 1, partial_sums=True).ndim == 2
     assert calls == []                                                  # CPU: XLA's dot
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     np.testing.assert_allclose(np.asarray(auto.gated_up(x, wg, wu, 1)), silu_mul64(x, wg[1], wu[1]), rtol=2e-4,
                                atol=2e-5)
-    edge = jnp.asarray(rng.standard_normal((AUTO_GATED_MAX_ROWS, 64)), jnp.float32)
+    edge = jnp.asarray(rng.standard_normal((MAX_ROWS, 64)), jnp.float32)
     auto.gated_up(edge, wg, wu, 1)
-    assert calls == [("gated", 8), ("gated", AUTO_GATED_MAX_ROWS)]
+    assert calls == [("gated", 8), ("gated", MAX_ROWS)]
     want = np.asarray(act, np.float64) @ np.asarray(wd[1], np.float64)
     np.testing.assert_array_equal(np.asarray(auto.matmul(act, wd, 1)), np.asarray(skinny_matmul_ref(act, wd, 1)))
     assert len(calls) == 2                                              # a plain product: XLA's dot
@@ -213,13 +215,21 @@ def test_backend_runs_the_mlp_on_the_kernels_where_auto_says(monkeypatch):
         assert calls[-1] == ("split", 8) and parts.ndim == 3 and parts.shape[1:] == (8, 64)
         np.testing.assert_allclose(np.asarray(parts.sum(0)), want, rtol=1e-4, atol=1e-4)
     del calls[:]
-    big = jnp.ones((AUTO_GATED_MAX_ROWS + 1, 64), jnp.float32)
+    big = jnp.ones((MAX_ROWS + 1, 64), jnp.float32)
     for backend, rows in ((auto, big), (dataclasses.replace(auto, decode_rows=False), x),
                           (dataclasses.replace(auto, matmul_impl="xla"), x),
-                          (dataclasses.replace(auto, mlp_kernels=False), x)):
+                          (dataclasses.replace(auto, fused_kernels=False), x)):
         np.testing.assert_array_equal(np.asarray(backend.gated_up(rows, wg, wu, 1)),
                                       np.asarray(gated_up_ref(rows, wg, wu, 1)))
-    assert dataclasses.replace(auto, mlp_kernels=False).matmul(act, wd, 1, partial_sums=True).ndim == 2
+    # partial sums go to the split kernel only where the norm kernel adds them up
+    big_act = jnp.ones((MAX_ROWS + 1, 4096), jnp.float32)
+    odd_d = jnp.asarray(rng.standard_normal((2, 4096, 48)) / 64, jnp.float32)    # D = 48: no norm kernel
+    for backend, rows, w in ((auto, big_act, wd), (auto, act, odd_d),
+                             (dataclasses.replace(auto, fused_kernels=False), act, wd),
+                             (dataclasses.replace(auto, decode_rows=False), act, wd),
+                             (dataclasses.replace(auto, prefill_block_q=32), act, wd),
+                             (dataclasses.replace(auto, matmul_impl="xla"), act, wd)):
+        assert backend.matmul(rows, w, 1, partial_sums=True).ndim == 2
     assert calls == []
 
 

@@ -54,7 +54,7 @@ def test_default_blocks_fit_any_multiple_of_16():
     # blocks Ouro-1.4B's down (5632 x 2048): 11 (8 does not divide 44)
     assert choose_splits(5632, 2048, 64, 128) == 11 and choose_splits(2048, 49152, 64, 128) == 1
     assert choose_splits(256, 64, 64, 128) == 2          # fewer K blocks than it wants: one step each
-    # K <= 2048: one pass, narrow tiles (o: 128 programs of 16 columns); longer K is split
+    # K <= 2048: one pass, narrow tiles (16 columns: 128 programs at N = 2048); longer K is split
     assert kernel_config(8, 2048, 2048) == dict(block_n=16, block_k=256, k_splits=1, num_warps=2, num_stages=5)
     assert kernel_config(1, 2048, 6144)["block_n"] == 32 and kernel_config(1, 2048, 6144)["k_splits"] == 1
     # down (K > 2048): 4 splits of 32 x 128 blocks, 2 warps, 4 stages at every bucket
@@ -67,6 +67,9 @@ def test_default_blocks_fit_any_multiple_of_16():
     # a consumer that adds partial sums (o into the norm): two K splits of 32 x 256 tiles
     assert kernel_config(8, 2048, 2048, partial_sums=True) == dict(block_n=32, block_k=256, k_splits=2,
                                                                    num_warps=4, num_stages=4)
+    # ... unless K takes an odd number of steps (768 = 3 x 256): the one-pass config, one split
+    assert kernel_config(8, 768, 2048, partial_sums=True) == kernel_config(8, 768, 2048)
+    assert kernel_config(8, 2048, 2048, block_k=2048, partial_sums=True)["k_splits"] == 1
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((3, 96)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((96, 48)), jnp.float32)
@@ -142,15 +145,15 @@ def test_lowers_to_triton_without_padding(lower_to_triton, rows):
 
 
 def test_backend_auto_takes_the_kernel_for_its_shapes_on_gpu(monkeypatch):
-    """matmul_impl "auto": the kernel for decode rows up to AUTO_MAX_ROWS whose weight shape
+    """matmul_impl "auto": the kernel for decode rows up to its MAX_ROWS whose weight shape
     is one of kernel_shapes, on a GPU; XLA's dot for anything else."""
     from kernels import skinny_matmul as sm
-    from rltjax.cache.paged_kv import AUTO_MAX_ROWS, PagedKVBackend
+    from rltjax.cache.paged_kv import PagedKVBackend
     rng = np.random.default_rng(4)
     w = jnp.asarray(rng.standard_normal((2, 256, 64)) / 16, jnp.float32)
     x = jnp.asarray(rng.standard_normal((8, 256)), jnp.float32)
-    edge = jnp.asarray(rng.standard_normal((AUTO_MAX_ROWS, 256)), jnp.float32)
-    big = jnp.asarray(rng.standard_normal((AUTO_MAX_ROWS + 1, 256)), jnp.float32)
+    edge = jnp.asarray(rng.standard_normal((MAX_ROWS, 256)), jnp.float32)
+    big = jnp.asarray(rng.standard_normal((MAX_ROWS + 1, 256)), jnp.float32)
     calls = []
     real = sm.skinny_matmul_pallas
     monkeypatch.setattr(sm, "skinny_matmul_pallas", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
@@ -161,7 +164,7 @@ def test_backend_auto_takes_the_kernel_for_its_shapes_on_gpu(monkeypatch):
     assert calls == []
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert rel_err(auto.matmul(x, w, 1), x, w[1]) < TOL[jnp.float32] and calls == [(8, 256)]
-    assert rel_err(auto.matmul(edge, w, 1), edge, w[1]) < TOL[jnp.float32] and calls[-1] == (AUTO_MAX_ROWS, 256)
+    assert rel_err(auto.matmul(edge, w, 1), edge, w[1]) < TOL[jnp.float32] and calls[-1] == (MAX_ROWS, 256)
     del calls[1:]
     for backend, rows in ((auto, big), (dataclasses.replace(auto, kernel_shapes=((64, 256),)), x),
                           (dataclasses.replace(auto, decode_rows=False), x),

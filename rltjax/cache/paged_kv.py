@@ -46,9 +46,6 @@ from kernels.paged_attention import paged_attention, paged_attention_write, page
 from kernels.residual_norm import kernel_unsupported as norm_unsupported, residual_norm
 from kernels.skinny_matmul import MAX_ROWS, gated_unsupported, gated_up, kernel_unsupported, skinny_matmul
 
-AUTO_MAX_ROWS = 64      # matmul_impl "auto": the kernel for decode batches up to this many rows
-AUTO_GATED_MAX_ROWS = 64    # ... and the SwiGLU pair's kernel up to this many (docs/performance.md)
-
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
@@ -87,20 +84,20 @@ class PagedKVBackend:
     the rows must come in aligned blocks of this many rows that share a table.
     matmul_impl: the projections of batches of at most ``kernels.skinny_matmul.MAX_ROWS``
     rows: "xla" (XLA's dot), "pallas" (all of them on the weight-streaming kernel) or
-    "auto" (on a GPU, decode batches of up to AUTO_MAX_ROWS rows whose weight shape
-    [K, N] is in ``kernel_shapes`` run on the kernel; the rest XLA's dot). Larger
-    batches use XLA's dot. (The engine's prefill backend always says "xla".)
+    "auto" (on a GPU, decode batches whose weight shape [K, N] is in ``kernel_shapes`` run on
+    the kernel, up to its MAX_ROWS; the rest XLA's dot). Larger batches use XLA's dot. (The
+    engine's prefill backend always says "xla".)
     kernel_shapes: for "auto", the weight shapes the kernel beats XLA at (the runner
     names the attention projections: q|k|v and o; ``kernels.skinny_matmul``).
-    mlp_kernels: for "auto", a SwiGLU MLP's pair (``gated_up``: both products and the
-    activation in one kernel) runs on its kernel for decode batches of up to
-    AUTO_GATED_MAX_ROWS rows, at every shape it supports, and so does any projection whose
-    consumer adds split-K partial sums itself (``matmul(partial_sums=True)``: the residual-norm
-    kernel; Ouro's down, and o, which kernel_shapes names anyway), on the split kernel with no
-    reduction kernel after it. The runner sets it where attention runs on the Pallas kernels.
-    (On an H200, o in two K splits took 0.45 us a layer less than in one pass at 8 rows in the
-    engine; down's split kernel with 2 warps and 4 stages 0.9 us less than XLA's GEMM and
-    reduction at 8 rows in isolation: docs/performance.md.)
+    fused_kernels: for "auto", the kernels that take a neighbouring step into themselves run
+    on decode batches (up to MAX_ROWS, at every shape they support): a SwiGLU MLP's pair
+    (``gated_up``: both products and the activation in one kernel), and any projection whose
+    consumer adds split-K partial sums itself (``matmul(partial_sums=True)``, where the
+    residual-norm kernel runs: Ouro's down, and o, which kernel_shapes names anyway), on the
+    split kernel with no reduction kernel after it. The runner sets it where attention runs on
+    the Pallas kernels. (On an H200 in isolation at 8 rows, o with the norm took 6.76 us in two
+    K splits against 7.57 in one pass, and down with the norm 10.30 on the split kernel against
+    11.20 for XLA's GEMM, its reduction and the norm: docs/performance.md, sixteenth session.)
     num_splits: the decode attention kernel's key splits per row: None (its default per
     batch), an int, or per decode row bucket ((rows, splits), ...) (a {rows: splits} mapping
     is taken too) with the default for the buckets not named.
@@ -116,7 +113,7 @@ class PagedKVBackend:
     matmul_impl: str = "xla"
     decode_rows: bool = False
     kernel_shapes: tuple[tuple[int, int], ...] = ()
-    mlp_kernels: bool = False
+    fused_kernels: bool = False
     num_splits: int | tuple[tuple[int, int], ...] | None = None
 
     def __post_init__(self):
@@ -132,26 +129,30 @@ class PagedKVBackend:
     def matmul(self, x, w, layer, partial_sums: bool = False):
         """partial_sums: the consumer is ``residual_norm``, which adds up split-K partial sums
         itself; the kernel path then hands them on unreduced ([S, N, N'])."""
-        on_kernel = tuple(w.shape[-2:]) in self.kernel_shapes or (partial_sums and self.mlp_kernels)
-        impl = self._impl(x, w, kernel_unsupported, on_kernel, AUTO_MAX_ROWS)
+        # partial sums pay only where the norm kernel adds them (XLA would add them first)
+        summed_in_norm = partial_sums and self.fused_kernels and self.fuses_decode and not norm_unsupported(
+            jax.ShapeDtypeStruct((x.shape[0], w.shape[-1]), x.dtype))
+        on_kernel = tuple(w.shape[-2:]) in self.kernel_shapes or summed_in_norm
+        impl = self._impl(x, w, kernel_unsupported, on_kernel)
         partial_sums = partial_sums and impl == "pallas"
         return skinny_matmul(x, w, layer, impl=impl, interpret=self.interpret, partial_sums=partial_sums)
 
     def gated_up(self, x, w_gate, w_up, layer):
         """silu(x @ w_gate) * (x @ w_up) [N, F]: a SwiGLU MLP's activation, one kernel on the
         kernel path (``kernels.skinny_matmul.gated_up``)."""
-        impl = self._impl(x, w_gate, gated_unsupported, self.mlp_kernels, AUTO_GATED_MAX_ROWS)
+        impl = self._impl(x, w_gate, gated_unsupported, self.fused_kernels)
         return gated_up(x, w_gate, w_up, layer, impl=impl, interpret=self.interpret)
 
-    def _impl(self, x, w, auto_unsupported, auto_shape: bool, auto_rows: int) -> str:
+    def _impl(self, x, w, auto_unsupported, auto_shape: bool) -> str:
         """"pallas" or "xla" for a projection of x by w under ``matmul_impl`` ("auto" also asks
-        ``auto_unsupported``: the gate | up kernel's one pass over K)."""
+        ``auto_unsupported``: the kernel's rows, shapes and dtypes, and the gate | up kernel's
+        one pass over K)."""
         if self.matmul_impl == "pallas" and x.shape[0] <= MAX_ROWS:
             if why_not := kernel_unsupported(x, w):
                 raise ValueError(f"ExecutionConfig.matmul_impl='pallas': a [{x.shape[1]}, {w.shape[-1]}] projection "
                                  f"cannot run on the kernel: {why_not} (use matmul_impl='xla' or 'auto')")
             return "pallas"
-        auto = (self.matmul_impl == "auto" and self.decode_rows and x.shape[0] <= auto_rows and auto_shape
+        auto = (self.matmul_impl == "auto" and self.decode_rows and auto_shape
                 and jax.default_backend() == "gpu" and not auto_unsupported(x, w))
         return "pallas" if auto else "xla"
 

@@ -64,8 +64,9 @@ def attention_uses_kernel(attn_impl: str, cfg, kv: PagedKV) -> bool:
 
 def auto_matmul_shapes(cfg) -> tuple[tuple[int, int], ...]:
     """matmul_impl "auto"'s kernel shapes (``PagedKVBackend.kernel_shapes``): the fused q|k|v and
-    the o projection, where the weight-streaming kernel runs one pass over K, the regime it
-    beat XLA in on an H200 (Ouro's shapes; none for Nanbeige's or Huginn's wider K). The
+    the o projection, with K up to the kernel's one pass (o may still split K in two where its
+    consumer adds partial sums), the regime it beat XLA in on an H200 (Ouro's shapes; none for
+    Nanbeige's or Huginn's wider K). The
     runner passes them only where attention runs on the Pallas kernels (attn_impl "xla", or
     "auto" off a GPU, keeps every projection on XLA's dot)."""
     shapes = ((cfg.hidden_size, cfg.q_width + 2 * cfg.kv_width), (cfg.q_width, cfg.hidden_size))
@@ -117,7 +118,7 @@ class ModelRunner:
         self.backend = PagedKVBackend(attn_impl=attn_impl, interpret=interpret, matmul_impl=matmul_impl,
                                       decode_rows=True, num_splits=attn_num_splits,
                                       kernel_shapes=auto_matmul_shapes(self.cfg) if uses_kernel else (),
-                                      mlp_kernels=uses_kernel)
+                                      fused_kernels=uses_kernel)
         self.prefill_alignment = PREFILL_BLOCK_Q if chunked_prefill and uses_kernel else 1
         # prefill is compute-bound: its projections stay on XLA's dot whatever matmul_impl says
         self.prefill_backend = dataclasses.replace(self.backend, matmul_impl="xla", decode_rows=False,

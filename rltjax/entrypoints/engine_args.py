@@ -55,9 +55,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "picked per batch bucket")
     g.add_argument("--matmul-impl", default="auto", choices=MATMUL_IMPLS,
                    help="decode projections: auto = on GPU where attention runs on the Pallas kernels, "
-                        "q|k|v and o (o's split-K partial sums into the residual-norm kernel) of <= 64 "
-                        "decode rows on the weight-streaming Pallas kernel and Ouro's gate|up with its "
-                        "activation on one kernel, XLA's dot for the rest; "
+                        "q|k|v and o of <= 64 decode rows on the weight-streaming Pallas kernel, Ouro's "
+                        "gate|up with its activation on one kernel and its o and down handing split-K partial "
+                        "sums to the residual-norm kernel, XLA's dot for the rest; "
                         "xla = XLA's dot; pallas = the kernels for every projection of <= 64 rows")
     g.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
                    help="an XLA compiler option for every engine executable (repeatable), e.g. "

@@ -23,7 +23,7 @@ request = st.tuples(
 )
 
 
-@settings(max_examples=14, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
 @given(kv_layout=st.sampled_from(["last_exited", "shared"]), mode=st.sampled_from(["refill", "no_refill"]),
        exit_mode=st.sampled_from(["ouro_delayed", "random_lookahead", "fixed"]),
        window=st.sampled_from([0, 4]), requests=st.lists(request, min_size=1, max_size=5),

@@ -56,9 +56,10 @@ def run_against_reference(kv_layout, mode, overrides, **engine_kw):
     return depths
 
 
-@pytest.mark.parametrize("state_init", ["zero", "like-init"])
-@pytest.mark.parametrize("mode", ["refill", "no_refill"])
-@pytest.mark.parametrize("kv_layout", ["last_exited", "shared"])
+# every pair of the three settings' values once (4 of the 8 combinations: CI time)
+@pytest.mark.parametrize("kv_layout, mode, state_init", [
+    ("last_exited", "refill", "zero"), ("shared", "refill", "like-init"),
+    ("last_exited", "no_refill", "like-init"), ("shared", "no_refill", "zero")])
 def test_huginn_engine_matches_reference(kv_layout, mode, state_init):
     depths = run_against_reference(kv_layout, mode, ZERO if state_init == "zero" else {})
     assert {2, 4, 7} <= depths and max(depths) > 7 and len(depths) >= 5, depths   # varied, beyond R

@@ -27,7 +27,7 @@ request = st.tuples(
 )
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=9, deadline=None, suppress_health_check=list(HealthCheck))
 @given(kv_layout=st.sampled_from(["last_exited", "shared"]), mode=st.sampled_from(["refill", "no_refill"]),
        exit_mode=st.sampled_from(["ouro", "ouro_delayed", "random_lookahead"]),
        page_size=st.sampled_from([4, 8]), chunk=st.sampled_from([3, 8]), max_num_seqs=st.sampled_from([2, 4]),

@@ -73,7 +73,7 @@ def assert_pools_match(k, v, ref_k, ref_v, dtype, rotated: bool):
         assert np.abs(codes(k) - codes(ref_k)).max() <= 1
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
 @given(seed=st.integers(0, 2**31 - 1), group=st.sampled_from([1, 2, 4]),
        page_size=st.sampled_from([8, 16]), head_dim=st.sampled_from([64, 96]),
        dtype=st.sampled_from([jnp.float32, jnp.bfloat16]), num_splits=st.integers(1, 3),

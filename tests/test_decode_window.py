@@ -29,7 +29,7 @@ request = st.tuples(
 )
 
 
-@settings(max_examples=7, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
 @given(kv_layout=st.sampled_from(["last_exited", "shared"]),
        exit_mode=st.sampled_from(["ouro", "ouro_delayed", "random_lookahead"]),
        window=st.sampled_from([1, 3, 8]), max_num_seqs=st.sampled_from([2, 4]),

@@ -48,7 +48,7 @@ def chunk_lists(draw, page_size, block_q):
     return chunks
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=9, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data(), seed=st.integers(0, 2**31 - 1), num_kv=st.sampled_from([1, 2]),
        group=st.sampled_from([1, 2, 4]), page_size=st.sampled_from([8, 16]),
        head_dim=st.sampled_from([64, 96]), dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),

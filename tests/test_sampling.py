@@ -91,7 +91,7 @@ def test_batch_invariance(batch, row, data):
     assert full[row] == alone[0]
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(st.data())
 def test_cheapest_sampler_draws_what_the_truncating_one_draws(data):
     """``sampler_for`` picks "greedy" / "draw" only for rows where they are exact: the

@@ -26,7 +26,7 @@ def rel_err(out, x, w):
     return np.linalg.norm(np.asarray(out, np.float64) - ref) / np.linalg.norm(ref)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(m=st.integers(1, MAX_ROWS), k_blocks=st.integers(1, 6), n_blocks=st.integers(1, 4),
        block_k=st.sampled_from([16, 32, 64]), block_n=st.sampled_from([16, 32]),
        num_layers=st.sampled_from([0, 3]), dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),

@@ -130,7 +130,7 @@ class PagedKVBackend:
         """partial_sums: the consumer is ``residual_norm``, which adds up split-K partial sums
         itself; the kernel path then hands them on unreduced ([S, N, N'])."""
         # partial sums pay only where the norm kernel adds them (XLA would add them first)
-        summed_in_norm = partial_sums and self.fused_kernels and self.fuses_decode and not norm_unsupported(
+        summed_in_norm = partial_sums and self.fused_kernels and self.norm_fuses(
             jax.ShapeDtypeStruct((x.shape[0], w.shape[-1]), x.dtype))
         on_kernel = tuple(w.shape[-2:]) in self.kernel_shapes or summed_in_norm
         impl = self._impl(x, w, kernel_unsupported, on_kernel)
@@ -161,10 +161,13 @@ class PagedKVBackend:
         """Decode rows through the fused kernels (write + RoPE + attention, residual-norm)."""
         return self.decode_rows and not self.prefill_block_q
 
+    def norm_fuses(self, x, *weights) -> bool:
+        """Whether ``residual_norm`` of x [N, D] (and these weights) takes the one-kernel path."""
+        return self.fuses_decode and not norm_unsupported(x, *weights)
+
     def residual_norm(self, x, y, post_weight, next_weight, eps):
         """One kernel for decode rows (``attn_impl``'s choice of Pallas), XLA otherwise."""
-        fused = self.fuses_decode and not norm_unsupported(x, post_weight, next_weight)
-        impl = self.attn_impl if fused else "xla"
+        impl = self.attn_impl if self.norm_fuses(x, post_weight, next_weight) else "xla"
         return residual_norm(x, y, post_weight, next_weight, eps, impl=impl, interpret=self.interpret)
 
     def write(self, kv: PagedKV, layer, k, v, meta: PagedMeta) -> PagedKV:

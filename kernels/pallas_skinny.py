@@ -23,6 +23,11 @@ layer's weight first. Blocks: block_n, block_k powers of two dividing N and K
 (validated by `kernels.skinny_matmul`). float32 dots run at IEEE precision (Triton's
 default would be TF32).
 
+A skip flag (a device scalar) lets the caller drop a product it will discard without a
+host round trip: the engine's decode windows compute a head every pass (no branch for
+XLA to read on the host), and on a pass where no row exits the head's kernel writes zeros
+instead of streaming the lm_head.
+
 ``gated_up_pallas`` is the same stream over two weights of one shape at once, the gate and
 up projections of a SwiGLU MLP: each program owns one column tile of both and writes
 silu(gate) * up for it, so the activation needs no kernel of its own (on an H200 it was
@@ -71,23 +76,37 @@ def _precision(dtype):
     return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
 
 
-def _kernel(layer_ref, x_ref, w_ref, o_ref, *, block_n: int, block_k: int, steps: int):
+def _kernel(layer_ref, x_ref, w_ref, *refs, block_n: int, block_k: int, steps: int, skippable: bool):
     j, split = pl.program_id(0), pl.program_id(1)
     layer = layer_ref[0]
     cols = pl.ds(j * block_n, block_n)
     m = x_ref.shape[0]
+    skip_ref, o_ref = refs if skippable else (None, refs[0])
 
-    def body(i, acc):
-        k0 = (split * steps + i) * block_k
-        xs = _to_dot_rows(x_ref[:, pl.ds(k0, block_k)])                    # [16, bk]
-        ws = w_ref[layer, pl.ds(k0, block_k), cols]                        # [bk, bn]
-        return acc + plgpu.dot(xs, ws, precision=_precision(x_ref.dtype))  # [16, bn] f32
+    def store(acc):                # acc [M, bn] float32
+        if len(o_ref.shape) == 2:      # one split: the whole sum, rounded once to the output dtype
+            o_ref[:, cols] = acc.astype(o_ref.dtype)
+        else:
+            o_ref[split, :, cols] = acc
 
-    acc = _from_dot_rows(jax.lax.fori_loop(0, steps, body, jnp.zeros((max(m, DOT_ROWS), block_n), jnp.float32)), m)
-    if len(o_ref.shape) == 2:      # one split: the whole sum, rounded once to the output dtype
-        o_ref[:, cols] = acc.astype(o_ref.dtype)
-    else:
-        o_ref[split, :, cols] = acc
+    def product():
+        def body(i, acc):
+            k0 = (split * steps + i) * block_k
+            xs = _to_dot_rows(x_ref[:, pl.ds(k0, block_k)])                    # [16, bk]
+            ws = w_ref[layer, pl.ds(k0, block_k), cols]                        # [bk, bn]
+            return acc + plgpu.dot(xs, ws, precision=_precision(x_ref.dtype))  # [16, bn] f32
+
+        store(_from_dot_rows(jax.lax.fori_loop(0, steps, body, jnp.zeros((max(m, DOT_ROWS), block_n),
+                                                                          jnp.float32)), m))
+
+    if not skippable:
+        product()
+        return
+    # skip != 0: the caller discards the product (a head on a pass where no row exits), so
+    # the weight is not read; zeros are written, so the output is defined either way
+    skip = skip_ref[0]
+    pl.when(skip == 0)(product)
+    pl.when(skip != 0)(lambda: store(jnp.zeros((m, block_n), jnp.float32)))
 
 
 def _gated_kernel(layer_ref, x_ref, wg_ref, wu_ref, o_ref, *, block_n: int, block_k: int, steps: int):
@@ -129,10 +148,11 @@ def _layer_spec(shape):
 
 @functools.partial(jax.jit, static_argnames=("block_n", "block_k", "k_splits", "num_warps", "num_stages",
                                              "interpret"))
-def skinny_matmul_pallas(x, w, layer, *, block_n: int, block_k: int, k_splits: int = 1, num_warps: int = 4,
-                         num_stages: int = 3, interpret: bool = False):
+def skinny_matmul_pallas(x, w, layer, skip=None, *, block_n: int, block_k: int, k_splits: int = 1,
+                         num_warps: int = 4, num_stages: int = 3, interpret: bool = False):
     """x [M, K] (M a power of two), w [L, K, N], layer [1] int32 -> [M, N] in x's dtype
-    (k_splits = 1) or [S, M, N] float32 partial sums (k_splits = S)."""
+    (k_splits = 1) or [S, M, N] float32 partial sums (k_splits = S). skip: None or [1] int32;
+    nonzero writes zeros without reading the weight."""
     m, k = x.shape
     if m < 1 or m & (m - 1):
         raise ValueError(f"skinny_matmul_pallas: x has {m} rows; the kernel takes a power of two "
@@ -143,16 +163,17 @@ def skinny_matmul_pallas(x, w, layer, *, block_n: int, block_k: int, k_splits: i
         out_shape = jax.ShapeDtypeStruct((m, n), x.dtype)
     else:
         out_shape = jax.ShapeDtypeStruct((k_splits, m, n), jnp.float32)
+    args = [layer, x.astype(w.dtype), w] + ([] if skip is None else [skip])
     return pl.pallas_call(
-        functools.partial(_kernel, block_n=block_n, block_k=block_k, steps=steps),
+        functools.partial(_kernel, block_n=block_n, block_k=block_k, steps=steps, skippable=skip is not None),
         grid=(n // block_n, k_splits),
-        in_specs=[_layer_spec((1,)), _layer_spec(x.shape), _layer_spec(w.shape)],
+        in_specs=[_layer_spec(a.shape) for a in args],
         out_specs=_layer_spec(out_shape.shape),
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"rlt_skinny_bn{block_n}_bk{block_k}_s{k_splits}",
-    )(layer, x.astype(w.dtype), w)
+        name=f"rlt_skinny_bn{block_n}_bk{block_k}_s{k_splits}{'_skip' if skip is not None else ''}",
+    )(*args)
 
 
 @functools.partial(jax.jit, static_argnames=("block_n", "block_k", "num_warps", "num_stages", "interpret"))

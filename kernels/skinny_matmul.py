@@ -3,6 +3,8 @@
     skinny_matmul(x [M, K], w [K, N] or [L, K, N], layer=None) -> [M, N] in x's dtype
     skinny_matmul(..., partial_sums=True) -> [S, M, N]: S K-splits' sums, for a consumer
         that adds them up itself (``kernels.residual_norm``), so no reduction kernel runs
+    skinny_matmul(..., skip=flag) -> zeros where the traced bool flag is true: the kernel
+        then does not read the weight (a head whose logits no row keeps)
     gated_up(x [M, K], w_gate, w_up [K, F] or [L, K, F], layer=None) -> silu(x @ w_gate) * (x @ w_up)
 
 Semantics: x @ w[layer] with float32 accumulation (`skinny_matmul_ref`). impl:
@@ -118,9 +120,15 @@ def fitting_stages(stage_bytes: int, most: int) -> int:
     return max(2, min(most, 1 + SMEM_BYTES // stage_bytes))
 
 
+# vocabulary-wide products (a head): from this many columns wider tiles stream faster
+WIDE_N = 16384
+
+
 def base_config(m: int, k: int, n: int, partial_sums: bool) -> tuple[int, int, int, int, int | None]:
     """``kernel_config``'s choice before overrides: (block_n, block_k, warps, most stages, K splits;
     None: ``choose_splits``)."""
+    if n >= WIDE_N and k <= SINGLE_PASS_MAX_K and m <= 16 and not partial_sums:
+        return 64, 128, 4, 3, 1
     if k > SINGLE_PASS_MAX_K:      # 32 x 128 blocks: choose_splits gives 4 splits at Ouro's down
         return 32, 128, 2, 4, None
     if partial_sums and (k // (fit_block(k, 256) or 16)) % 2 == 0:
@@ -145,6 +153,9 @@ def kernel_config(m: int, k: int, n: int, block_n: int | None = None, block_k: i
     - longer K: split across programs in 32 x 128 blocks, two warps (4 splits of Ouro's down
       into the norm: 10.1 / 10.3 / 11.4 us at 1 / 8 / 32 rows, 11.3 / 12.5 with 4 warps and 3
       stages at 8 / 32 rows).
+    - N >= WIDE_N (a head) up to 16 rows: 64 x 128 tiles, four warps, 3 stages (Ouro's 2048 x
+      49152 lm_head: 48.9 / 48.4 us at 1 / 8 rows against 56.8 / 61.1 in the narrow tiles and
+      XLA's 48.7 / 47.6; from 32 rows XLA's GEMM is faster).
     Stages: as many as fit SMEM_BYTES, up to 5 for one pass at <= 16 rows and 4 otherwise: bf16
     tiles get 3-4 at 32-64 rows (64 x 256 tiles at 64 rows and 4 stages overflowed an H200's
     shared memory), float32 2-3."""
@@ -159,14 +170,21 @@ def kernel_config(m: int, k: int, n: int, block_n: int | None = None, block_k: i
 def skinny_matmul(x: jax.Array, w: jax.Array, layer=None, *, impl: str = "xla", interpret: bool = False,
                   block_n: int | None = None, block_k: int | None = None, k_splits: int | None = None,
                   num_warps: int | None = None, num_stages: int | None = None,
-                  partial_sums: bool = False) -> jax.Array:
+                  partial_sums: bool = False, skip: jax.Array | None = None) -> jax.Array:
     """x [M, K] @ w [K, N] (or w[layer] of a stacked [L, K, N]; layer an int32 scalar, may be
     traced) -> [M, N] in x's dtype. The keyword sizes override `kernel_config` (tuning).
     partial_sums: -> [S, M, N], whose sum over S in float32, rounded to x's dtype, is the
-    product: the kernel's S K-splits' float32 sums unreduced (S = 1: the product itself)."""
+    product: the kernel's S K-splits' float32 sums unreduced (S = 1: the product itself).
+    skip: a bool scalar (may be traced): true gives zeros, and the kernel reads no weight."""
     if impl not in IMPLS:
         raise ValueError(f"skinny_matmul: impl: choose one of {IMPLS}, got {impl!r}")
     check_operands("skinny_matmul", x, w, layer)
+    if skip is not None:
+        skip = jnp.asarray(skip)
+        if skip.shape != () or skip.dtype != jnp.bool_:
+            raise ValueError(f"skinny_matmul: skip: expected a bool scalar, got {skip.dtype} {skip.shape}")
+        if partial_sums:
+            raise ValueError("skinny_matmul: skip is for whole products; partial_sums hands on split-K sums")
     why_not = kernel_unsupported(x, w, block_n or 16, block_k or 16)
     if impl == "pallas" and why_not:
         raise ValueError(f"skinny_matmul: {why_not}")
@@ -174,6 +192,8 @@ def skinny_matmul(x: jax.Array, w: jax.Array, layer=None, *, impl: str = "xla", 
         raise ValueError(f"skinny_matmul: k_splits={k_splits} must be >= 1")
     if impl == "xla":
         out = skinny_matmul_ref(x, w, layer)
+        if skip is not None:
+            out = jnp.where(skip, jnp.zeros_like(out), out)
         return out[None] if partial_sums else out
     (m, k), n = x.shape, w.shape[-1]
     if m == 0:
@@ -194,7 +214,8 @@ def skinny_matmul(x: jax.Array, w: jax.Array, layer=None, *, impl: str = "xla", 
     xp = jnp.pad(x, ((0, rows - m), (0, 0))) if rows != m else x
     if w.ndim == 2:
         w, layer = w[None], 0
-    out = skinny_matmul_pallas(xp, w, jnp.asarray(layer, jnp.int32).reshape(1), interpret=interpret, **config)
+    flag = None if skip is None else skip.astype(jnp.int32).reshape(1)
+    out = skinny_matmul_pallas(xp, w, jnp.asarray(layer, jnp.int32).reshape(1), flag, interpret=interpret, **config)
     if partial_sums:    # S <= MAX_PARTIAL_SUMS (the consumer holds all S rows in registers)
         out = out if config["k_splits"] > 1 else out[None]
         return out if rows == m else out[:, :m]

@@ -64,6 +64,9 @@ def test_default_blocks_fit_any_multiple_of_16():
     # from 32 rows wider tiles, with the stages that fit shared memory (64 x 256 at 64 rows: 3)
     assert kernel_config(32, 2048, 6144) == dict(block_n=64, block_k=256, k_splits=1, num_warps=4, num_stages=4)
     assert kernel_config(64, 2048, 6144)["num_stages"] == 3 and kernel_config(64, 2048, 2048)["num_stages"] == 4
+    # a head (N >= WIDE_N) up to 16 rows: 64 x 128 tiles, 4 warps, 3 stages; from 32 rows the general rule
+    assert kernel_config(8, 2048, 49152) == dict(block_n=64, block_k=128, k_splits=1, num_warps=4, num_stages=3)
+    assert kernel_config(32, 2048, 49152) == kernel_config(32, 2048, 6144)
     # a consumer that adds partial sums (o into the norm): two K splits of 32 x 256 tiles
     assert kernel_config(8, 2048, 2048, partial_sums=True) == dict(block_n=32, block_k=256, k_splits=2,
                                                                    num_warps=4, num_stages=4)
@@ -103,6 +106,40 @@ def test_bad_calls_are_named(x_shape, w_shape, layer, kw, match):
                       interpret=True, **kw)
 
 
+@pytest.mark.parametrize("impl, splits", [("pallas", 1), ("pallas", 2), ("xla", None)])
+def test_skip_gives_zeros_and_else_the_product(impl, splits):
+    """skip, a traced bool: true gives zeros whatever the weight holds (the kernel does not
+    stream it), false the product."""
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((2, 64, 48)) / 8, jnp.float32)
+    fn = jax.jit(lambda x, w, skip: skinny_matmul(x, w, 1, impl=impl, interpret=True, block_k=16,
+                                                  k_splits=splits, skip=skip))
+    assert rel_err(fn(x, w, jnp.bool_(False)), x, w[1]) < TOL[jnp.float32]
+    for weight in (w, w.at[1, 5, 7].set(jnp.nan)):
+        out = fn(x, weight, jnp.bool_(True))
+        assert out.shape == (3, 48) and out.dtype == jnp.float32
+        np.testing.assert_array_equal(np.asarray(out), 0.0)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(skip=jnp.zeros((1,), bool)), r"skip: expected a bool scalar, got bool \(1,\)"),
+    (dict(skip=jnp.int32(1)), "skip: expected a bool scalar, got int32"),
+    (dict(skip=jnp.bool_(True), partial_sums=True), "skip is for whole products"),
+])
+def test_bad_skip_is_named(kw, match):
+    with pytest.raises(ValueError, match=match):
+        skinny_matmul(jnp.ones((4, 64), jnp.float32), jnp.ones((64, 32), jnp.float32), impl="pallas",
+                      interpret=True, **kw)
+
+
+def test_skip_lowers_to_a_branch_around_the_stream(lower_to_triton):
+    sd = jax.ShapeDtypeStruct
+    fn = lambda x, w, skip: skinny_matmul(x, w, impl="pallas", skip=skip)    # noqa: E731
+    ir = lower_to_triton(fn, sd((8, 2048), jnp.bfloat16), sd((2048, 49152), jnp.bfloat16), sd((), jnp.bool_))
+    assert "scf.if" in ir and "tt.dot" in ir and "tensor<16x128xbf16>" in ir    # the head's 64 x 128 tiles
+
+
 def test_mixed_dtypes_are_refused_by_the_kernel():
     with pytest.raises(ValueError, match="x is float32 but w is bfloat16"):
         skinny_matmul(jnp.ones((4, 64), jnp.float32), jnp.ones((64, 32), jnp.bfloat16), impl="pallas",
@@ -118,6 +155,17 @@ def test_compiled_kernel_on_gpu(m, k, n):
     w = jnp.asarray(rng.standard_normal((3, k, n)) / np.sqrt(k), jnp.bfloat16)
     out = jax.jit(lambda x, w: skinny_matmul(x, w, 2, impl="pallas"))(x, w)
     assert rel_err(out, x, w[2]) < TOL[jnp.bfloat16]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 8])
+def test_compiled_head_kernel_skips_on_gpu(m):
+    rng = np.random.default_rng(m)
+    x = jnp.asarray(rng.standard_normal((m, 2048)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((2048, 49152)) / np.sqrt(2048), jnp.bfloat16)
+    fn = jax.jit(lambda x, w, skip: skinny_matmul(x, w, impl="pallas", skip=skip))
+    assert rel_err(fn(x, w, jnp.bool_(False)), x, w) < TOL[jnp.bfloat16]
+    np.testing.assert_array_equal(np.asarray(fn(x, w, jnp.bool_(True)), np.float32), 0.0)
 
 
 def test_engine_backend_names_the_setting_when_the_kernel_cannot_run():
@@ -173,6 +221,37 @@ def test_backend_auto_takes_the_kernel_for_its_shapes_on_gpu(monkeypatch):
     assert calls == [(8, 256)]
 
 
+def test_backend_head_on_the_kernel_at_few_rows_skipped_when_no_row_keeps_it(monkeypatch):
+    """head_matmul under "auto" on a GPU: the kernel for decode batches of up to HEAD_KERNEL_ROWS
+    rows where kernel_shapes names the head, zeros where no row needs the logits; XLA's dot
+    otherwise (more rows, another shape, a CPU). "pallas" takes the kernel up to MAX_ROWS."""
+    from kernels import skinny_matmul as sm
+    from rltjax.cache.paged_kv import HEAD_KERNEL_ROWS, PagedKVBackend
+    rng = np.random.default_rng(6)
+    w = jnp.asarray(rng.standard_normal((256, 512)) / 16, jnp.float32)
+    few = jnp.asarray(rng.standard_normal((HEAD_KERNEL_ROWS, 256)), jnp.float32)
+    more = jnp.asarray(rng.standard_normal((2 * HEAD_KERNEL_ROWS, 256)), jnp.float32)
+    calls = []
+    real = sm.skinny_matmul_pallas
+    monkeypatch.setattr(sm, "skinny_matmul_pallas", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    auto = PagedKVBackend(attn_impl="pallas", matmul_impl="auto", decode_rows=True, interpret=True,
+                          kernel_shapes=((256, 512),))
+    yes, no = jnp.bool_(True), jnp.bool_(False)
+    np.testing.assert_array_equal(np.asarray(auto.head_matmul(few, w, no)), np.asarray(few @ w))   # CPU: XLA
+    assert calls == []
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert rel_err(auto.head_matmul(few, w, yes), few, w) < TOL[jnp.float32]
+    np.testing.assert_array_equal(np.asarray(auto.head_matmul(few, w, no)), 0.0)
+    assert calls == [(HEAD_KERNEL_ROWS, 256)] * 2
+    for backend, x in ((auto, more), (dataclasses.replace(auto, kernel_shapes=()), few),
+                       (dataclasses.replace(auto, decode_rows=False), few)):
+        np.testing.assert_array_equal(np.asarray(backend.head_matmul(x, w, no)), np.asarray(x @ w))
+    assert len(calls) == 2
+    pallas = dataclasses.replace(auto, matmul_impl="pallas", kernel_shapes=())
+    np.testing.assert_array_equal(np.asarray(pallas.head_matmul(more, w, no)), 0.0)
+    assert calls[-1] == (2 * HEAD_KERNEL_ROWS, 256)
+
+
 def test_zero_rows_and_unpadded_kernel_calls():
     w = jnp.ones((64, 32), jnp.float32)
     out = skinny_matmul(jnp.ones((0, 64), jnp.float32), w, impl="pallas", interpret=True)
@@ -183,10 +262,10 @@ def test_zero_rows_and_unpadded_kernel_calls():
 
 
 def test_auto_shapes_per_preset():
-    """The runner names Ouro's attention projections (K <= 2048) for "auto" and nothing for
-    Nanbeige's or Huginn's wider K."""
+    """The runner names Ouro's attention projections and head (K <= 2048) for "auto" and nothing
+    for Nanbeige's or Huginn's wider K."""
     from rltjax.engine.runner import auto_matmul_shapes
     from rltjax.presets import preset_config
-    assert auto_matmul_shapes(preset_config("ouro-1.4b")) == ((2048, 6144), (2048, 2048))
+    assert auto_matmul_shapes(preset_config("ouro-1.4b")) == ((2048, 6144), (2048, 2048), (2048, 49152))
     assert auto_matmul_shapes(preset_config("nanbeige4.2-3b")) == ()
     assert auto_matmul_shapes(preset_config("huginn-0125")) == ()

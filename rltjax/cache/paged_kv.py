@@ -46,6 +46,11 @@ from kernels.paged_attention import paged_attention, paged_attention_write, page
 from kernels.residual_norm import kernel_unsupported as norm_unsupported, residual_norm
 from kernels.skinny_matmul import MAX_ROWS, gated_unsupported, gated_up, kernel_unsupported, skinny_matmul
 
+# "auto" runs a decode head on the kernel up to this many rows: on an H200 the kernel streams
+# Ouro's lm_head about as fast as XLA's GEMM there (48.4 against 47.6 us at 8 rows; slower from 32)
+# and skips it on passes where no row exits (docs/performance.md, seventeenth session)
+HEAD_KERNEL_ROWS = 8
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
@@ -88,7 +93,8 @@ class PagedKVBackend:
     the kernel, up to its MAX_ROWS; the rest XLA's dot). Larger batches use XLA's dot. (The
     engine's prefill backend always says "xla".)
     kernel_shapes: for "auto", the weight shapes the kernel beats XLA at (the runner
-    names the attention projections: q|k|v and o; ``kernels.skinny_matmul``).
+    names the attention projections: q|k|v and o; ``kernels.skinny_matmul``), and the lm_head's
+    for ``head_matmul``.
     fused_kernels: for "auto", the kernels that take a neighbouring step into themselves run
     on decode batches (up to MAX_ROWS, at every shape they support): a SwiGLU MLP's pair
     (``gated_up``: both products and the activation in one kernel), and any projection whose
@@ -136,6 +142,17 @@ class PagedKVBackend:
         impl = self._impl(x, w, kernel_unsupported, on_kernel)
         partial_sums = partial_sums and impl == "pallas"
         return skinny_matmul(x, w, layer, impl=impl, interpret=self.interpret, partial_sums=partial_sums)
+
+    def head_matmul(self, x, w, needed):
+        """A decode head's x [N, D] @ lm_head [D, V] -> [N, V] in x's dtype. ``needed`` (a traced
+        bool): whether any row keeps the logits; where it is false the kernel path returns zeros
+        without streaming the weight ("auto": decode batches of up to HEAD_KERNEL_ROWS rows, where
+        the head's shape is in kernel_shapes)."""
+        auto_shape = tuple(w.shape[-2:]) in self.kernel_shapes and x.shape[0] <= HEAD_KERNEL_ROWS
+        impl = self._impl(x, w, kernel_unsupported, auto_shape)
+        if impl == "xla":
+            return x @ w
+        return skinny_matmul(x, w, impl=impl, interpret=self.interpret, skip=~needed)
 
     def gated_up(self, x, w_gate, w_up, layer):
         """silu(x @ w_gate) * (x @ w_up) [N, F]: a SwiGLU MLP's activation, one kernel on the

@@ -158,7 +158,9 @@ def decode_window(params, kv: PagedKV, slot_state, rows: WindowRows, block_table
 
         def head(bkv):
             if bkv is None:
-                logits = model.head(weights, slot_state[slots])                  # [B, V] f32
+                # fixed trip: on a pass where no row exits the head's kernel skips the lm_head
+                project = lambda x, w: backend.head_matmul(x, w, needed=jnp.any(exit_now))  # noqa: E731
+                logits = model.head(weights, slot_state[slots], project=project)  # [B, V] f32
             else:    # the coda writes the exiting rows' boundary KV
                 logits, bkv = model.head(weights, slot_state[slots], bkv, boundary_meta(rows, pos, exit_now), backend)
             return sample_rows(logits, rows, rows.num_out, sampler=sampler, num_top=num_top) + (bkv,)

@@ -66,10 +66,12 @@ def auto_matmul_shapes(cfg) -> tuple[tuple[int, int], ...]:
     """matmul_impl "auto"'s kernel shapes (``PagedKVBackend.kernel_shapes``): the fused q|k|v and
     the o projection, with K up to the kernel's one pass (o may still split K in two where its
     consumer adds partial sums), the regime it beat XLA in on an H200 (Ouro's shapes; none for
-    Nanbeige's or Huginn's wider K). The
+    Nanbeige's or Huginn's wider K), and the lm_head for the windows' heads at few rows, which
+    the kernel skips on passes where no row exits (``PagedKVBackend.head_matmul``). The
     runner passes them only where attention runs on the Pallas kernels (attn_impl "xla", or
     "auto" off a GPU, keeps every projection on XLA's dot)."""
-    shapes = ((cfg.hidden_size, cfg.q_width + 2 * cfg.kv_width), (cfg.q_width, cfg.hidden_size))
+    shapes = ((cfg.hidden_size, cfg.q_width + 2 * cfg.kv_width), (cfg.q_width, cfg.hidden_size),
+              (cfg.hidden_size, cfg.vocab_size))
     return tuple(shape for shape in shapes if shape[0] <= SINGLE_PASS_MAX_K)
 
 

@@ -19,7 +19,10 @@ KVBackend, and return it updated:
     head(params, state, bkv, bmeta, backend)        -> (logits, bkv)
 
 The backend also applies each layer's projections (``matmul``), so the engine can pick
-a decode-shaped kernel while the oracle keeps XLA's dot. The core KV (``loop``) keeps
+a decode-shaped kernel while the oracle keeps XLA's dot; a plain model's head takes the
+lm_head product the same way, as an optional ``project(state, lm_head)`` (the engine's decode
+windows pass one through ``PagedKVBackend.head_matmul``, which skips the product on a pass
+where no row exits). The core KV (``loop``) keeps
 its own layer indices 0..L-1 and planes. The caller owns both pytrees and passes
 single-plane meta for the boundary one.
 Attention never touches a KV layout directly: it goes through a ``KVBackend``

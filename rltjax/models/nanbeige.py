@@ -106,9 +106,11 @@ class NanbeigeModel:
         state = rms_norm(state, params.norm, cfg.norm_eps)
         return state, kv, jnp.zeros((n,), jnp.float32)
 
-    def head(self, params: NanbeigeParams, state: jax.Array, kv: Any = None, meta: Any = None):
-        """state [N, D] (already normed by the loop) -> logits [N, V] float32."""
-        return (state @ params.lm_head).astype(jnp.float32)
+    def head(self, params: NanbeigeParams, state: jax.Array, kv: Any = None, meta: Any = None, project=None):
+        """state [N, D] (already normed by the loop) -> logits [N, V] float32. project:
+        (state, lm_head) -> their product in state's dtype, the engine's kernel choice (None: XLA's dot)."""
+        logits = state @ params.lm_head if project is None else project(state, params.lm_head)
+        return logits.astype(jnp.float32)
 
 
 MODEL_CLASS = NanbeigeModel

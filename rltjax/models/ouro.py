@@ -138,9 +138,11 @@ class OuroModel:
             + params.gate_b.astype(jnp.float32)
         return state, kv, gate_logit
 
-    def head(self, params: OuroParams, state: jax.Array, kv: Any = None, meta: Any = None):
-        """state [N, D] (already normed by the loop) -> logits [N, V] float32."""
-        return (state @ params.lm_head).astype(jnp.float32)
+    def head(self, params: OuroParams, state: jax.Array, kv: Any = None, meta: Any = None, project=None):
+        """state [N, D] (already normed by the loop) -> logits [N, V] float32. project:
+        (state, lm_head) -> their product in state's dtype, the engine's kernel choice (None: XLA's dot)."""
+        logits = state @ params.lm_head if project is None else project(state, params.lm_head)
+        return logits.astype(jnp.float32)
 
 
 MODEL_CLASS = OuroModel

@@ -13,7 +13,9 @@ when no row is active, and runs the head (and Huginn's prelude) under a ``lax.co
 GPU runtime reads each of those predicates back to the host, so the GPU drains and waits
 for the host twice a pass. ``fixed_trip=True`` runs exactly K passes (a known trip count:
 no predicate read, so launching it does not block the host) and computes the head every
-pass, keeping what exiting rows need; the outputs are the same. The head's sampler and
+pass, keeping what exiting rows need; the outputs are the same. (On the kernel path,
+``PagedKVBackend.head_matmul``, the lm_head product is skipped on a device flag where no
+row exits: zeros, which nothing keeps.) The head's sampler and
 top-logprob count are static: the host picks the cheapest variant exact for the window's
 requests (``sampling.sampler_for``), so an all-greedy window without top logprobs runs an
 argmax, not a vocabulary sort. The host (``window_driver``) packs the rows and reads the

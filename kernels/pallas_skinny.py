@@ -24,9 +24,9 @@ layer's weight first. Blocks: block_n, block_k powers of two dividing N and K
 default would be TF32).
 
 A skip flag (a device scalar) lets the caller drop a product it will discard without a
-host round trip: the engine's decode windows compute a head every pass (no branch for
-XLA to read on the host), and on a pass where no row exits the head's kernel writes zeros
-instead of streaming the lm_head.
+host round trip: the engine's fixed-trip decode windows compute a head every pass (no
+branch for XLA to read on the host), and on a pass where no row exits the head's kernel
+writes zeros instead of streaming the lm_head.
 
 ``gated_up_pallas`` is the same stream over two weights of one shape at once, the gate and
 up projections of a SwiGLU MLP: each program owns one column tile of both and writes

@@ -21,7 +21,9 @@ gate / up pair through ``gated_up``'s kernel, which also applies the activation.
 sixteenth every decode projection of Ouro runs here up to 64 rows (wider tiles from 32 rows:
 q|k|v 9.9 / 10.2 us against XLA's 10.9 / 12.7 at 32 / 64 rows), o and down as split-K partial
 sums that the residual-norm kernel adds (with the norm at 8 rows: o 6.8 against 7.6 us in one
-pass, down 10.3 against 11.2 for XLA's GEMM, reduction and norm).
+pass, down 10.3 against 11.2 for XLA's GEMM, reduction and norm). Since the seventeenth a
+decode head of up to 8 rows runs here too, skipped (``skip``) on a window's passes where no
+row exits (``PagedKVBackend.head_matmul``).
 Kernel-supported: M <= MAX_ROWS, K and N multiples of 16 (blocks are the largest powers
 of two up to the configured ones that divide them), bfloat16 / float16 / float32
 weights in x's dtype; ``gated_up``'s kernel also K <= SINGLE_PASS_MAX_K (above it, impl
@@ -153,9 +155,10 @@ def kernel_config(m: int, k: int, n: int, block_n: int | None = None, block_k: i
     - longer K: split across programs in 32 x 128 blocks, two warps (4 splits of Ouro's down
       into the norm: 10.1 / 10.3 / 11.4 us at 1 / 8 / 32 rows, 11.3 / 12.5 with 4 warps and 3
       stages at 8 / 32 rows).
-    - N >= WIDE_N (a head) up to 16 rows: 64 x 128 tiles, four warps, 3 stages (Ouro's 2048 x
-      49152 lm_head: 48.9 / 48.4 us at 1 / 8 rows against 56.8 / 61.1 in the narrow tiles and
-      XLA's 48.7 / 47.6; from 32 rows XLA's GEMM is faster).
+    - N >= WIDE_N (a head) with K <= SINGLE_PASS_MAX_K, up to 16 rows, whole products (not
+      partial_sums): 64 x 128 tiles, four warps, 3 stages (measured at Ouro's 2048 x 49152 lm_head
+      only: 48.9 / 48.4 us at 1 / 8 rows against 56.8 / 61.1 in the narrow tiles and XLA's
+      48.7 / 47.6; from 32 rows XLA's GEMM is faster).
     Stages: as many as fit SMEM_BYTES, up to 5 for one pass at <= 16 rows and 4 otherwise: bf16
     tiles get 3-4 at 32-64 rows (64 x 256 tiles at 64 rows and 4 stages overflowed an H200's
     shared memory), float32 2-3."""

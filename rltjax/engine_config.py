@@ -190,10 +190,11 @@ class ExecutionConfig:
     (q|k|v, o) of decode batches of up to ``kernels.skinny_matmul.MAX_ROWS`` (64) rows run on
     the weight-streaming Pallas kernel, which beat XLA's split-K GEMMs there on an H200, and
     Ouro's MLP on its fused kernels: the gate | up pair with its SiLU-multiply in one, down
-    (like o) handing split-K partial sums to the residual-norm kernel; the rest is XLA's dot;
-    where attention runs on XLA, everything does), ``xla`` (XLA's dot everywhere) or
-    ``pallas`` (every projection of at most MAX_ROWS rows on the kernels, Nanbeige's and
-    Huginn's too); prefill batches always use XLA's dot.
+    (like o) handing split-K partial sums to the residual-norm kernel, and Ouro's heads of up to
+    8 rows on the kernel, which a fixed-trip window skips on passes where no row exits; the rest
+    is XLA's dot; where attention runs on XLA, everything does), ``xla`` (XLA's dot everywhere)
+    or ``pallas`` (every projection of at most MAX_ROWS rows on the kernels, Nanbeige's and
+    Huginn's too, and Ouro's and Nanbeige's heads); prefill batches always use XLA's dot.
     interpret: run the Pallas kernels in interpret mode (CPU testing of the "pallas" impls).
     decode_window: K > 0 runs decode as device-side windows of up to K loop passes
     (``rltjax.engine.decode_window``) whenever every running request is decoding; 0 runs

@@ -87,9 +87,16 @@ def test_auto_matmul_and_set_splits(small_ouro, monkeypatch):
     import jax
     from kernels import pallas_triton, skinny_matmul as sm
     cfg, params = small_ouro
-    shapes, splits = [], []
+    shapes, splits, skips = [], [], []
     real, real_gated = sm.skinny_matmul_pallas, sm.gated_up_pallas
-    monkeypatch.setattr(sm, "skinny_matmul_pallas", lambda x, w, *a, **k: shapes.append(w.shape[1:]) or real(x, w, *a, **k))
+
+    def spy(x, w, layer, skip=None, **k):
+        shapes.append(w.shape[1:])
+        if skip is not None:        # the head's flag, traced: recorded as each pass runs
+            jax.debug.callback(lambda s: skips.append(int(s[0])), skip)
+        return real(x, w, layer, skip, **k)
+
+    monkeypatch.setattr(sm, "skinny_matmul_pallas", spy)
     monkeypatch.setattr(sm, "gated_up_pallas", lambda x, w, *a, **k: shapes.append(("gated",) + w.shape[1:])
                         or real_gated(x, w, *a, **k))
     from rltjax.cache.paged_kv import PagedKVBackend
@@ -118,8 +125,9 @@ def test_auto_matmul_and_set_splits(small_ouro, monkeypatch):
     D, qkv = cfg.hidden_size, cfg.q_width + 2 * cfg.kv_width
     # the MLP's gate | up with its activation in one kernel, down (partial sums into the norm)
     F = cfg.intermediate_size
-    # and the windows' head (few rows: on the kernel, which skips it on passes where no row exits)
+    # and the heads (few rows: on the kernel), which the windows skip on passes where no row exits
     assert set(shapes) == {(D, qkv), (cfg.q_width, D), ("gated", D, F), (F, D), (D, cfg.vocab_size)}
+    assert {0, 1} <= set(skips), skips
     # o and down hand their output to the residual-norm kernel, which may take partial sums
     assert summed == {(D, qkv): False, (cfg.q_width, D): True, (F, D): True}
     assert splits and set(splits) == {3}

@@ -137,7 +137,9 @@ def test_skip_lowers_to_a_branch_around_the_stream(lower_to_triton):
     sd = jax.ShapeDtypeStruct
     fn = lambda x, w, skip: skinny_matmul(x, w, impl="pallas", skip=skip)    # noqa: E731
     ir = lower_to_triton(fn, sd((8, 2048), jnp.bfloat16), sd((2048, 49152), jnp.bfloat16), sd((), jnp.bool_))
-    assert "scf.if" in ir and "tt.dot" in ir and "tensor<16x128xbf16>" in ir    # the head's 64 x 128 tiles
+    assert "tensor<128x64xbf16>" in ir                  # the head's 128 x 64 weight tiles
+    # the stream (its dot) sits inside the first branch; the second writes zeros
+    assert ir.index("scf.if") < ir.index("tt.dot") < ir.rindex("scf.if")
 
 
 def test_mixed_dtypes_are_refused_by_the_kernel():
@@ -223,7 +225,7 @@ def test_backend_auto_takes_the_kernel_for_its_shapes_on_gpu(monkeypatch):
 
 def test_backend_head_on_the_kernel_at_few_rows_skipped_when_no_row_keeps_it(monkeypatch):
     """head_matmul under "auto" on a GPU: the kernel for decode batches of up to HEAD_KERNEL_ROWS
-    rows where kernel_shapes names the head, zeros where no row needs the logits; XLA's dot
+    rows where head_shapes names the head, zeros where no row needs the logits; XLA's dot
     otherwise (more rows, another shape, a CPU). "pallas" takes the kernel up to MAX_ROWS."""
     from kernels import skinny_matmul as sm
     from rltjax.cache.paged_kv import HEAD_KERNEL_ROWS, PagedKVBackend
@@ -235,7 +237,7 @@ def test_backend_head_on_the_kernel_at_few_rows_skipped_when_no_row_keeps_it(mon
     real = sm.skinny_matmul_pallas
     monkeypatch.setattr(sm, "skinny_matmul_pallas", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
     auto = PagedKVBackend(attn_impl="pallas", matmul_impl="auto", decode_rows=True, interpret=True,
-                          kernel_shapes=((256, 512),))
+                          head_shapes=((256, 512),))
     yes, no = jnp.bool_(True), jnp.bool_(False)
     np.testing.assert_array_equal(np.asarray(auto.head_matmul(few, w, no)), np.asarray(few @ w))   # CPU: XLA
     assert calls == []
@@ -243,11 +245,14 @@ def test_backend_head_on_the_kernel_at_few_rows_skipped_when_no_row_keeps_it(mon
     assert rel_err(auto.head_matmul(few, w, yes), few, w) < TOL[jnp.float32]
     np.testing.assert_array_equal(np.asarray(auto.head_matmul(few, w, no)), 0.0)
     assert calls == [(HEAD_KERNEL_ROWS, 256)] * 2
-    for backend, x in ((auto, more), (dataclasses.replace(auto, kernel_shapes=()), few),
+    assert rel_err(auto.head_matmul(few, w), few, w) < TOL[jnp.float32] and len(calls) == 3   # None: computed
+    # head_shapes route heads only: a layer projection of the same shape stays on XLA's dot
+    np.testing.assert_array_equal(np.asarray(auto.matmul(few, w[None], 0)), np.asarray(skinny_matmul_ref(few, w)))
+    for backend, x in ((auto, more), (dataclasses.replace(auto, head_shapes=()), few),
                        (dataclasses.replace(auto, decode_rows=False), few)):
         np.testing.assert_array_equal(np.asarray(backend.head_matmul(x, w, no)), np.asarray(x @ w))
-    assert len(calls) == 2
-    pallas = dataclasses.replace(auto, matmul_impl="pallas", kernel_shapes=())
+    assert len(calls) == 3
+    pallas = dataclasses.replace(auto, matmul_impl="pallas", head_shapes=())
     np.testing.assert_array_equal(np.asarray(pallas.head_matmul(more, w, no)), 0.0)
     assert calls[-1] == (2 * HEAD_KERNEL_ROWS, 256)
 
@@ -264,8 +269,9 @@ def test_zero_rows_and_unpadded_kernel_calls():
 def test_auto_shapes_per_preset():
     """The runner names Ouro's attention projections and head (K <= 2048) for "auto" and nothing
     for Nanbeige's or Huginn's wider K."""
-    from rltjax.engine.runner import auto_matmul_shapes
+    from rltjax.engine.runner import auto_head_shapes, auto_matmul_shapes
     from rltjax.presets import preset_config
-    assert auto_matmul_shapes(preset_config("ouro-1.4b")) == ((2048, 6144), (2048, 2048), (2048, 49152))
-    assert auto_matmul_shapes(preset_config("nanbeige4.2-3b")) == ()
-    assert auto_matmul_shapes(preset_config("huginn-0125")) == ()
+    assert auto_matmul_shapes(preset_config("ouro-1.4b")) == ((2048, 6144), (2048, 2048))
+    assert auto_head_shapes(preset_config("ouro-1.4b")) == ((2048, 49152),)
+    for name in ("nanbeige4.2-3b", "huginn-0125"):
+        assert auto_matmul_shapes(preset_config(name)) == () and auto_head_shapes(preset_config(name)) == ()

@@ -40,6 +40,7 @@ import dataclasses
 from typing import Mapping
 
 import jax
+import jax.numpy as jnp
 
 from rltjax.cache.kv_update import write_kv
 from kernels.paged_attention import paged_attention, paged_attention_write, paged_prefill_attention
@@ -93,8 +94,9 @@ class PagedKVBackend:
     the kernel, up to its MAX_ROWS; the rest XLA's dot). Larger batches use XLA's dot. (The
     engine's prefill backend always says "xla".)
     kernel_shapes: for "auto", the weight shapes the kernel beats XLA at (the runner
-    names the attention projections: q|k|v and o; ``kernels.skinny_matmul``), and the lm_head's
-    for ``head_matmul``.
+    names the attention projections: q|k|v and o; ``kernels.skinny_matmul``).
+    head_shapes: for "auto", the lm_head shapes [D, V] whose heads of up to HEAD_KERNEL_ROWS
+    rows ``head_matmul`` puts on the kernel (the runner names Ouro's, K <= 2048).
     fused_kernels: for "auto", the kernels that take a neighbouring step into themselves run
     on decode batches (up to MAX_ROWS, at every shape they support): a SwiGLU MLP's pair
     (``gated_up``: both products and the activation in one kernel), and any projection whose
@@ -119,6 +121,7 @@ class PagedKVBackend:
     matmul_impl: str = "xla"
     decode_rows: bool = False
     kernel_shapes: tuple[tuple[int, int], ...] = ()
+    head_shapes: tuple[tuple[int, int], ...] = ()
     fused_kernels: bool = False
     num_splits: int | tuple[tuple[int, int], ...] | None = None
 
@@ -143,16 +146,17 @@ class PagedKVBackend:
         partial_sums = partial_sums and impl == "pallas"
         return skinny_matmul(x, w, layer, impl=impl, interpret=self.interpret, partial_sums=partial_sums)
 
-    def head_matmul(self, x, w, needed):
-        """A decode head's x [N, D] @ lm_head [D, V] -> [N, V] in x's dtype. ``needed`` (a traced
-        bool): whether any row keeps the logits; where it is false the kernel path returns zeros
-        without streaming the weight ("auto": decode batches of up to HEAD_KERNEL_ROWS rows, where
-        the head's shape is in kernel_shapes)."""
-        auto_shape = tuple(w.shape[-2:]) in self.kernel_shapes and x.shape[0] <= HEAD_KERNEL_ROWS
+    def head_matmul(self, x, w, needed=None):
+        """A decode head's x [N, D] @ lm_head [D, V] -> [N, V] in x's dtype, on the kernel for
+        "pallas" and, for "auto", for up to HEAD_KERNEL_ROWS rows of a head in head_shapes.
+        ``needed``: None (always computed) or a traced bool, whether any row keeps the logits;
+        where it is false the kernel returns zeros without streaming the weight."""
+        auto_shape = tuple(w.shape[-2:]) in self.head_shapes and x.shape[0] <= HEAD_KERNEL_ROWS
         impl = self._impl(x, w, kernel_unsupported, auto_shape)
         if impl == "xla":
             return x @ w
-        return skinny_matmul(x, w, impl=impl, interpret=self.interpret, skip=~needed)
+        skip = None if needed is None else jnp.logical_not(needed)
+        return skinny_matmul(x, w, impl=impl, interpret=self.interpret, skip=skip)
 
     def gated_up(self, x, w_gate, w_up, layer):
         """silu(x @ w_gate) * (x @ w_up) [N, F]: a SwiGLU MLP's activation, one kernel on the

@@ -39,6 +39,7 @@ min_coda_batch_size > 1 do not run in windows.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -157,11 +158,12 @@ def decode_window(params, kv: PagedKV, slot_state, rows: WindowRows, block_table
             exit_now, trigger = rule(r, rows.min_loops, rows.max_loops, rows.threshold,
                                      (1.0 - remaining).astype(jnp.float32), score, signal, rows.triggered)
         exit_now = exit_now & act
+        any_exit = jnp.any(exit_now)
 
         def head(bkv):
             if bkv is None:
                 # fixed trip: on a pass where no row exits the head's kernel skips the lm_head
-                project = lambda x, w: backend.head_matmul(x, w, needed=jnp.any(exit_now))  # noqa: E731
+                project = functools.partial(backend.head_matmul, needed=any_exit)
                 logits = model.head(weights, slot_state[slots], project=project)  # [B, V] f32
             else:    # the coda writes the exiting rows' boundary KV
                 logits, bkv = model.head(weights, slot_state[slots], bkv, boundary_meta(rows, pos, exit_now), backend)
@@ -174,7 +176,7 @@ def decode_window(params, kv: PagedKV, slot_state, rows: WindowRows, block_table
         # fixed_trip: every row's head, kept where a row exits (sampling keys are per request
         # and output index, so the kept tokens are those a head over the exiting rows makes)
         tok, chosen, top_ids, top_lp, bkv = (head(bkv) if fixed_trip else
-                                             jax.lax.cond(jnp.any(exit_now), head, no_head, bkv))
+                                             jax.lax.cond(any_exit, head, no_head, bkv))
         k = jnp.where(exit_now, rows.num_out - first_out, k_max)          # k_max: out of range, dropped
         out = dataclasses.replace(out.put(k, tok, r, chosen, top_ids, top_lp, exit_now),
                                   passes=out.passes + (jnp.any(act) | (mixed is not None)))
@@ -191,7 +193,7 @@ def decode_window(params, kv: PagedKV, slot_state, rows: WindowRows, block_table
 
     carry = (kv, slot_state, bkv, slot_inject, rows, out)
     if prompt is not None:
-        carry = prompt_passes(carry, one_pass, prompt, model, layer_weights, dummy_slot=dummy_slot,
+        carry = prompt_passes(carry, one_pass, prompt, model, layer_weights, backend, dummy_slot=dummy_slot,
                                sampler=sampler, num_top=num_top)
     if fixed_trip:
         plain = k_max - (0 if prompt is None else prompt.row_tables.shape[0])

@@ -36,9 +36,10 @@ def _embed(model, backend, params, tokens, bkv, bmeta, seeds):
 
 
 def _head(model, backend, params, state, bkv, bmeta):
-    """The coda -> (logits [N, V] f32, bkv)."""
+    """The coda -> (logits [N, V] f32, bkv). A plain model's lm_head product goes through
+    ``backend.head_matmul`` (the decode windows' heads do too: the same path, the same logits)."""
     if bkv is None:
-        return model.head(params, state), None
+        return model.head(params, state, project=backend.head_matmul), None
     return model.head(params, state, bkv, bmeta, backend)
 
 

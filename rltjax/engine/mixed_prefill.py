@@ -32,11 +32,13 @@ class WindowPrompt:
                               # first head (after pass R - 1) samples the first token
 
 
-def prompt_passes(carry, one_pass, prompt: WindowPrompt, model, weights, *, dummy_slot, sampler, num_top):
+def prompt_passes(carry, one_pass, prompt: WindowPrompt, model, weights, backend, *, dummy_slot, sampler,
+                  num_top):
     """The prompts' R loops, each riding one pass of the rows (loop d writes plane d; the
     last one also the planes past R, as ``prefill_step``), then their first heads: each
     waiting row samples output 0 (depth R) from its prompt's last state and starts decoding
-    it, unless that token already ends the request."""
+    it, unless that token already ends the request. ``backend``: the decode rows', whose
+    ``head_matmul`` takes the lm_head product as every other head does."""
     num_loops = prompt.row_tables.shape[0]
     px = model.embed(weights, prompt.tokens)[0]                                     # [T, D]
     mixed = lambda d, pages, c: one_pass(c[0], (c[1], pages, prompt.row_tables[d]))   # noqa: E731
@@ -49,8 +51,8 @@ def prompt_passes(carry, one_pass, prompt: WindowPrompt, model, weights, *, dumm
     new = prompt.rows
     slots = jnp.where(new, rows.slots, dummy_slot)
     # output 0: the host built these rows as after their first token (num_out 1)
-    tok, chosen, top_ids, top_lp = sample_rows(model.head(weights, slot_state[slots]), rows, rows.num_out - 1,
-                                               sampler=sampler, num_top=num_top)
+    logits = model.head(weights, slot_state[slots], project=backend.head_matmul)  # the windows' head path
+    tok, chosen, top_ids, top_lp = sample_rows(logits, rows, rows.num_out - 1, sampler=sampler, num_top=num_top)
     at = jnp.where(new, 0, out.tokens.shape[1])                                     # out of range: dropped
     out = out.put(at, tok, num_loops, chosen, top_ids, top_lp, new)
     rows = dataclasses.replace(rows, tokens=jnp.where(new, tok, rows.tokens),

@@ -66,13 +66,18 @@ def auto_matmul_shapes(cfg) -> tuple[tuple[int, int], ...]:
     """matmul_impl "auto"'s kernel shapes (``PagedKVBackend.kernel_shapes``): the fused q|k|v and
     the o projection, with K up to the kernel's one pass (o may still split K in two where its
     consumer adds partial sums), the regime it beat XLA in on an H200 (Ouro's shapes; none for
-    Nanbeige's or Huginn's wider K), and the lm_head for the windows' heads at few rows, which
-    the kernel skips on passes where no row exits (``PagedKVBackend.head_matmul``). The
+    Nanbeige's or Huginn's wider K). The
     runner passes them only where attention runs on the Pallas kernels (attn_impl "xla", or
     "auto" off a GPU, keeps every projection on XLA's dot)."""
-    shapes = ((cfg.hidden_size, cfg.q_width + 2 * cfg.kv_width), (cfg.q_width, cfg.hidden_size),
-              (cfg.hidden_size, cfg.vocab_size))
+    shapes = ((cfg.hidden_size, cfg.q_width + 2 * cfg.kv_width), (cfg.q_width, cfg.hidden_size))
     return tuple(shape for shape in shapes if shape[0] <= SINGLE_PASS_MAX_K)
+
+
+def auto_head_shapes(cfg) -> tuple[tuple[int, int], ...]:
+    """matmul_impl "auto"'s heads on the kernel (``PagedKVBackend.head_shapes``): the lm_head
+    where K <= the kernel's one pass (Ouro's), which a decode window's head at few rows skips on
+    passes where no row exits; passed where ``auto_matmul_shapes`` are."""
+    return ((cfg.hidden_size, cfg.vocab_size),) if cfg.hidden_size <= SINGLE_PASS_MAX_K else ()
 
 
 class ModelRunner:
@@ -120,6 +125,7 @@ class ModelRunner:
         self.backend = PagedKVBackend(attn_impl=attn_impl, interpret=interpret, matmul_impl=matmul_impl,
                                       decode_rows=True, num_splits=attn_num_splits,
                                       kernel_shapes=auto_matmul_shapes(self.cfg) if uses_kernel else (),
+                                      head_shapes=auto_head_shapes(self.cfg) if uses_kernel else (),
                                       fused_kernels=uses_kernel)
         self.prefill_alignment = PREFILL_BLOCK_Q if chunked_prefill and uses_kernel else 1
         # prefill is compute-bound: its projections stay on XLA's dot whatever matmul_impl says

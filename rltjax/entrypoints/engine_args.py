@@ -57,9 +57,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="decode projections: auto = on GPU where attention runs on the Pallas kernels, "
                         "q|k|v and o of <= 64 decode rows on the weight-streaming Pallas kernel, Ouro's "
                         "gate|up with its activation on one kernel and its o and down handing split-K partial "
-                        "sums to the residual-norm kernel, Ouro's decode-window head of <= 8 rows on the kernel "
-                        "that skips it on passes where no row exits, XLA's dot for the rest; "
-                        "xla = XLA's dot; pallas = the kernels for every projection of <= 64 rows")
+                        "sums to the residual-norm kernel, Ouro's heads of <= 8 rows on the kernel, which a "
+                        "fixed-trip window skips on passes where no row exits, XLA's dot for the rest; "
+                        "xla = XLA's dot; pallas = the kernels for every projection of <= 64 rows and the heads")
     g.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
                    help="an XLA compiler option for every engine executable (repeatable), e.g. "
                         "xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUSTOM_CALL,WHILE,CONDITIONAL")

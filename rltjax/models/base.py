@@ -5,7 +5,7 @@ carrying its own position and depth in ``meta``:
 
     embed(params, tokens[N], kv, meta)        -> (state[N, D], inject)
     loop(params, state, inject, kv, meta, backend) -> (state, kv, signal[N] f32)
-    head(params, state[N, D], kv, meta)       -> logits[N, V] f32
+    head(params, state[N, D], kv, meta)       -> logits[N, V] f32   (plain models: also project=)
 
 ``meta`` always has ``positions`` ([N] int32); the rest is the backend's.
 

@@ -34,9 +34,7 @@ if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; 
   fi
   echo "[venv.sh] installing rltjax[$extras] into $venv" >&2
   "$venv/bin/python" -m pip install --quiet --upgrade pip >&2
-  # --no-compile: byte-compiling the whole dependency tree took ~30 of ~60 s on a 2-core CI
-  # machine; Python compiles the modules it imports on first use instead
-  "$venv/bin/python" -m pip install --quiet --no-compile -e "$root[$extras]" >&2
+  "$venv/bin/python" -m pip install --quiet -e "$root[$extras]" >&2
   echo "$want" > "$stamp"
 fi
 export PATH="$venv/bin:$PATH"

@@ -136,18 +136,24 @@ def _kernel(layer_ref, lengths_ref, row_tables_ref, block_tables_ref, q_ref, k_r
         k_out_ref, v_out_ref = out_refs[-2:]
         out_refs = out_refs[:-2]
         offset = write_offset_ref[row]
+        # Every write plane's page in one vector load and each chunk in one scatter store:
+        # a loop over the planes would wait on a page load before each store (Ouro: 4
+        # dependent loads ahead of the attention). Page 0 (scratch: padded rows, dropped
+        # writes) and the planes' power-of-two padding are masked off.
+        num_planes = write_page_ref.shape[0]
+        plane = jax.lax.broadcasted_iota(jnp.int32, (next_pow2(num_planes),), 0)
+        pages = plgpu.load(write_page_ref.at[jnp.minimum(plane, num_planes - 1), row],
+                           mask=plane < num_planes, other=0)                      # [Mp]
+        keep = ((plane < num_planes) & (pages != 0))[:, None]
 
-        def store(m, carry):         # a loop, not unrolled: Huginn writes through to 32+ planes
-            page = write_page_ref[m, row]
+        @pl.when(split == 0)
+        def _store():
+            for (off, w), kc, vc in zip(chunks, new_k, new_v):
+                cols = off + jax.lax.broadcasted_iota(jnp.int32, (1, w), 1)     # array indices only:
+                for out_ref, new in ((k_out_ref, kc), (v_out_ref, vc)):       # interpret mode's scatter
+                    plgpu.store(out_ref.at[layer, kvh, pages[:, None], offset, cols],
+                                jnp.broadcast_to(new[None, :], (plane.shape[0], w)), mask=keep)
 
-            @pl.when((split == 0) & (page != 0))      # page 0 is scratch: padded rows, dropped writes
-            def _store():
-                for (off, w), kc, vc in zip(chunks, new_k, new_v):
-                    plgpu.store(k_out_ref.at[layer, kvh, page, offset, pl.ds(off, w)], kc)
-                    plgpu.store(v_out_ref.at[layer, kvh, page, offset, pl.ds(off, w)], vc)
-            return carry
-
-        jax.lax.fori_loop(0, write_page_ref.shape[0], store, 0)
         length = jnp.maximum(length - 1, 0)
     else:
         out_refs = refs

@@ -45,9 +45,10 @@ pages_per_block, head-dim chunks, padded group); dot operands are >= 16 in each 
 (page_size * pages_per_block >= 16 is enforced); no dynamic shapes (dynamic
 loop bounds only). float32 dots run at IEEE precision (Triton's default is TF32).
 
-Defaults (tuned on H200, bf16, 16 KV heads x 128, page 16; scripts/bench_attention.py):
-64-key blocks, 4 warps, 2 stages, about one split per 512 keys of table capacity,
-raised until the grid has >= 1024 programs.
+Defaults (``kernels.attention_defaults``, tuned on H200): 64-key blocks, 4 warps, 2 stages,
+about one split per 512 keys of table capacity, raised until the grid has >= 1024
+programs; the fused decode kernel at 32+ rows (G == 1) with tables of up to 1,024 keys takes 32-key
+blocks, 3 stages and 2 splits, with one warp a program from 64 rows.
 """
 from __future__ import annotations
 
@@ -58,33 +59,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from kernels.attention_defaults import default_launch, default_num_splits
 from kernels.triton_common import cdiv, head_dim_chunks, is_pow2, kernel_rope_supported, next_pow2, stacked_pool
 
 NEG_INF = float("-inf")
-TARGET_BLOCK_TOKENS = 64        # keys per inner iteration (default pages_per_block), Dh <= 128
-SPLIT_TOKENS = 512              # default num_splits: about one split per this many keys ...
-MIN_PROGRAMS = 1024             # ... raised until the grid has this many programs (132 SMs)
-MAX_SPLITS = 32
-
-
-def default_pages_per_block(page_size: int, pages_per_table: int, head_dim: int) -> int:
-    target = TARGET_BLOCK_TOKENS if head_dim <= 128 else TARGET_BLOCK_TOKENS // 2
-    ppb = max(1, target // page_size)
-    ppb = min(ppb, next_pow2(pages_per_table))
-    return max(ppb, next_pow2(max(1, 16 // page_size)))   # block_k >= 16 for tl.dot
-
-
-def default_num_splits(num_rows: int, num_kv_heads: int, pages_per_table: int,
-                       pages_per_block: int, page_size: int) -> int:
-    """One split per ~SPLIT_TOKENS keys of table capacity, more while the grid has fewer
-    than MIN_PROGRAMS programs, as long as each split keeps >= 2 blocks. (Tuned on H200
-    with scripts/bench_attention.py; splits divide each row's own length at run time.)"""
-    blocks = -(-pages_per_table // pages_per_block)
-    most = max(1, min(MAX_SPLITS, blocks // 2))
-    splits = next_pow2(max(1, (pages_per_table * page_size) // SPLIT_TOKENS))
-    while splits < most and num_rows * num_kv_heads * splits < MIN_PROGRAMS:
-        splits *= 2
-    return int(max(1, min(splits, most)))
 
 
 def _rope_tables(cos_ref, sin_ref, row, head_dim: int):
@@ -295,19 +273,20 @@ def paged_attention_pallas(q, k_pages, v_pages, block_tables, row_tables, length
     if not use_dot and group != 1:
         raise ValueError("the elementwise path needs H == Hkv (use_dot=True for GQA)")
     group_pad = max(16, next_pow2(group)) if use_dot else 1
+    launch = default_launch(n, page_size, pages_per_table, head_dim, elementwise=not use_dot,
+                            fused_write=new_kv is not None)
     if pages_per_block is None:
-        pages_per_block = default_pages_per_block(page_size, pages_per_table, head_dim)
+        pages_per_block = launch.pages_per_block
     if not is_pow2(pages_per_block) or pages_per_block * page_size < 16:   # tl.dot: N, K >= 16
         raise ValueError(f"pages_per_block must be a power of two with pages_per_block * "
                          f"page_size >= 16, got {pages_per_block}")
     if num_splits is None:
-        num_splits = default_num_splits(n, num_kv, pages_per_table, pages_per_block, page_size)
+        num_splits = launch.num_splits if launch.num_splits and pages_per_block == launch.pages_per_block \
+            else default_num_splits(n, num_kv, pages_per_table, pages_per_block, page_size)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    if num_warps is None:
-        num_warps = 4 if head_dim <= 128 else 8
-    if num_stages is None:
-        num_stages = 2
+    num_warps = launch.num_warps if num_warps is None else num_warps
+    num_stages = launch.num_stages if num_stages is None else num_stages
     scale = head_dim ** -0.5 if scale is None else float(scale)
 
     kernel = functools.partial(

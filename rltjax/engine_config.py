@@ -181,7 +181,7 @@ class ExecutionConfig:
     attn_impl: paged attention implementation (``auto`` = Pallas on GPU, XLA elsewhere).
     attn_num_splits: the decode attention kernel's key splits per row (flash-decoding; the
     splits' partial results are combined after it). None (default) picks
-    ``kernels.pallas_triton.default_num_splits`` per batch bucket; set it to tune (like
+    ``kernels.attention_defaults.default_launch`` per batch bucket; set it to tune (like
     SGLang's ``--triton-attention-num-kv-splits``): an int for every decode batch, or
     {rows: splits} for the decode batches padded to those row buckets (powers of two from
     min(8, max_num_seqs) up to max_num_seqs; the others keep the default). Prefill and the XLA

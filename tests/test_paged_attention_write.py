@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from kernels.attention_defaults import Launch, default_launch
 from kernels.paged_attention import merge_qkv, paged_attention_write
 from rltjax.models.layers import rope_cos_sin
 
@@ -140,6 +141,22 @@ def test_padded_rows_write_nothing_and_read_zeros():
     assert not changed[0] and set(np.flatnonzero(changed)) <= set(np.asarray(case[8]).ravel())
 
 
+def test_launch_defaults():
+    """The fused decode kernel's launch by rows (kernels.attention_defaults.WIDE_DECODE): the
+    H200 sweep's picks at 32 and 64+ rows on the elementwise path for tables of up to 1,024
+    keys; the general defaults below 32 rows, for larger tables, for GQA (tl.dot) and for
+    the kernel without the write."""
+    launch = lambda rows, ppt=48, **kw: default_launch(rows, 16, ppt, 128, **{                    # noqa: E731
+        "elementwise": True, "fused_write": True, **kw})
+    assert launch(64) == launch(128, ppt=64) == Launch(2, 2, 1, 3)   # 32-key blocks, one warp, 2 splits
+    assert launch(32) == Launch(2, 2, 4, 3)
+    assert launch(64, ppt=2) == Launch(2, 1, 1, 3)                   # a 2-page table: one split
+    general = Launch(4, None, 4, 2)
+    assert launch(16) == launch(1) == launch(64, ppt=65) == general   # 1,040 keys: too large
+    assert launch(64, elementwise=False) == launch(64, fused_write=False) == general
+    assert default_launch(64, 16, 48, 256, True, True).num_warps == 8     # Dh 256: the general path
+
+
 def test_validation():
     case = list(make_decode_case(np.random.default_rng(4), num_kv=2, group=1, page_size=8, head_dim=64,
                                  dtype=jnp.float32, n=3, pages_per_table=2, num_writes=1))
@@ -158,15 +175,17 @@ def test_validation():
     (4, 128, jnp.bfloat16, {}),
     (2, 96, jnp.float32, dict(num_splits=3)),
     (1, 128, jnp.bfloat16, dict(rope=True)),            # Ouro-1.4B as the engine runs it
+    (1, 128, jnp.bfloat16, dict(rope=True, rows=64)),   # its 64-row launch (one warp a program)
     (4, 64, jnp.float32, dict(rope=True, num_splits=2)),
 ])
 def test_compiled_fused_write_on_gpu(group, head_dim, dtype, kw):
     """Realistic decode shapes, the pools donated into a jit (updated in place)."""
     kw = dict(kw)
+    rows = kw.pop("rows", 32)
     rng = np.random.default_rng(7)
     case = make_decode_case(rng, num_kv=16 // group, group=group, page_size=16, head_dim=head_dim,
-                            dtype=dtype, n=32, pages_per_table=64, num_writes=3, num_layers=3,
-                            lengths=np.r_[[0, 1, 16, 1024], rng.integers(1, 1025, 28)])
+                            dtype=dtype, n=rows, pages_per_table=64, num_writes=3, num_layers=3,
+                            lengths=np.r_[[0, 1, 16, 1024], rng.integers(1, 1025, rows - 4)])
     rope = rope_for(case, head_dim) if kw.pop("rope", False) else None
     with jax.default_matmul_precision("highest"):
         ref_out, ref_k, ref_v = paged_attention_write(*case, layer=jnp.int32(2), impl="xla", rope=rope)

@@ -140,8 +140,8 @@ def paged_attention_write(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pa
                           layer: jax.Array | int | None = None, impl: str = "auto",
                           interpret: bool = False, scale: float | None = None,
                           pages_per_block: int | None = None, num_splits: int | None = None,
-                          rope: tuple[jax.Array, jax.Array] | None = None
-                          ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                          rope: tuple[jax.Array, jax.Array] | None = None, num_warps: int | None = None,
+                          num_stages: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Each row writes its new K/V (``paged_write_ref``), then attends as ``paged_attention``
     -> (out [N, H, Dh], k_pages, v_pages). Donate the pools: they are updated in place.
 
@@ -149,6 +149,9 @@ def paged_attention_write(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pa
     (``rope_rotate_half_ref``); the kernel does it in registers (power-of-two head_dim; XLA
     rotates other sizes first). The kernel reads q | k | v as one [N, H + 2 Hkv, Dh] array,
     concatenated here (free when they are slices of one projection, else one small copy).
+
+    pages_per_block, num_splits, num_warps, num_stages: the kernel's launch (None: its
+    default, ``kernels.attention_defaults.default_launch``).
 
     Precondition for the kernel (decode, where it holds by construction): a row with
     length > 0 writes its key at position lengths - 1 of its own table (row_tables); the
@@ -184,7 +187,8 @@ def paged_attention_write(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pa
     qkv = merge_qkv(q, k_new, v_new)
     return paged_attention_pallas(qkv, k_pages, v_pages, block_tables, row_tables, lengths, layer=layer,
                                   scale=scale, pages_per_block=pages_per_block, num_splits=num_splits,
-                                  interpret=interpret, new_kv=(write_page, write_offset, rope))
+                                  num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+                                  new_kv=(write_page, write_offset, rope))
 
 
 def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,

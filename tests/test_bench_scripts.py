@@ -29,6 +29,18 @@ def test_bench_attention_quick(tmp_path):
     assert "best per shape" in text
 
 
+def test_bench_decode_attention_quick(tmp_path):
+    """The default launch and every swept one, each checked against the XLA path."""
+    out = tmp_path / "decode_attn.json"
+    run_script("bench_decode_attention.py", "--quick", "--block-keys", "16", "--num-splits", "1", "2",
+               "--out", str(out))
+    results = json.loads(out.read_text())["results"]
+    assert [(r["rows"], r["config"] == "default") for r in results] == [(1, True), (1, False), (1, False),
+                                                                         (3, True), (3, False), (3, False)]
+    assert {r["config"]["num_splits"] for r in results if r["config"] != "default"} == {1, 2}
+    assert all(r["us"] > 0 and r["max_abs_diff"] < 2e-2 for r in results)
+
+
 def test_bench_prefill_quick(tmp_path):
     out = tmp_path / "prefill.json"
     text = run_script("bench_prefill.py", "--quick", "--block-q", "16", "32", "--out", str(out))

@@ -1,0 +1,156 @@
+"""The fused decode attention kernel as the engine runs it: each row writes its new K/V to
+every write-through plane, q and k rotated in the kernel (RoPE), attention over the row's
+pages, the key splits combined after it.
+
+    python scripts/bench_decode_attention.py --out decode_attn.json          # GPU, Ouro-1.4B shapes
+    python scripts/bench_decode_attention.py --rows 32 64 --lengths 512 270 --block-keys 32 64 \
+        --num-warps 1 2 4 --num-stages 1 3 --num-splits 2 4
+    python scripts/bench_decode_attention.py --quick        # CPU smoke run (interpret mode, tiny shapes)
+
+A measurement chains --reps x layers calls in one jitted loop, layer i % layers of the
+stacked pool each (the pools donated and updated in place, the outputs summed so the split
+combine runs), and reports wall time / calls, median over --iters samples: launch gaps and
+the loop's own overhead are in it, the same for every config. Every row has --lengths keys
+in a table of max_model_len / page_size pages, writes --planes pages. "default" is the
+kernel's own launch (``kernels.attention_defaults.default_launch``); the sweep runs every
+point of --block-keys x --num-warps x --num-stages x --num-splits. Each config's outputs
+are checked against the XLA path (write, then attend) on one call.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from kernels.paged_attention import paged_attention_write  # noqa: E402
+from rltjax.models.layers import rope_cos_sin  # noqa: E402
+
+
+def make_case(rows, length, *, kv_heads, head_dim, page_size, pages_per_table, planes, seed=0):
+    """Rows with their own tables, one per plane; every row writes its key at position
+    length - 1 of each plane's table. The pools are shapes only (allocated per timing)."""
+    rng = np.random.default_rng(seed)
+    tables = rows * planes
+    pages = rng.permutation(np.arange(1, tables * pages_per_table + 1)).reshape(tables, pages_per_table)
+    pos = np.full(rows, length - 1)
+    r = np.arange(rows)
+    write_page = np.stack([pages[r + m * rows, pos // page_size] for m in range(planes)])
+    qkv = jax.random.normal(jax.random.key(seed), (rows, 3 * kv_heads, head_dim), jnp.bfloat16)
+    i32 = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
+    return dict(q=qkv[:, :kv_heads], k_new=qkv[:, kv_heads:2 * kv_heads], v_new=qkv[:, 2 * kv_heads:],
+                block_tables=i32(pages), row_tables=i32(r), lengths=i32(pos + 1), write_page=i32(write_page),
+                write_offset=i32(pos % page_size), rope=rope_cos_sin(i32(pos), head_dim, 1e6))
+
+
+def call(case, k, v, layer, impl, interpret, **launch):
+    c = case
+    return paged_attention_write(c["q"], c["k_new"], c["v_new"], k, v, c["block_tables"], c["row_tables"],
+                                 c["lengths"], c["write_page"], c["write_offset"], layer=layer, impl=impl,
+                                 interpret=interpret, rope=c["rope"], **launch)
+
+
+def time_config(case, pool, layers, reps, iters, interpret, **launch):
+    """Median us a call over a chain of layers * reps calls."""
+    calls = layers * reps
+
+    def chain(k, v, acc):
+        def body(i, carry):
+            k, v, acc = carry
+            out, k, v = call(case, k, v, i % layers, "pallas", interpret, **launch)
+            return k, v, acc + out.astype(jnp.float32)
+        return jax.lax.fori_loop(0, calls, body, (k, v, acc))
+    run = jax.jit(chain, donate_argnums=(0, 1))
+    k, v = jnp.zeros(pool.shape, pool.dtype), jnp.zeros(pool.shape, pool.dtype)
+    acc = jnp.zeros(case["q"].shape, jnp.float32)
+    k, v, acc = jax.block_until_ready(run(k, v, acc))
+    samples = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        k, v, acc = jax.block_until_ready(run(k, v, acc))
+        samples.append((time.perf_counter() - t) / calls * 1e6)
+    return statistics.median(samples)
+
+
+def check_config(case, pool, interpret, **launch) -> float:
+    """Max abs difference of one call's output from the XLA path's, on random pools."""
+    keys = jax.random.split(jax.random.key(1))
+    k, v = (jax.random.normal(key, pool.shape, pool.dtype) for key in keys)
+    layer = jnp.int32(pool.shape[0] - 1)
+    out = call(case, k, v, layer, "pallas", interpret, **launch)[0]
+    ref = call(case, k, v, layer, "xla", False)[0]
+    return float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))))
+
+
+def sweep(args):
+    for keys, warps, stages, splits in itertools.product(args.block_keys, args.num_warps, args.num_stages,
+                                                         args.num_splits):
+        if keys % args.page_size == 0 and keys >= 16:
+            yield dict(pages_per_block=keys // args.page_size, num_warps=warps, num_stages=stages,
+                       num_splits=splits)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64], help="decode rows (the engine's buckets)")
+    p.add_argument("--lengths", type=int, nargs="+", default=[512], help="keys a row (each with every --rows)")
+    p.add_argument("--max-model-len", type=int, default=768, help="the table's capacity in keys")
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--kv-heads", type=int, default=16)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--planes", type=int, default=4, help="write-through pages a row (Ouro: its 4 loops)")
+    p.add_argument("--reps", type=int, default=8, help="chains of --layers calls a sample")
+    p.add_argument("--iters", type=int, default=9)
+    p.add_argument("--block-keys", type=int, nargs="+", default=[], help="sweep: keys per block")
+    p.add_argument("--num-warps", type=int, nargs="+", default=[4])
+    p.add_argument("--num-stages", type=int, nargs="+", default=[2])
+    p.add_argument("--num-splits", type=int, nargs="+", default=[2])
+    p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny shapes, interpret mode")
+    p.add_argument("--out", help="write the results as JSON here")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.rows, args.lengths, args.max_model_len, args.layers, args.kv_heads = [1, 3], [20], 32, 2, 2
+        args.head_dim, args.page_size, args.planes, args.reps, args.iters = 64, 8, 3, 1, 1
+    if any(n > args.max_model_len for n in args.lengths):
+        p.error(f"--lengths must be at most --max-model-len ({args.max_model_len})")
+    print(f"devices: {jax.devices()}  jax {jax.__version__}", flush=True)
+    pages_per_table = -(-args.max_model_len // args.page_size)
+    results = []
+    for rows, length in itertools.product(args.rows, args.lengths):
+        case = make_case(rows, length, kv_heads=args.kv_heads, head_dim=args.head_dim, page_size=args.page_size,
+                         pages_per_table=pages_per_table, planes=args.planes)
+        num_pages = rows * args.planes * pages_per_table + 1
+        pool = jax.ShapeDtypeStruct((args.layers, args.kv_heads, num_pages, args.page_size, args.head_dim),
+                                    jnp.bfloat16)
+        for launch in [{}, *sweep(args)]:
+            try:
+                us = time_config(case, pool, args.layers, args.reps, args.iters, args.quick, **launch)
+                err = check_config(case, pool, args.quick, **launch)
+            except Exception as e:  # noqa: BLE001 - a config Triton refuses: report and go on
+                print(f"rows {rows:3d} keys {length:5d} {launch or 'default'}: failed ({type(e).__name__}: {e})"[:300])
+                continue
+            results.append(dict(rows=rows, length=length, config=launch or "default", us=us, max_abs_diff=err))
+            print(f"rows {rows:3d} keys {length:5d} {str(launch or 'default'):78s} {us:8.2f} us  "
+                  f"diff {err:.1e}", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(args=vars(args), jax=jax.__version__, device=str(jax.devices()[0]), results=results), f,
+                      indent=1)
+    bad = [r for r in results if r["max_abs_diff"] > 5e-2]
+    if bad:
+        print(f"outputs off the XLA path: {bad}")
+    return 1 if bad or not results else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -12,14 +12,16 @@ TARGET_BLOCK_TOKENS = 64        # keys per inner iteration (default pages_per_bl
 SPLIT_TOKENS = 512              # default num_splits: about one split per this many keys ...
 MIN_PROGRAMS = 1024             # ... raised until the grid has this many programs (132 SMs)
 MAX_SPLITS = 32
-# The fused decode kernel on the elementwise path (G == 1, Dh <= 128) at wide batches and
-# tables of at most WIDE_MAX_KEYS keys: (at least these rows, keys per block, warps, stages,
-# splits). Smaller blocks and, at 64 rows, one warp a program keep more programs on each SM:
+# The fused decode kernel on the elementwise path (G == 1) at the shapes swept (128-wide
+# heads, up to WIDE_MAX_PLANES write planes) for wide batches and tables of at most
+# WIDE_MAX_KEYS keys: (at least these rows, keys per block, warps, stages, splits), the most
+# rows first. Smaller blocks and, at 64 rows, one warp a program keep more programs on each SM:
 # 80.7 against 91.5 us a layer at 64 rows x 512 keys (table capacity 768), 50.5 against 53.5
 # at 32 rows. At capacity 2048 the same launches lost 9.5% on ShareGPT at 32 streams (2
 # splits where the general rule takes 4), so larger tables keep the general defaults.
 WIDE_DECODE = ((64, 32, 1, 3, 2), (32, 32, 4, 3, 2))
 WIDE_MAX_KEYS = 1024
+WIDE_MAX_PLANES = 4             # Ouro's loops; Huginn (Dh 96, up to 32+ planes) was not swept
 
 
 class Launch(NamedTuple):
@@ -51,15 +53,16 @@ def default_num_splits(num_rows: int, num_kv_heads: int, pages_per_table: int,
     return int(max(1, min(splits, most)))
 
 
-def default_launch(num_rows: int, page_size: int, pages_per_table: int, head_dim: int,
-                   elementwise: bool, fused_write: bool) -> Launch:
-    """The kernel's defaults for a call; ``num_splits`` None: default_num_splits for the
-    block size in use (a caller's pages_per_block)."""
-    if elementwise and fused_write and head_dim <= 128 and pages_per_table * page_size <= WIDE_MAX_KEYS:
-        for rows, keys, warps, stages, splits in WIDE_DECODE:
-            if num_rows >= rows:
-                ppb = default_pages_per_block(page_size, pages_per_table, head_dim, keys)
-                most = max(1, -(-pages_per_table // ppb) // 2)          # >= 2 blocks a split
-                return Launch(ppb, min(splits, most), warps, stages)
+def default_launch(num_rows: int, page_size: int, pages_per_table: int, head_dim: int, *,
+                   elementwise: bool, write_planes: int) -> Launch:
+    """The kernel's defaults for a call (write_planes: 0 for the kernel without the write);
+    ``num_splits`` None: default_num_splits for the block size in use."""
+    wide = (elementwise and head_dim == 128 and 0 < write_planes <= WIDE_MAX_PLANES
+            and pages_per_table * page_size <= WIDE_MAX_KEYS)
+    for rows, keys, warps, stages, splits in WIDE_DECODE if wide else ():
+        if num_rows >= rows:
+            ppb = default_pages_per_block(page_size, pages_per_table, head_dim, keys)
+            most = max(1, -(-pages_per_table // ppb) // 2)          # >= 2 blocks a split
+            return Launch(ppb, min(splits, most), warps, stages)
     return Launch(default_pages_per_block(page_size, pages_per_table, head_dim), None,
                   4 if head_dim <= 128 else 8, 2)

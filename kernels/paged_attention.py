@@ -165,8 +165,9 @@ def paged_attention_write(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pa
             _fail(name, f"expected [N, Hkv, Dh] = {list(kv_shape)}, got shape {x.shape}")
         if x.dtype != q.dtype:
             _fail(name, f"dtype {x.dtype} differs from q's {q.dtype}")
-    if write_page.ndim not in (1, 2) or write_page.shape[-1] != n or write_page.dtype != jnp.int32:
-        _fail("write_page", f"expected int32 [{n}] or [M, {n}], got {write_page.dtype} {write_page.shape}")
+    if (write_page.ndim not in (1, 2) or write_page.shape[-1] != n or write_page.dtype != jnp.int32
+            or write_page.size == 0):
+        _fail("write_page", f"expected int32 [{n}] or [M >= 1, {n}], got {write_page.dtype} {write_page.shape}")
     _check_index("write_offset", write_offset, 1)
     if write_offset.shape[0] != n:
         _fail("write_offset", f"expected [{n}] (one per row of q), got {write_offset.shape}")

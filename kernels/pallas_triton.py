@@ -47,8 +47,9 @@ loop bounds only). float32 dots run at IEEE precision (Triton's default is TF32)
 
 Defaults (``kernels.attention_defaults``, tuned on H200): 64-key blocks, 4 warps, 2 stages,
 about one split per 512 keys of table capacity, raised until the grid has >= 1024
-programs; the fused decode kernel at 32+ rows (G == 1) with tables of up to 1,024 keys takes 32-key
-blocks, 3 stages and 2 splits, with one warp a program from 64 rows.
+programs; the fused decode kernel at 32+ rows (G == 1, 128-wide heads, up to 4 write planes) with
+tables of up to 1,024 keys takes 32-key blocks, 3 stages and 2 splits, with one warp a
+program from 64 rows.
 """
 from __future__ import annotations
 
@@ -116,16 +117,17 @@ def _kernel(layer_ref, lengths_ref, row_tables_ref, block_tables_ref, q_ref, k_r
         offset = write_offset_ref[row]
         # Every write plane's page in one vector load and each chunk in one scatter store:
         # a loop over the planes would wait on a page load before each store (Ouro: 4
-        # dependent loads ahead of the attention). Page 0 (scratch: padded rows, dropped
-        # writes) and the planes' power-of-two padding are masked off.
+        # dependent loads ahead of the attention; Huginn: up to its cache's loops). Page 0
+        # (scratch: padded rows, dropped writes, a row's shallower planes) and the planes'
+        # power-of-two padding (loaded as page 0) are masked off.
         num_planes = write_page_ref.shape[0]
         plane = jax.lax.broadcasted_iota(jnp.int32, (next_pow2(num_planes),), 0)
-        pages = plgpu.load(write_page_ref.at[jnp.minimum(plane, num_planes - 1), row],
-                           mask=plane < num_planes, other=0)                      # [Mp]
-        keep = ((plane < num_planes) & (pages != 0))[:, None]
 
         @pl.when(split == 0)
         def _store():
+            pages = plgpu.load(write_page_ref.at[jnp.minimum(plane, num_planes - 1), row],  # clamped:
+                               mask=plane < num_planes, other=0)      # [Mp]; interpret mode's gather
+            keep = (pages != 0)[:, None]
             for (off, w), kc, vc in zip(chunks, new_k, new_v):
                 cols = off + jax.lax.broadcasted_iota(jnp.int32, (1, w), 1)     # array indices only:
                 for out_ref, new in ((k_out_ref, kc), (v_out_ref, vc)):       # interpret mode's scatter
@@ -273,16 +275,19 @@ def paged_attention_pallas(q, k_pages, v_pages, block_tables, row_tables, length
     if not use_dot and group != 1:
         raise ValueError("the elementwise path needs H == Hkv (use_dot=True for GQA)")
     group_pad = max(16, next_pow2(group)) if use_dot else 1
+    # Each launch field a caller gives replaces the default's; splits follow default_num_splits
+    # for a pages_per_block other than the default launch's.
     launch = default_launch(n, page_size, pages_per_table, head_dim, elementwise=not use_dot,
-                            fused_write=new_kv is not None)
+                            write_planes=new_kv[0].size // n if new_kv is not None else 0)
     if pages_per_block is None:
         pages_per_block = launch.pages_per_block
     if not is_pow2(pages_per_block) or pages_per_block * page_size < 16:   # tl.dot: N, K >= 16
         raise ValueError(f"pages_per_block must be a power of two with pages_per_block * "
                          f"page_size >= 16, got {pages_per_block}")
     if num_splits is None:
-        num_splits = launch.num_splits if launch.num_splits and pages_per_block == launch.pages_per_block \
-            else default_num_splits(n, num_kv, pages_per_table, pages_per_block, page_size)
+        own = launch.num_splits is not None and pages_per_block == launch.pages_per_block
+        num_splits = launch.num_splits if own else default_num_splits(n, num_kv, pages_per_table,
+                                                                      pages_per_block, page_size)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     num_warps = launch.num_warps if num_warps is None else num_warps

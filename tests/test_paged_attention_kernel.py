@@ -207,6 +207,8 @@ def triton_ir(lower_to_triton):
     (32, 4, 256, 128, jnp.float32, dict(num_splits=1)),
     (8, 4, 96, 32, jnp.bfloat16, {}),
     (16, 16, 128, 16, jnp.bfloat16, dict(num_writes=4)),                   # fused write-through
+    (16, 16, 128, 16, jnp.bfloat16, dict(num_writes=3)),                   # planes padded to 4
+    (55, 55, 96, 16, jnp.bfloat16, dict(num_writes=32)),                   # Huginn-like: 32 planes
     (48, 8, 128, 8, jnp.bfloat16, dict(num_writes=1, pages_per_block=2, num_splits=1)),
     (16, 16, 128, 16, jnp.bfloat16, dict(num_writes=2, rope=True)),        # + RoPE (Ouro decode)
     (48, 8, 64, 8, jnp.bfloat16, dict(num_writes=1, rope=True, pages_per_block=2)),
@@ -217,6 +219,26 @@ def test_lowers_to_triton(triton_ir, heads, num_kv, head_dim, page_size, dtype, 
     if kw.get("num_writes"):    # the stores sit under the split-0 guard, with no loop over the
         assert "tt.store" in ir and "scf.if" in ir      # planes: one loop, the keys' blocks
         assert ir.count("scf.for") == 1
+
+
+@pytest.mark.parametrize("rows, pages_per_table, launch", [
+    (64, 48, "_ppb2_s2"),     # the 64-row launch of a 768-key table (kernels.attention_defaults)
+    (32, 48, "_ppb2_s2"),
+    (8, 48, "_ppb4_s6"),      # the general defaults
+    (64, 128, "_ppb4_s4"),    # a 2,048-key table: the general defaults
+])
+def test_default_launch_reaches_the_kernel(lower_to_triton, rows, pages_per_table, launch):
+    """paged_attention_pallas launches default_launch's blocks and splits (in the kernel's
+    name), and its warps and stages (in the lowered call's Triton config)."""
+    sd = jax.ShapeDtypeStruct
+    pool = sd((2, 16, 64, 16, 128), jnp.bfloat16)
+    args = (sd((rows, 48, 128), jnp.bfloat16), pool, pool, sd((rows, pages_per_table), jnp.int32),
+            sd((rows,), jnp.int32), sd((rows,), jnp.int32), sd((4, rows), jnp.int32), sd((rows,), jnp.int32))
+    fn = lambda *a: paged_attention_pallas(*a[:6], layer=jnp.int32(1), new_kv=(a[6], a[7], None))  # noqa: E731
+    assert f"rlt_paged_attention_write_g1{launch}" in lower_to_triton(fn, *args)
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    warps, stages = (1, 3) if rows == 64 and pages_per_table == 48 else (4, 3) if rows == 32 else (4, 2)
+    assert f"num_warps = {warps}" in text and f"num_stages = {stages}" in text, text[-600:]
 
 
 def test_large_pool_uses_64bit_offsets(triton_ir):

@@ -143,28 +143,49 @@ def test_padded_rows_write_nothing_and_read_zeros():
 
 def test_launch_defaults():
     """The fused decode kernel's launch by rows (kernels.attention_defaults.WIDE_DECODE): the
-    H200 sweep's picks at 32 and 64+ rows on the elementwise path for tables of up to 1,024
-    keys; the general defaults below 32 rows, for larger tables, for GQA (tl.dot) and for
-    the kernel without the write."""
-    launch = lambda rows, ppt=48, **kw: default_launch(rows, 16, ppt, 128, **{                    # noqa: E731
-        "elementwise": True, "fused_write": True, **kw})
-    assert launch(64) == launch(128, ppt=64) == Launch(2, 2, 1, 3)   # 32-key blocks, one warp, 2 splits
-    assert launch(32) == Launch(2, 2, 4, 3)
-    assert launch(64, ppt=2) == Launch(2, 1, 1, 3)                   # a 2-page table: one split
+    H200 sweep's picks at 32 and 64+ rows on the elementwise path for the swept shapes (128-wide
+    heads, up to 4 write planes) and tables of up to 1,024 keys; the general defaults below 32
+    rows, for larger tables, more planes, other head sizes, GQA (tl.dot) and for the kernel
+    without the write."""
+    def launch(rows, ppt=48, head_dim=128, elementwise=True, write_planes=4):
+        return default_launch(rows, 16, ppt, head_dim, elementwise=elementwise, write_planes=write_planes)
+    assert launch(64) == launch(128, ppt=64) == launch(64, write_planes=1) == Launch(2, 2, 1, 3)
+    assert launch(32) == Launch(2, 2, 4, 3)                       # 32-key blocks, 2 splits; 4 warps
+    assert launch(64, ppt=2) == Launch(2, 1, 1, 3)                # a 2-page table: one split
     general = Launch(4, None, 4, 2)
-    assert launch(16) == launch(1) == launch(64, ppt=65) == general   # 1,040 keys: too large
-    assert launch(64, elementwise=False) == launch(64, fused_write=False) == general
-    assert default_launch(64, 16, 48, 256, True, True).num_warps == 8     # Dh 256: the general path
+    assert launch(16) == launch(1) == launch(64, ppt=65) == general     # 1,040 keys: too large
+    assert launch(64, write_planes=5) == launch(64, head_dim=64) == general
+    assert launch(64, elementwise=False) == launch(64, write_planes=0) == general
+    assert launch(64, head_dim=256).num_warps == 8                # Dh 256: the general path
+
+
+def test_live_rows_skip_their_shallower_planes():
+    """A live row reads its own plane's table and writes from that plane down (write_plane_mask):
+    page 0 on the planes above it stores nothing, and its own and the deeper pages get the key,
+    as on the XLA path."""
+    n = 4
+    case = list(make_decode_case(np.random.default_rng(5), num_kv=2, group=1, page_size=8, head_dim=64,
+                                 dtype=jnp.float32, n=n, pages_per_table=3, num_writes=3, lengths=[5, 9, 17, 24]))
+    write_page = np.asarray(case[8]).copy()                       # plane m of row r: table r + m n
+    write_page[0, 1] = 0                                          # row 1 on plane 1: planes 1-2
+    write_page[:2, 2] = 0                                         # row 2 on plane 2: plane 2 only
+    case[8] = jnp.asarray(write_page)
+    case[6] = jnp.asarray([0, 1 + n, 2 + 2 * n, 3], jnp.int32)   # the tables the rows read
+    _, k = check(case, jnp.float32, jnp.int32(0), interpret=True, num_splits=2, pages_per_block=2)
+    changed = np.any(np.asarray(k) != np.asarray(case[3]), axis=(0, 1, 3, 4))       # [num_pages]
+    assert set(np.flatnonzero(changed)) == set(write_page[write_page != 0].ravel())
 
 
 def test_validation():
     case = list(make_decode_case(np.random.default_rng(4), num_kv=2, group=1, page_size=8, head_dim=64,
                                  dtype=jnp.float32, n=3, pages_per_table=2, num_writes=1))
-    bad = {1: case[1][:, :1], 8: case[8].astype(jnp.float32), 9: case[9][:2]}
-    for index, name in ((1, "k_new"), (8, "write_page"), (9, "write_offset")):
+    bad = [(1, "k_new", case[1][:, :1]), (8, "write_page", case[8].astype(jnp.float32)),
+           (8, r"write_page: expected int32 \[3\] or \[M >= 1, 3\], got int32 \(0, 3\)", case[8][:0]),
+           (9, "write_offset", case[9][:2])]
+    for index, match, value in bad:
         args = list(case)
-        args[index] = bad[index]
-        with pytest.raises(ValueError, match=name):
+        args[index] = value
+        with pytest.raises(ValueError, match=match):
             paged_attention_write(*args, layer=0, impl="xla")
 
 

@@ -198,14 +198,15 @@ def test_validation():
     (1, 128, jnp.bfloat16, dict(rope=True)),            # Ouro-1.4B as the engine runs it
     (1, 128, jnp.bfloat16, dict(rope=True, rows=64)),   # its 64-row launch (one warp a program)
     (4, 64, jnp.float32, dict(rope=True, num_splits=2)),
+    (1, 96, jnp.bfloat16, dict(rows=8, planes=32)),     # Huginn-like: 96-wide heads, 32 write planes
 ])
 def test_compiled_fused_write_on_gpu(group, head_dim, dtype, kw):
     """Realistic decode shapes, the pools donated into a jit (updated in place)."""
     kw = dict(kw)
-    rows = kw.pop("rows", 32)
+    rows, planes = kw.pop("rows", 32), kw.pop("planes", 3)
     rng = np.random.default_rng(7)
     case = make_decode_case(rng, num_kv=16 // group, group=group, page_size=16, head_dim=head_dim,
-                            dtype=dtype, n=rows, pages_per_table=64, num_writes=3, num_layers=3,
+                            dtype=dtype, n=rows, pages_per_table=64, num_writes=planes, num_layers=3,
                             lengths=np.r_[[0, 1, 16, 1024], rng.integers(1, 1025, rows - 4)])
     rope = rope_for(case, head_dim) if kw.pop("rope", False) else None
     with jax.default_matmul_precision("highest"):

@@ -40,13 +40,18 @@ def default_pages_per_block(page_size: int, pages_per_table: int, head_dim: int,
     return max(ppb, next_pow2(max(1, 16 // page_size)))   # block_k >= 16 for tl.dot
 
 
+def most_splits(pages_per_table: int, pages_per_block: int) -> int:
+    """The most splits a default launch takes: each keeps >= 2 blocks of a full table."""
+    blocks = -(-pages_per_table // pages_per_block)
+    return max(1, min(MAX_SPLITS, blocks // 2))
+
+
 def default_num_splits(num_rows: int, num_kv_heads: int, pages_per_table: int,
                        pages_per_block: int, page_size: int) -> int:
     """One split per ~SPLIT_TOKENS keys of table capacity, more while the grid has fewer
-    than MIN_PROGRAMS programs, as long as each split keeps >= 2 blocks. (Splits divide
-    each row's own length at run time.)"""
-    blocks = -(-pages_per_table // pages_per_block)
-    most = max(1, min(MAX_SPLITS, blocks // 2))
+    than MIN_PROGRAMS programs, up to ``most_splits``. (Splits divide each row's own length
+    at run time.)"""
+    most = most_splits(pages_per_table, pages_per_block)
     splits = next_pow2(max(1, (pages_per_table * page_size) // SPLIT_TOKENS))
     while splits < most and num_rows * num_kv_heads * splits < MIN_PROGRAMS:
         splits *= 2
@@ -62,7 +67,6 @@ def default_launch(num_rows: int, page_size: int, pages_per_table: int, head_dim
     for rows, keys, warps, stages, splits in WIDE_DECODE if wide else ():
         if num_rows >= rows:
             ppb = default_pages_per_block(page_size, pages_per_table, head_dim, keys)
-            most = max(1, -(-pages_per_table // ppb) // 2)          # >= 2 blocks a split
-            return Launch(ppb, min(splits, most), warps, stages)
+            return Launch(ppb, min(splits, most_splits(pages_per_table, ppb)), warps, stages)
     return Launch(default_pages_per_block(page_size, pages_per_table, head_dim), None,
                   4 if head_dim <= 128 else 8, 2)

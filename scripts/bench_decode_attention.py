@@ -37,19 +37,27 @@ from rltjax.models.layers import rope_cos_sin  # noqa: E402
 
 
 def make_case(rows, length, *, kv_heads, head_dim, page_size, pages_per_table, planes, seed=0):
-    """Rows with their own tables, one per plane; every row writes its key at position
-    length - 1 of each plane's table. The pools are shapes only (allocated per timing)."""
+    """Rows with their own tables, one per plane; every row reads its plane-0 table and writes
+    its key at position length - 1 of each plane's table. Only the pages a call touches are
+    backed (the rest of each table is page 0), so a 2,048-key table at 64 rows fits the
+    timing's pools and the check's random ones at once. The pools are shapes only
+    (allocated per timing): case["num_pages"] of them."""
     rng = np.random.default_rng(seed)
-    tables = rows * planes
-    pages = rng.permutation(np.arange(1, tables * pages_per_table + 1)).reshape(tables, pages_per_table)
+    n_pages = -(-length // page_size)
     pos = np.full(rows, length - 1)
     r = np.arange(rows)
+    num_pages = rows * (n_pages + planes - 1) + 1
+    ids = iter(rng.permutation(np.arange(1, num_pages)))
+    pages = np.zeros((rows * planes, pages_per_table), np.int64)
+    pages[:rows, :n_pages] = np.fromiter(ids, np.int64, rows * n_pages).reshape(rows, n_pages)
+    for m in range(1, planes):
+        pages[r + m * rows, pos // page_size] = np.fromiter(ids, np.int64, rows)
     write_page = np.stack([pages[r + m * rows, pos // page_size] for m in range(planes)])
     qkv = jax.random.normal(jax.random.key(seed), (rows, 3 * kv_heads, head_dim), jnp.bfloat16)
     i32 = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
     return dict(q=qkv[:, :kv_heads], k_new=qkv[:, kv_heads:2 * kv_heads], v_new=qkv[:, 2 * kv_heads:],
                 block_tables=i32(pages), row_tables=i32(r), lengths=i32(pos + 1), write_page=i32(write_page),
-                write_offset=i32(pos % page_size), rope=rope_cos_sin(i32(pos), head_dim, 1e6))
+                write_offset=i32(pos % page_size), rope=rope_cos_sin(i32(pos), head_dim, 1e6), num_pages=num_pages)
 
 
 def call(case, k, v, layer, impl, interpret, **launch):
@@ -129,8 +137,7 @@ def main(argv=None):
     for rows, length in itertools.product(args.rows, args.lengths):
         case = make_case(rows, length, kv_heads=args.kv_heads, head_dim=args.head_dim, page_size=args.page_size,
                          pages_per_table=pages_per_table, planes=args.planes)
-        num_pages = rows * args.planes * pages_per_table + 1
-        pool = jax.ShapeDtypeStruct((args.layers, args.kv_heads, num_pages, args.page_size, args.head_dim),
+        pool = jax.ShapeDtypeStruct((args.layers, args.kv_heads, case["num_pages"], args.page_size, args.head_dim),
                                     jnp.bfloat16)
         for launch in [{}, *sweep(args)]:
             try:

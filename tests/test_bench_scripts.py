@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from rltjax.benchmarks.report import source_digest
@@ -39,6 +40,28 @@ def test_bench_decode_attention_quick(tmp_path):
                                                                          (3, True), (3, False), (3, False)]
     assert {r["config"]["num_splits"] for r in results if r["config"] != "default"} == {1, 2}
     assert all(r["us"] > 0 and r["max_abs_diff"] < 2e-2 for r in results)
+
+
+def test_bench_decode_attention_backs_only_touched_pages():
+    """make_case's pool holds the pages a call reads or writes and no more (a 2,048-key table
+    at 32 rows overran the H200's memory when every table entry was backed): the rows' read
+    pages and every plane's write page are distinct and nonzero, the rest of the tables page 0."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench_decode_attention", ROOT / "scripts" / "bench_decode_attention.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rows, length, page, planes, ppt = 5, 37, 8, 3, 16
+    case = mod.make_case(rows, length, kv_heads=2, head_dim=16, page_size=page, pages_per_table=ppt, planes=planes)
+    tables = np.asarray(case["block_tables"])
+    n_pages = -(-length // page)
+    read = tables[:rows, :n_pages]
+    write = np.asarray(case["write_page"])                       # [planes, rows]
+    assert case["num_pages"] == rows * (n_pages + planes - 1) + 1
+    used = np.concatenate([read.ravel(), write[1:].ravel()])
+    assert used.min() >= 1 and len(set(used)) == used.size == case["num_pages"] - 1
+    np.testing.assert_array_equal(write[0], read[:, (length - 1) // page])
+    assert np.count_nonzero(tables) == used.size                 # nothing else backed
+    assert np.all(np.asarray(case["lengths"]) == length)
 
 
 def test_bench_prefill_quick(tmp_path):

@@ -11,7 +11,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from kernels.paged_attention import paged_attention
 from kernels.paged_attention_ref import paged_attention_ref
-from kernels.pallas_triton import combine_splits, paged_attention_pallas
+from kernels.pallas_triton import paged_attention_pallas
+from kernels.split_merge import combine_splits
 from kernels.triton_common import head_dim_chunks
 
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}

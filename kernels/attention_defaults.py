@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from kernels.triton_common import next_pow2
+from kernels.triton_common import is_pow2, next_pow2
 
 TARGET_BLOCK_TOKENS = 64        # keys per inner iteration (default pages_per_block), Dh <= 128
 SPLIT_TOKENS = 512              # default num_splits: about one split per this many keys ...
@@ -70,3 +70,26 @@ def default_launch(num_rows: int, page_size: int, pages_per_table: int, head_dim
             return Launch(ppb, min(splits, most_splits(pages_per_table, ppb)), warps, stages)
     return Launch(default_pages_per_block(page_size, pages_per_table, head_dim), None,
                   4 if head_dim <= 128 else 8, 2)
+
+
+def resolve_launch(num_rows: int, num_kv_heads: int, page_size: int, pages_per_table: int, head_dim: int, *,
+                   elementwise: bool, write_planes: int, pages_per_block: int | None = None,
+                   num_splits: int | None = None, num_warps: int | None = None,
+                   num_stages: int | None = None) -> Launch:
+    """The launch a call runs (every field set): each field a caller gives replaces
+    ``default_launch``'s; splits follow default_num_splits for a pages_per_block other than
+    the default launch's. Raises ValueError for a block or split count the kernel cannot take."""
+    launch = default_launch(num_rows, page_size, pages_per_table, head_dim, elementwise=elementwise,
+                            write_planes=write_planes)
+    ppb = launch.pages_per_block if pages_per_block is None else pages_per_block
+    if not is_pow2(ppb) or ppb * page_size < 16:                         # tl.dot: N, K >= 16
+        raise ValueError(f"pages_per_block must be a power of two with pages_per_block * "
+                         f"page_size >= 16, got {ppb}")
+    if num_splits is None:
+        own = launch.num_splits is not None and ppb == launch.pages_per_block
+        num_splits = launch.num_splits if own else default_num_splits(num_rows, num_kv_heads, pages_per_table,
+                                                                      ppb, page_size)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    return Launch(ppb, num_splits, launch.num_warps if num_warps is None else num_warps,
+                  launch.num_stages if num_stages is None else num_stages)

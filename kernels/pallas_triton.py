@@ -62,9 +62,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels.attention_defaults import default_launch, default_num_splits
+from kernels.attention_defaults import resolve_launch
 from kernels.split_merge import combine_splits, merge_last_split
-from kernels.triton_common import cdiv, head_dim_chunks, is_pow2, kernel_rope_supported, next_pow2, stacked_pool
+from kernels.triton_common import cdiv, head_dim_chunks, kernel_rope_supported, next_pow2, stacked_pool
 
 NEG_INF = float("-inf")
 
@@ -276,27 +276,15 @@ def paged_attention_pallas(q, k_pages, v_pages, block_tables, row_tables, length
     if not use_dot and group != 1:
         raise ValueError("the elementwise path needs H == Hkv (use_dot=True for GQA)")
     group_pad = max(16, next_pow2(group)) if use_dot else 1
-    # Each launch field a caller gives replaces the default's; splits follow default_num_splits
-    # for a pages_per_block other than the default launch's.
-    launch = default_launch(n, page_size, pages_per_table, head_dim, elementwise=not use_dot,
-                            write_planes=new_kv[0].size // n if new_kv is not None else 0)
-    if pages_per_block is None:
-        pages_per_block = launch.pages_per_block
-    if not is_pow2(pages_per_block) or pages_per_block * page_size < 16:   # tl.dot: N, K >= 16
-        raise ValueError(f"pages_per_block must be a power of two with pages_per_block * "
-                         f"page_size >= 16, got {pages_per_block}")
-    if num_splits is None:
-        own = launch.num_splits is not None and pages_per_block == launch.pages_per_block
-        num_splits = launch.num_splits if own else default_num_splits(n, num_kv, pages_per_table,
-                                                                      pages_per_block, page_size)
-    if num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    num_warps = launch.num_warps if num_warps is None else num_warps
-    num_stages = launch.num_stages if num_stages is None else num_stages
+    pages_per_block, num_splits, num_warps, num_stages = resolve_launch(
+        n, num_kv, page_size, pages_per_table, head_dim, elementwise=not use_dot,
+        write_planes=new_kv[0].size // n if new_kv is not None else 0, pages_per_block=pages_per_block,
+        num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
     scale = head_dim ** -0.5 if scale is None else float(scale)
-    if merge_splits and (new_kv is None or use_dot or return_partials):
-        raise ValueError("merge_splits needs the fused write (new_kv) on the elementwise path (G == 1, "
-                         "use_dot False) and no return_partials")
+    for bad, why in ((new_kv is None, "the fused write (new_kv)"), (return_partials, "return_partials off"),
+                     (use_dot, f"the elementwise path (G == 1, use_dot False; got G = {group})")):
+        if merge_splits and bad:
+            raise ValueError(f"merge_splits needs {why}")
     merge = merge_splits and num_splits > 1
 
     kernel = functools.partial(

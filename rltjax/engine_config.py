@@ -186,10 +186,12 @@ class ExecutionConfig:
     {rows: splits} for the decode batches padded to those row buckets (powers of two from
     min(8, max_num_seqs) up to max_num_seqs; the others keep the default). Prefill and the XLA
     path ignore it.
-    attn_merge_splits: the decode attention kernel merges its key splits itself (the last split
-    of a row and head to finish, told by an atomic counter) instead of a combine kernel after
-    it: one kernel less a decode layer. Models with H == Hkv only (Ouro, Huginn; a GQA model is
-    refused). Off by default: not yet measured on a GPU (docs/performance.md).
+    attn_merge_splits: the Pallas decode attention kernel merges its key splits itself (the last
+    split of a row and head to finish, told by an atomic counter) instead of a combine kernel
+    after it; its counter is zeroed every call for now (an XLA memset or fusion of its own until
+    it is carried with the KV pool). Models with H == Hkv only (Ouro, Huginn; a GQA model is
+    refused); no effect where attention runs on XLA. Off by default: not yet measured on a GPU
+    (docs/performance.md).
     matmul_impl: decode projections: ``auto`` (the default: on a GPU, the attention projections
     (q|k|v, o) of decode batches of up to ``kernels.skinny_matmul.MAX_ROWS`` (64) rows run on
     the weight-streaming Pallas kernel, which beat XLA's split-K GEMMs there on an H200, and

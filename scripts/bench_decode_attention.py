@@ -15,7 +15,7 @@ the loop's own overhead are in it, the same for every config. Every row has --le
 in a table of max_model_len / page_size pages, writes --planes pages. "default" is the
 kernel's own launch (``kernels.attention_defaults.default_launch``); the sweep runs every
 point of --block-keys x --num-warps x --num-stages x --num-splits (and, with --merge-splits, each
-of those again with the splits merged inside the kernel). Each config's outputs are checked
+of those with more than one split again, merged inside the kernel). Each config's outputs are checked
 against the XLA path (write, then attend) on one call.
 """
 from __future__ import annotations
@@ -34,6 +34,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from kernels.attention_defaults import resolve_launch  # noqa: E402
 from kernels.paged_attention import paged_attention_write  # noqa: E402
 from rltjax.models.layers import rope_cos_sin  # noqa: E402
 
@@ -144,8 +145,10 @@ def main(argv=None):
         pool = jax.ShapeDtypeStruct((args.layers, args.kv_heads, case["num_pages"], args.page_size, args.head_dim),
                                     jnp.bfloat16)
         launches = [{}, *sweep(args)]
-        if args.merge_splits:
-            launches += [dict(launch, merge_splits=True) for launch in launches]
+        if args.merge_splits:      # a launch of one split has nothing to merge: no duplicate row
+            launches += [dict(launch, merge_splits=True) for launch in launches
+                         if resolve_launch(rows, args.kv_heads, args.page_size, pages_per_table, args.head_dim,
+                                           elementwise=True, write_planes=args.planes, **launch).num_splits > 1]
         for launch in launches:
             try:
                 us = time_config(case, pool, args.layers, args.reps, args.iters, args.quick, **launch)

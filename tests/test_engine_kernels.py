@@ -162,7 +162,7 @@ def test_attn_merge_splits_reaches_the_kernel_and_matches_the_oracle(small_ouro,
     cfg, params = small_ouro
     merges, real = [], pallas_triton.paged_attention_pallas
     monkeypatch.setattr(pallas_triton, "paged_attention_pallas",
-                        lambda *a, **k: merges.append((k["num_splits"], k["merge_splits"])) or real(*a, **k))
+                        lambda *a, **k: merges.append((k.get("num_splits"), k.get("merge_splits"))) or real(*a, **k))
     execution = ExecutionConfig(attn_impl="pallas", matmul_impl="xla", attn_num_splits=3, attn_merge_splits=True,
                                 interpret=True, compile_ahead=False, compilation_cache_dir=None, show_progress=False)
     kw = dict(cache_config=CacheConfig(kv_layout="last_exited", page_size=8), exit_config=ExitConfig(mode="ouro"),

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from kernels.attention_defaults import Launch, default_launch
+from kernels.attention_defaults import Launch, default_launch, resolve_launch
 from kernels.paged_attention import merge_qkv, paged_attention_write
 from rltjax.models.layers import rope_cos_sin
 
@@ -157,6 +157,14 @@ def test_launch_defaults():
     assert launch(64, write_planes=5) == launch(64, head_dim=64) == general
     assert launch(64, elementwise=False) == launch(64, write_planes=0) == general
     assert launch(64, head_dim=256).num_warps == 8                # Dh 256: the general path
+    # resolve_launch: the call's launch, each given field replacing the default's
+    resolve = lambda rows, **kw: resolve_launch(rows, 16, 16, 48, 128, elementwise=True, write_planes=4, **kw)  # noqa: E731
+    assert resolve(64) == Launch(2, 2, 1, 3) and resolve(8) == Launch(4, 6, 4, 2)      # 8 rows: 6 splits
+    assert resolve(64, pages_per_block=4) == Launch(4, 1, 1, 3)    # another block: the general rule's splits
+    assert resolve(64, num_splits=3, num_warps=2, num_stages=4) == Launch(2, 3, 2, 4)
+    for bad in (dict(num_splits=0), dict(pages_per_block=3), dict(pages_per_block=0)):
+        with pytest.raises(ValueError, match="num_splits|pages_per_block"):
+            resolve(8, **bad)
 
 
 def test_live_rows_skip_their_shallower_planes():
@@ -212,8 +220,18 @@ def test_merged_in_the_kernel_equals_the_xla_combine(seed, num_splits, page_size
 def test_merge_splits_needs_the_fused_write_on_the_elementwise_path():
     case = make_decode_case(np.random.default_rng(2), num_kv=2, group=2, page_size=8, head_dim=64,
                             dtype=jnp.float32, n=3, pages_per_table=2, num_writes=1)
-    with pytest.raises(ValueError, match="merge_splits needs the fused write"):
+    with pytest.raises(ValueError, match=r"merge_splits needs the elementwise path .*got G = 2"):
         paged_attention_write(*case, layer=0, impl="pallas", interpret=True, num_splits=2, merge_splits=True)
+    from kernels.pallas_triton import paged_attention_pallas
+    q, k_new, v_new, k, v, tables, rows, lengths, write_page, write_offset = make_decode_case(
+        np.random.default_rng(3), num_kv=2, group=1, page_size=8, head_dim=64, dtype=jnp.float32, n=3,
+        pages_per_table=2, num_writes=1)
+    kw = dict(layer=jnp.int32(0), interpret=True, num_splits=2, merge_splits=True)
+    with pytest.raises(ValueError, match=r"merge_splits needs the fused write \(new_kv\)"):
+        paged_attention_pallas(q, k, v, tables, rows, lengths, **kw)
+    with pytest.raises(ValueError, match="merge_splits needs return_partials off"):
+        paged_attention_pallas(merge_qkv(q, k_new, v_new), k, v, tables, rows, lengths, return_partials=True,
+                               new_kv=(write_page, write_offset, None), **kw)
 
 
 @pytest.mark.gpu
@@ -226,8 +244,8 @@ def test_merge_splits_needs_the_fused_write_on_the_elementwise_path():
     (1, 128, jnp.bfloat16, dict(rope=True, rows=64)),   # its 64-row launch (one warp a program)
     (4, 64, jnp.float32, dict(rope=True, num_splits=2)),
     (1, 96, jnp.bfloat16, dict(rows=8, planes=32)),     # Huginn-like: 96-wide heads, 32 write planes
-    (1, 128, jnp.bfloat16, dict(rope=True, merge_splits=True)),          # the splits merged in the kernel
-    (1, 128, jnp.bfloat16, dict(rope=True, rows=8, merge_splits=True)),  # 8 rows: 8 splits
+    pytest.param(1, 128, jnp.bfloat16, dict(rope=True, merge_splits=True), id="merge-32rows"),  # merged in the kernel
+    pytest.param(1, 128, jnp.bfloat16, dict(rope=True, rows=8, merge_splits=True), id="merge-8rows"),  # 8 splits
 ])
 def test_compiled_fused_write_on_gpu(group, head_dim, dtype, kw):
     """Realistic decode shapes, the pools donated into a jit (updated in place)."""

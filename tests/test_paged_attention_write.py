@@ -197,22 +197,19 @@ def test_validation():
             paged_attention_write(*args, layer=0, impl="xla")
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=5, deadline=None, suppress_health_check=list(HealthCheck))
 @given(seed=st.integers(0, 2**31 - 1), num_splits=st.integers(2, 6), page_size=st.sampled_from([8, 16]),
        dtype=st.sampled_from([jnp.float32, jnp.bfloat16]), rope=st.booleans(), num_writes=st.integers(1, 3))
 def test_merged_in_the_kernel_equals_the_xla_combine(seed, num_splits, page_size, dtype, rope, num_writes):
-    """The fused decode kernel with merge_splits: the same output as with the XLA combine (bit
-    for bit) and as write-then-attend (to the dtype's tolerance); the same pools."""
+    """The fused decode kernel with merge_splits: the same output as with the XLA combine, bit for
+    bit (which test_fused_write_matches_write_then_attend holds to the dense path); the same pools."""
     case = make_decode_case(np.random.default_rng(seed), num_kv=2, group=1, page_size=page_size, head_dim=64,
                             dtype=dtype, n=5, pages_per_table=4, num_writes=num_writes)
     kw = dict(layer=jnp.int32(1), rope=rope_for(case, 64) if rope else None, num_splits=num_splits,
               pages_per_block=max(1, 16 // page_size))
     merged, k, v = paged_attention_write(*case, impl="pallas", interpret=True, merge_splits=True, **kw)
     combined, k2, v2 = paged_attention_write(*case, impl="pallas", interpret=True, **kw)
-    ref, _, _ = paged_attention_write(*case, impl="xla", **kw)
     np.testing.assert_array_equal(np.asarray(merged, np.float32), np.asarray(combined, np.float32))
-    np.testing.assert_allclose(np.asarray(merged, np.float32), np.asarray(ref, np.float32),
-                               atol=TOL[dtype], rtol=TOL[dtype])
     for a, b in ((k, k2), (v, v2)):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 

@@ -39,7 +39,7 @@ def merge_in_a_kernel(o, lse, counts, dtype):
     return outs[2], outs[3]
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=5, deadline=None, suppress_health_check=list(HealthCheck))
 @given(seed=st.integers(0, 2**31 - 1), num_splits=st.integers(2, 6), head_dim=st.sampled_from([32, 96]))
 def test_the_last_split_merges_as_combine_splits_and_resets_its_counter(seed, num_splits, head_dim):
     """Partials with empty splits (lse -inf) and an empty (row, head) (every split -inf): the

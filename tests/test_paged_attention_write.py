@@ -197,7 +197,7 @@ def test_validation():
             paged_attention_write(*args, layer=0, impl="xla")
 
 
-@settings(max_examples=5, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
 @given(seed=st.integers(0, 2**31 - 1), num_splits=st.integers(2, 6), page_size=st.sampled_from([8, 16]),
        dtype=st.sampled_from([jnp.float32, jnp.bfloat16]), rope=st.booleans(), num_writes=st.integers(1, 3))
 def test_merged_in_the_kernel_equals_the_xla_combine(seed, num_splits, page_size, dtype, rope, num_writes):

@@ -40,6 +40,18 @@ def small_ouro():
                                     layers=dataclasses.replace(params.layers, **norms))
 
 
+def greedy_pair_matches_oracle(engine, cfg, params, *, seed, prompt_lens):
+    """Two greedy requests of these prompt lengths, arriving together, equal the dense oracle."""
+    rng = np.random.default_rng(seed)
+    arrivals = [(0, f"r{i}", rng.integers(3, cfg.vocab_size, n).tolist(),
+                 SamplingParams(max_tokens=4, temperature=0.0, exit_threshold=0.5, ignore_eos=True, logprobs=1))
+                for i, n in enumerate(prompt_lens)]
+    outputs = run_workload(engine, arrivals)
+    ref = ReferenceModel(get_model(cfg), params, kv_layout="last_exited", exit_config=ExitConfig(mode="ouro"))
+    for _, rid, prompt, sp in arrivals:
+        check_equal(outputs[rid], ref.generate(prompt, sp, request_id=rid))
+
+
 def test_kernel_engine_matches_reference_with_aligned_prefill(small_ouro):
     cfg, params = small_ouro
     engine = build_engine(
@@ -114,14 +126,7 @@ def test_auto_matmul_and_set_splits(small_ouro, monkeypatch):
         execution_config=ExecutionConfig(attn_impl="pallas", matmul_impl="auto", attn_num_splits={2: 3, 64: 1},
                                          interpret=True, compile_ahead=False, compilation_cache_dir=None,
                                          show_progress=False))
-    rng = np.random.default_rng(5)
-    arrivals = [(0, f"r{i}", rng.integers(3, cfg.vocab_size, n).tolist(),
-                 SamplingParams(max_tokens=4, temperature=0.0, exit_threshold=0.5, ignore_eos=True, logprobs=1))
-                for i, n in enumerate((11, 6))]
-    outputs = run_workload(engine, arrivals)
-    ref = ReferenceModel(get_model(cfg), params, kv_layout="last_exited", exit_config=ExitConfig(mode="ouro"))
-    for _, rid, prompt, sp in arrivals:
-        check_equal(outputs[rid], ref.generate(prompt, sp, request_id=rid))
+    greedy_pair_matches_oracle(engine, cfg, params, seed=5, prompt_lens=(11, 6))
     D, qkv = cfg.hidden_size, cfg.q_width + 2 * cfg.kv_width
     # the MLP's gate | up with its activation in one kernel, down (partial sums into the norm)
     F = cfg.intermediate_size
@@ -169,14 +174,7 @@ def test_attn_merge_splits_reaches_the_kernel_and_matches_the_oracle(small_ouro,
               scheduler_config=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, prefill_chunk_size=32),
               execution_config=execution)
     engine = build_engine(None, params=params, cfg=cfg, **kw)
-    rng = np.random.default_rng(9)
-    arrivals = [(0, f"r{i}", rng.integers(3, cfg.vocab_size, n).tolist(),
-                 SamplingParams(max_tokens=4, temperature=0.0, exit_threshold=0.5, ignore_eos=True, logprobs=1))
-                for i, n in enumerate((13, 7))]
-    outputs = run_workload(engine, arrivals)
-    ref = ReferenceModel(get_model(cfg), params, kv_layout="last_exited", exit_config=ExitConfig(mode="ouro"))
-    for _, rid, prompt, sp in arrivals:
-        check_equal(outputs[rid], ref.generate(prompt, sp, request_id=rid))
+    greedy_pair_matches_oracle(engine, cfg, params, seed=9, prompt_lens=(13, 7))
     assert merges and set(merges) == {(3, True)}
     assert_all_pages_free(engine)
 

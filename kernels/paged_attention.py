@@ -141,8 +141,7 @@ def paged_attention_write(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pa
                           interpret: bool = False, scale: float | None = None,
                           pages_per_block: int | None = None, num_splits: int | None = None,
                           rope: tuple[jax.Array, jax.Array] | None = None, num_warps: int | None = None,
-                          num_stages: int | None = None, merge_splits: bool = False,
-                          ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                          num_stages: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Each row writes its new K/V (``paged_write_ref``), then attends as ``paged_attention``
     -> (out [N, H, Dh], k_pages, v_pages). Donate the pools: they are updated in place.
 
@@ -153,8 +152,6 @@ def paged_attention_write(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pa
 
     pages_per_block, num_splits, num_warps, num_stages: the kernel's launch (None: its
     default, ``kernels.attention_defaults.default_launch``).
-    merge_splits: the kernel merges its key splits itself (``kernels.split_merge``; H == Hkv
-    only), not an XLA combine after it. Not measured on a GPU yet: off by default.
 
     Precondition for the kernel (decode, where it holds by construction): a row with
     length > 0 writes its key at position lengths - 1 of its own table (row_tables); the
@@ -192,7 +189,7 @@ def paged_attention_write(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pa
     return paged_attention_pallas(qkv, k_pages, v_pages, block_tables, row_tables, lengths, layer=layer,
                                   scale=scale, pages_per_block=pages_per_block, num_splits=num_splits,
                                   num_warps=num_warps, num_stages=num_stages, interpret=interpret,
-                                  new_kv=(write_page, write_offset, rope), merge_splits=merge_splits)
+                                  new_kv=(write_page, write_offset, rope))
 
 
 def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,

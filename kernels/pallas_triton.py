@@ -25,9 +25,7 @@ full-width blocks.
 
 num_splits == 1 writes the final [N, H, Dh] output in q's dtype directly;
 num_splits > 1 writes per-split normalized outputs and log-sum-exps (float32)
-that `kernels.split_merge.combine_splits` merges in XLA, or (``merge_splits``, the fused
-write on the elementwise path) the last split of a row and head merges in the kernel
-(``merge_last_split``: an atomic counter a row and head).
+that `kernels.split_merge.combine_splits` merges in XLA.
 
 Addressing: K/V are indexed through the block dimension (BlockSpec on the head
 axis, an index vector on the page axis); the Pallas Triton lowering multiplies
@@ -63,7 +61,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels.attention_defaults import resolve_launch
-from kernels.split_merge import combine_splits, merge_last_split
+from kernels.split_merge import combine_splits
 from kernels.triton_common import cdiv, head_dim_chunks, kernel_rope_supported, next_pow2, stacked_pool
 
 NEG_INF = float("-inf")
@@ -89,7 +87,7 @@ def _rotate(x, x_partner, cos, signed_sin):
 def _kernel(layer_ref, lengths_ref, row_tables_ref, block_tables_ref, q_ref, k_ref, v_ref, *refs,
             group: int, group_pad: int, page_size: int, pages_per_block: int,
             pages_per_table: int, num_splits: int, scale: float, use_dot: bool, fused_write: bool,
-            rope: bool, merge: bool, interpret: bool):
+            rope: bool):
     row = pl.program_id(0)
     kvh = pl.program_id(1)
     split = pl.program_id(2)
@@ -110,8 +108,6 @@ def _kernel(layer_ref, lengths_ref, row_tables_ref, block_tables_ref, q_ref, k_r
             cos_ref, sin_ref, *refs = refs
             partner, cos, signed_sin = _rope_tables(cos_ref, sin_ref, row, head_dim)
         write_page_ref, write_offset_ref, *out_refs = refs
-        if merge:
-            out_refs = out_refs[1:]          # the counter's input ref; its aliased output is used
         has_new = length > 0
         new_k = [plgpu.load(q_ref.at[row, num_heads + kvh, pl.ds(off, w)]) for off, w in chunks]  # [w] each
         new_v = [plgpu.load(q_ref.at[row, num_heads + num_kv + kvh, pl.ds(off, w)]) for off, w in chunks]
@@ -224,23 +220,20 @@ def _kernel(layer_ref, lengths_ref, row_tables_ref, block_tables_ref, q_ref, k_r
         for (off, w), o in zip(chunks, os):
             plgpu.store(o_ref.at[row, heads, pl.ds(off, w)], o.astype(o_ref.dtype), mask=mask)
     else:
-        o_ref, lse_ref, *merged = out_refs
+        o_ref, lse_ref = out_refs
         for (off, w), o in zip(chunks, os):
             plgpu.store(o_ref.at[split, row, heads, pl.ds(off, w)], o, mask=mask)
         plgpu.store(lse_ref.at[split, row, heads], lse, mask=head_ok)
-        if merge:
-            merge_last_split(*merged, o_ref, lse_ref, row, kvh, num_splits, chunks, interpret)
 
 
 @functools.partial(jax.jit, static_argnames=(
     "scale", "pages_per_block", "num_splits", "num_warps", "num_stages", "use_dot",
-    "interpret", "return_partials", "merge_splits"))
+    "interpret", "return_partials"))
 def paged_attention_pallas(q, k_pages, v_pages, block_tables, row_tables, lengths, *,
                            layer=None, scale: float | None = None, pages_per_block: int | None = None,
                            num_splits: int | None = None, num_warps: int | None = None,
                            num_stages: int | None = None, use_dot: bool | None = None,
-                           interpret: bool = False, return_partials: bool = False, new_kv=None,
-                           merge_splits: bool = False):
+                           interpret: bool = False, return_partials: bool = False, new_kv=None):
     """The kernel; callers should go through `kernels.paged_attention.paged_attention`
     (or ``paged_attention_write`` for ``new_kv``).
 
@@ -256,9 +249,6 @@ def paged_attention_pallas(q, k_pages, v_pages, block_tables, row_tables, length
     (write_page[m], write_offset) with a page other than 0 and is its key at position
     lengths - 1; returns (out, k_pages, v_pages), the pools updated in place (aliased:
     donate them).
-
-    merge_splits (new_kv, G == 1): the splits merge in the kernel, not in ``combine_splits``
-    (no effect at one split); its counter is a zeroed [N, Hkv] int32 made each call.
     """
     unstacked = k_pages.ndim == 4
     k_pages, v_pages, layer = stacked_pool(k_pages, v_pages, layer)
@@ -281,17 +271,12 @@ def paged_attention_pallas(q, k_pages, v_pages, block_tables, row_tables, length
         write_planes=new_kv[0].size // n if new_kv is not None else 0, pages_per_block=pages_per_block,
         num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
     scale = head_dim ** -0.5 if scale is None else float(scale)
-    for bad, why in ((new_kv is None, "the fused write (new_kv)"), (return_partials, "return_partials off"),
-                     (use_dot, f"the elementwise path (G == 1, use_dot False; got G = {group})")):
-        if merge_splits and bad:
-            raise ValueError(f"merge_splits needs {why}")
-    merge = merge_splits and num_splits > 1
 
     kernel = functools.partial(
         _kernel, group=group, group_pad=group_pad, page_size=page_size,
         pages_per_block=pages_per_block, pages_per_table=pages_per_table,
         num_splits=num_splits, scale=scale, use_dot=use_dot, fused_write=new_kv is not None,
-        rope=rope, merge=merge, interpret=interpret)
+        rope=rope)
     whole = lambda shape: pl.BlockSpec(shape, lambda r, h, s: (0,) * len(shape))
     pool = whole(k_pages.shape)     # indexed in the kernel by (layer, kv head, page ids)
     if num_splits == 1:
@@ -304,12 +289,7 @@ def paged_attention_pallas(q, k_pages, v_pages, block_tables, row_tables, length
     if new_kv is not None:
         write_page, write_offset, cos_sin = new_kv
         args += [*(cos_sin or ()), write_page.reshape(-1, n), write_offset]
-        if merge:        # the merged output, and the counter (zeroed here, left zeroed by the kernel)
-            aliases[len(args)] = len(out_shape) + 1
-            args.append(jnp.zeros((n, num_kv), jnp.int32))
-            out_shape += [jax.ShapeDtypeStruct((n, num_heads, head_dim), q.dtype),
-                          jax.ShapeDtypeStruct((n, num_kv), jnp.int32)]
-        aliases.update({5: len(out_shape), 6: len(out_shape) + 1})     # the pools, updated in place
+        aliases = {5: len(out_shape), 6: len(out_shape) + 1}     # the pools, updated in place
         out_shape += [jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype)] * 2
     outs = pl.pallas_call(
         kernel,
@@ -322,14 +302,12 @@ def paged_attention_pallas(q, k_pages, v_pages, block_tables, row_tables, length
         interpret=interpret,
         name=f"rlt_paged_attention{'_write' if new_kv is not None else ''}{'_rope' if rope else ''}"
              f"_g{group}_ppb{pages_per_block}"
-             f"_s{num_splits}{'_m' if merge else ''}",
+             f"_s{num_splits}",
     )(*args)
     if new_kv is not None:
         outs, pools = outs[:-2], tuple(p[0] if unstacked else p for p in outs[-2:])
     if num_splits == 1:
         out = outs[0]
-    elif merge:
-        out = outs[2]
     elif return_partials:
         out = tuple(outs)
     else:

@@ -186,12 +186,6 @@ class ExecutionConfig:
     {rows: splits} for the decode batches padded to those row buckets (powers of two from
     min(8, max_num_seqs) up to max_num_seqs; the others keep the default). Prefill and the XLA
     path ignore it.
-    attn_merge_splits: the Pallas decode attention kernel merges its key splits itself (the last
-    split of a row and head to finish, told by an atomic counter) instead of a combine kernel
-    after it; its counter is zeroed every call for now (an XLA memset or fusion of its own until
-    it is carried with the KV pool). Models with H == Hkv only (Ouro, Huginn; a GQA model is
-    refused); no effect where attention runs on XLA. Off by default: not yet measured on a GPU
-    (docs/performance.md).
     matmul_impl: decode projections: ``auto`` (the default: on a GPU, the attention projections
     (q|k|v, o) of decode batches of up to ``kernels.skinny_matmul.MAX_ROWS`` (64) rows run on
     the weight-streaming Pallas kernel, which beat XLA's split-K GEMMs there on an H200, and
@@ -228,7 +222,6 @@ class ExecutionConfig:
     """
     attn_impl: str = "auto"
     attn_num_splits: int | Mapping[int, int] | None = None
-    attn_merge_splits: bool = False
     matmul_impl: str = "auto"
     interpret: bool = False
     decode_window: int | None = None
@@ -247,8 +240,6 @@ class ExecutionConfig:
             _bad("ExecutionConfig", "attn_num_splits", self.attn_num_splits,
                  "must be None, an integer in [1, 64], or {rows: splits} with power-of-two decode row buckets "
                  "as keys and integers in [1, 64] as values")
-        if not isinstance(self.attn_merge_splits, bool):
-            _bad("ExecutionConfig", "attn_merge_splits", self.attn_merge_splits, "must be True or False")
         if self.matmul_impl not in MATMUL_IMPLS:
             _bad("ExecutionConfig", "matmul_impl", self.matmul_impl, f"choose one of {MATMUL_IMPLS}")
         if self.decode_window is not None and (

@@ -5,7 +5,6 @@ pages, the key splits combined after it.
     python scripts/bench_decode_attention.py --out decode_attn.json          # GPU, Ouro-1.4B shapes
     python scripts/bench_decode_attention.py --rows 32 64 --lengths 512 270 --block-keys 32 64 \
         --num-warps 1 2 4 --num-stages 1 3 --num-splits 2 4
-    python scripts/bench_decode_attention.py --rows 1 8 32 64 --merge-splits   # in-kernel merge vs XLA's
     python scripts/bench_decode_attention.py --quick        # CPU smoke run (interpret mode, tiny shapes)
 
 A measurement chains --reps x layers calls in one jitted loop, layer i % layers of the
@@ -14,9 +13,8 @@ combine runs), and reports wall time / calls, median over --iters samples: launc
 the loop's own overhead are in it, the same for every config. Every row has --lengths keys
 in a table of max_model_len / page_size pages, writes --planes pages. "default" is the
 kernel's own launch (``kernels.attention_defaults.default_launch``); the sweep runs every
-point of --block-keys x --num-warps x --num-stages x --num-splits (and, with --merge-splits, each
-of those with more than one split again, merged inside the kernel). Each config's outputs are checked
-against the XLA path (write, then attend) on one call.
+point of --block-keys x --num-warps x --num-stages x --num-splits. Each config's outputs
+are checked against the XLA path (write, then attend) on one call.
 """
 from __future__ import annotations
 
@@ -34,7 +32,6 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from kernels.attention_defaults import resolve_launch  # noqa: E402
 from kernels.paged_attention import paged_attention_write  # noqa: E402
 from rltjax.models.layers import rope_cos_sin  # noqa: E402
 
@@ -126,8 +123,6 @@ def main(argv=None):
     p.add_argument("--num-warps", type=int, nargs="+", default=[4])
     p.add_argument("--num-stages", type=int, nargs="+", default=[2])
     p.add_argument("--num-splits", type=int, nargs="+", default=[2])
-    p.add_argument("--merge-splits", action="store_true",
-                   help="also run every launch with the splits merged in the kernel (merge_splits=True)")
     p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny shapes, interpret mode")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
@@ -144,12 +139,7 @@ def main(argv=None):
                          pages_per_table=pages_per_table, planes=args.planes)
         pool = jax.ShapeDtypeStruct((args.layers, args.kv_heads, case["num_pages"], args.page_size, args.head_dim),
                                     jnp.bfloat16)
-        launches = [{}, *sweep(args)]
-        if args.merge_splits:      # a launch of one split has nothing to merge: no duplicate row
-            launches += [dict(launch, merge_splits=True) for launch in launches
-                         if resolve_launch(rows, args.kv_heads, args.page_size, pages_per_table, args.head_dim,
-                                           elementwise=True, write_planes=args.planes, **launch).num_splits > 1]
-        for launch in launches:
+        for launch in [{}, *sweep(args)]:
             try:
                 us = time_config(case, pool, args.layers, args.reps, args.iters, args.quick, **launch)
                 err = check_config(case, pool, args.quick, **launch)

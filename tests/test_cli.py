@@ -98,8 +98,6 @@ def test_execution_flags_reach_the_engine_config():
         "--attn-num-splits", "3", "--matmul-impl", "pallas", "--xla-option", "xla_gpu_enable_command_buffer=FUSION,WHILE",
         "--xla-option", "xla_gpu_graph_min_graph_size=1", "--xla-option", "xla_cpu_enable_fast_math=false"]))
     assert ex["execution_config"].matmul_impl == "pallas" and ex["execution_config"].attn_num_splits == 3
-    assert default.attn_merge_splits is False and ex["execution_config"].attn_merge_splits is False
-    assert configs_from_args(p.parse_args(["--attn-merge-splits"]))["execution_config"].attn_merge_splits is True
     assert dict(ex["execution_config"].xla_options) == {"xla_gpu_enable_command_buffer": "FUSION,WHILE",
                                                         "xla_gpu_graph_min_graph_size": 1,
                                                         "xla_cpu_enable_fast_math": False}
@@ -112,12 +110,6 @@ def test_attn_num_splits_is_checked(splits):
     from rltjax.engine_config import EngineConfigError, ExecutionConfig
     with pytest.raises(EngineConfigError, match=r"attn_num_splits.*integer in \[1, 64\]"):
         ExecutionConfig(attn_num_splits=splits)
-
-
-def test_attn_merge_splits_is_checked():
-    from rltjax.engine_config import EngineConfigError, ExecutionConfig
-    with pytest.raises(EngineConfigError, match="attn_merge_splits.*True or False"):
-        ExecutionConfig(attn_merge_splits=1)
 
 
 def test_attn_num_splits_per_row_bucket_from_the_command_line():

@@ -158,26 +158,3 @@ def test_auto_matmul_stays_on_xla_where_attention_does(small_ouro, monkeypatch):
     outputs = run_workload(engine, [(0, "r0", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0,
                                                                         ignore_eos=True))])
     assert len(outputs["r0"].token_ids) == 3 and calls == []
-
-
-def test_attn_merge_splits_reaches_the_kernel_and_matches_the_oracle(small_ouro, monkeypatch):
-    """ExecutionConfig.attn_merge_splits: every decode call of the fused kernel merges its
-    splits in the kernel, and the engine still equals the oracle; a GQA model is refused."""
-    from kernels import pallas_triton
-    cfg, params = small_ouro
-    merges, real = [], pallas_triton.paged_attention_pallas
-    monkeypatch.setattr(pallas_triton, "paged_attention_pallas",
-                        lambda *a, **k: merges.append((k.get("num_splits"), k.get("merge_splits"))) or real(*a, **k))
-    execution = ExecutionConfig(attn_impl="pallas", matmul_impl="xla", attn_num_splits=3, attn_merge_splits=True,
-                                interpret=True, compile_ahead=False, compilation_cache_dir=None, show_progress=False)
-    kw = dict(cache_config=CacheConfig(kv_layout="last_exited", page_size=8), exit_config=ExitConfig(mode="ouro"),
-              scheduler_config=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, prefill_chunk_size=32),
-              execution_config=execution)
-    engine = build_engine(None, params=params, cfg=cfg, **kw)
-    greedy_pair_matches_oracle(engine, cfg, params, seed=9, prompt_lens=(13, 7))
-    assert merges and set(merges) == {(3, True)}
-    assert_all_pages_free(engine)
-
-    gqa = preset_config("ouro-1.4b", {**SMALL, "num_attention_heads": 4, "num_key_value_heads": 2})
-    with pytest.raises(ValueError, match="attn_merge_splits: .* 4 query heads over 2 KV heads"):
-        build_engine(None, params=random_checkpoint(gqa, seed=1, dtype="float32"), cfg=gqa, **kw)

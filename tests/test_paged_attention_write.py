@@ -197,40 +197,6 @@ def test_validation():
             paged_attention_write(*args, layer=0, impl="xla")
 
 
-@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
-@given(seed=st.integers(0, 2**31 - 1), num_splits=st.integers(2, 6), page_size=st.sampled_from([8, 16]),
-       dtype=st.sampled_from([jnp.float32, jnp.bfloat16]), rope=st.booleans(), num_writes=st.integers(1, 3))
-def test_merged_in_the_kernel_equals_the_xla_combine(seed, num_splits, page_size, dtype, rope, num_writes):
-    """The fused decode kernel with merge_splits: the same output as with the XLA combine, bit for
-    bit (which test_fused_write_matches_write_then_attend holds to the dense path); the same pools."""
-    case = make_decode_case(np.random.default_rng(seed), num_kv=2, group=1, page_size=page_size, head_dim=64,
-                            dtype=dtype, n=5, pages_per_table=4, num_writes=num_writes)
-    kw = dict(layer=jnp.int32(1), rope=rope_for(case, 64) if rope else None, num_splits=num_splits,
-              pages_per_block=max(1, 16 // page_size))
-    merged, k, v = paged_attention_write(*case, impl="pallas", interpret=True, merge_splits=True, **kw)
-    combined, k2, v2 = paged_attention_write(*case, impl="pallas", interpret=True, **kw)
-    np.testing.assert_array_equal(np.asarray(merged, np.float32), np.asarray(combined, np.float32))
-    for a, b in ((k, k2), (v, v2)):
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-
-
-def test_merge_splits_needs_the_fused_write_on_the_elementwise_path():
-    case = make_decode_case(np.random.default_rng(2), num_kv=2, group=2, page_size=8, head_dim=64,
-                            dtype=jnp.float32, n=3, pages_per_table=2, num_writes=1)
-    with pytest.raises(ValueError, match=r"merge_splits needs the elementwise path .*got G = 2"):
-        paged_attention_write(*case, layer=0, impl="pallas", interpret=True, num_splits=2, merge_splits=True)
-    from kernels.pallas_triton import paged_attention_pallas
-    q, k_new, v_new, k, v, tables, rows, lengths, write_page, write_offset = make_decode_case(
-        np.random.default_rng(3), num_kv=2, group=1, page_size=8, head_dim=64, dtype=jnp.float32, n=3,
-        pages_per_table=2, num_writes=1)
-    kw = dict(layer=jnp.int32(0), interpret=True, num_splits=2, merge_splits=True)
-    with pytest.raises(ValueError, match=r"merge_splits needs the fused write \(new_kv\)"):
-        paged_attention_pallas(q, k, v, tables, rows, lengths, **kw)
-    with pytest.raises(ValueError, match="merge_splits needs return_partials off"):
-        paged_attention_pallas(merge_qkv(q, k_new, v_new), k, v, tables, rows, lengths, return_partials=True,
-                               new_kv=(write_page, write_offset, None), **kw)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("group, head_dim, dtype, kw", [
     (1, 128, jnp.bfloat16, {}),                        # Ouro-1.4B
@@ -241,8 +207,6 @@ def test_merge_splits_needs_the_fused_write_on_the_elementwise_path():
     (1, 128, jnp.bfloat16, dict(rope=True, rows=64)),   # its 64-row launch (one warp a program)
     (4, 64, jnp.float32, dict(rope=True, num_splits=2)),
     (1, 96, jnp.bfloat16, dict(rows=8, planes=32)),     # Huginn-like: 96-wide heads, 32 write planes
-    pytest.param(1, 128, jnp.bfloat16, dict(rope=True, merge_splits=True), id="merge-32rows"),  # merged in the kernel
-    pytest.param(1, 128, jnp.bfloat16, dict(rope=True, rows=8, merge_splits=True), id="merge-8rows"),  # 8 splits
 ])
 def test_compiled_fused_write_on_gpu(group, head_dim, dtype, kw):
     """Realistic decode shapes, the pools donated into a jit (updated in place)."""

@@ -108,8 +108,7 @@ class PagedKVBackend:
     11.20 for XLA's GEMM, its reduction and the norm: docs/performance.md, sixteenth session.)
     num_splits: the decode attention kernel's key splits per row: None (its default per
     batch), an int, or per decode row bucket ((rows, splits), ...) (a {rows: splits} mapping
-    is taken too) with the default for the buckets not named. merge_splits: the fused decode
-    kernel merges those splits itself (H == Hkv; ``kernels.split_merge``).
+    is taken too) with the default for the buckets not named.
     decode_rows: the caller promises every row is the newest token of its own request and
     writes its K/V at its position in the table it reads (lengths - 1), so no row reads
     another's write of this call: ``write_attend`` may then fuse the write into the
@@ -125,7 +124,6 @@ class PagedKVBackend:
     head_shapes: tuple[tuple[int, int], ...] = ()
     fused_kernels: bool = False
     num_splits: int | tuple[tuple[int, int], ...] | None = None
-    merge_splits: bool = False
 
     def __post_init__(self):
         if isinstance(self.num_splits, Mapping):      # hashable: the backend is a static jit argument
@@ -209,8 +207,7 @@ class PagedKVBackend:
         out, k_pages, v_pages = paged_attention_write(
             q, k, v, kv.k, kv.v, meta.block_tables, meta.row_tables, meta.lengths, meta.write_page,
             meta.write_offset, layer=layer, impl=self.attn_impl, interpret=self.interpret,
-            rope=(rope.cos, rope.sin) if rope_in_kernel else None, num_splits=self.splits_for(q.shape[0]),
-            merge_splits=self.merge_splits)
+            rope=(rope.cos, rope.sin) if rope_in_kernel else None, num_splits=self.splits_for(q.shape[0]))
         return out, type(kv)(k_pages, v_pages)
 
     def attend(self, kv: PagedKV, layer, q, meta: PagedMeta):

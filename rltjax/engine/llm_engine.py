@@ -68,7 +68,6 @@ class LLMEngine:
         self.runner = ModelRunner(model, params, kv, max_num_seqs=scheduler_config.max_num_seqs,
                                   max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
                                   attn_impl=execution_config.attn_impl, attn_num_splits=execution_config.attn_num_splits,
-                                  attn_merge_splits=execution_config.attn_merge_splits,
                                   matmul_impl=execution_config.matmul_impl,
                                   xla_options=tuple(sorted(dict(execution_config.xla_options).items())),
                                   lookahead_w=lookahead_weights(exit_config.lookahead_seed, self.cfg.hidden_size,

@@ -83,7 +83,7 @@ def auto_head_shapes(cfg) -> tuple[tuple[int, int], ...]:
 class ModelRunner:
     def __init__(self, model, params, kv: PagedKV, *, max_num_seqs: int, max_num_batched_tokens: int,
                  attn_impl: str, lookahead_w: np.ndarray, num_planes: int, matmul_impl: str = "auto",
-                 attn_num_splits=None, attn_merge_splits: bool = False,
+                 attn_num_splits=None,
                  boundary_kv: PagedKV | None = None, xla_options: tuple = (),
                  prefill_write_planes: int | None = None, raw_signal: bool = False, interpret: bool = False,
                  chunked_prefill: bool = True, window_spec: dict | None = None, window_trace_width: int = 1,
@@ -122,12 +122,8 @@ class ModelRunner:
         self.steps = DeviceSteps.build(xla_options)   # xla_options: (name, value) pairs
         # loop, head, embed steps and windows: one row per request (the fused decode write holds)
         uses_kernel = attention_uses_kernel(attn_impl, self.cfg, kv)
-        if attn_merge_splits and self.cfg.num_heads != self.cfg.num_kv_heads:
-            raise ValueError(f"ExecutionConfig.attn_merge_splits: the kernel merges splits for H == Hkv only; "
-                             f"{self.cfg.arch} has {self.cfg.num_heads} query heads over "
-                             f"{self.cfg.num_kv_heads} KV heads (leave attn_merge_splits off)")
         self.backend = PagedKVBackend(attn_impl=attn_impl, interpret=interpret, matmul_impl=matmul_impl,
-                                      decode_rows=True, num_splits=attn_num_splits, merge_splits=attn_merge_splits,
+                                      decode_rows=True, num_splits=attn_num_splits,
                                       kernel_shapes=auto_matmul_shapes(self.cfg) if uses_kernel else (),
                                       head_shapes=auto_head_shapes(self.cfg) if uses_kernel else (),
                                       fused_kernels=uses_kernel)

@@ -53,9 +53,6 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="decode attention kernel: key splits per row, for every decode batch (N) or per decode "
                         "row bucket (e.g. 32:1,64:1; the buckets not named keep the default); default: "
                         "picked per batch bucket")
-    g.add_argument("--attn-merge-splits", action="store_true",
-                   help="decode attention kernel: merge the key splits in the kernel (the last split of a row "
-                        "and head), not in a combine kernel after it; H == Hkv models only; not yet measured")
     g.add_argument("--matmul-impl", default="auto", choices=MATMUL_IMPLS,
                    help="decode projections: auto = on GPU where attention runs on the Pallas kernels, "
                         "q|k|v and o of <= 64 decode rows on the weight-streaming Pallas kernel, Ouro's "
@@ -140,7 +137,6 @@ def configs_from_args(args: argparse.Namespace) -> dict:
             min_coda_batch_size=args.min_coda_batch_size, max_model_len=args.max_model_len),
         exit_config=ExitConfig(mode=args.exit_mode, lookahead_seed=args.lookahead_seed),
         execution_config=ExecutionConfig(attn_impl=args.attn_impl, attn_num_splits=args.attn_num_splits,
-                                         attn_merge_splits=args.attn_merge_splits,
                                          matmul_impl=args.matmul_impl,
                                          xla_options=parse_xla_options(args.xla_option),
                                          compile_ahead=not args.no_compile_ahead,

@@ -24,7 +24,10 @@ batch drains at the end (rows idle while the deepest requests finish), which no 
 avoids. ``depth_trace.schedule_bound`` replays the trace's pass counts through a perfect
 closed-loop scheduler (a pass costing the same however many rows are busy) and gives the
 factor by which the drain scales the ideal; achieved / (ideal x that factor) is the
-engine's own efficiency.
+engine's own efficiency. ``depth_trace.pass_split`` then splits the achieved speed-up into
+the loop passes the trace run saved (to set against the perfect scheduler's pass counts)
+and how much more wall time each of its passes took than a fixed-depth pass (prefill,
+heads and host gaps included).
 """
 from __future__ import annotations
 
@@ -100,6 +103,11 @@ def run(engine, prompts, params, ids) -> tuple[float, dict, list, dict]:
     return wall, dict(engine.steps_by_kind), outs, compiles.report()
 
 
+def loop_passes(steps: dict) -> int:
+    """Loop passes a run made: the windows' and the host-scheduled ones."""
+    return steps.get("window_passes", 0) + steps.get("loop", 0)
+
+
 def profile(engine, prompts, params, ids, trace_dir: str, n: int) -> dict:
     """One more run of the first n requests under the profiler: GPU busy, span and summed
     event time per executable (ms; events on every device stream), and the loop passes it ran."""
@@ -124,7 +132,7 @@ def main(argv=None) -> int:
     import jax
 
     from checkpoints.random_init import random_checkpoint
-    from rltjax.benchmarks.depth_trace import draw_depths, schedule_bound
+    from rltjax.benchmarks.depth_trace import draw_depths, pass_split, schedule_bound
     from rltjax.benchmarks.report import source_identity
     from rltjax.benchmarks.roofline import model_bytes
     from rltjax.engine.exit_trace import ExitTrace
@@ -202,6 +210,7 @@ def main(argv=None) -> int:
         del eng
 
     by = {(r["depth"], r["executor"], r["scheduler"]): r["output_tokens_per_s"] for r in rows}
+    run_of = {(r["depth"], r["executor"], r["scheduler"]): r for r in rows}
     dtype = "float32" if args.quick else "bfloat16"
     sizes = model_bytes(cfg, dtype)
     L = args.prompt_len + args.output_len / 2
@@ -216,6 +225,9 @@ def main(argv=None) -> int:
         summary[f"{executor}_speedup"] = achieved
         summary[f"{executor}_fraction_of_ideal"] = achieved / ideal
         summary[f"{executor}_fraction_of_schedule_bound"] = achieved / (ideal * bound["bound_fraction"])
+        fixed, traced = run_of[("fixed", executor, "refill")], run_of[("trace", executor, "refill")]
+        summary[f"{executor}_pass_split"] = pass_split(fixed["seconds"], loop_passes(fixed["steps"]),
+                                                       traced["seconds"], loop_passes(traced["steps"]))
     if "step" in args.executors:
         summary["no_refill_speedup"] = by[("trace", "step", "no_refill")] / by[("fixed", "step", "refill")]
     if {"step", "window"} <= set(args.executors):
@@ -240,6 +252,11 @@ def main(argv=None) -> int:
           f"trace ({bound['occupancy_fixed']:.1%} at fixed depth): the drain scales the ideal by "
           f"{bound['bound_fraction']:.1%}; achieved / (ideal x that): " + ", ".join(
               f"{e} {summary[e + '_fraction_of_schedule_bound']:.1%}" for e in args.executors))
+    print("passes: " + ", ".join(
+        f"{e} {summary[e + '_pass_split']['pass_ratio']:.3f}x fewer with the trace (a perfect scheduler: "
+        f"{bound['passes_fixed'] / bound['passes_trace']:.3f}x), each {summary[e + '_pass_split']['pass_cost_ratio'] - 1:+.1%} "
+        f"wall time ({summary[e + '_pass_split']['trace_ms_per_pass']:.3f} against "
+        f"{summary[e + '_pass_split']['fixed_ms_per_pass']:.3f} ms)" for e in args.executors))
     if "no_refill_speedup" in summary:
         print(f"no_refill {summary['no_refill_speedup']:.3f}")
     if "full_depth_overhead_step_vs_back_to_back" in summary:

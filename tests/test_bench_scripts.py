@@ -112,6 +112,14 @@ def test_bench_cdb_queues_more_requests_than_rows(tmp_path):
     assert s["window_fraction_of_schedule_bound"] == pytest.approx(
         s["window_speedup"] / (s["ideal_speedup"] * s["schedule_bound"]["bound_fraction"]))
     assert "schedule bound:" in text
+    # the split of the speed-up: the runs' own passes and seconds
+    split, (fixed, traced) = s["window_pass_split"], info["results"]
+    passes = [r["steps"].get("window_passes", 0) + r["steps"].get("loop", 0) for r in (fixed, traced)]
+    assert split["pass_ratio"] == pytest.approx(passes[0] / passes[1])
+    bound = s["schedule_bound"]        # no engine takes fewer passes than the perfect scheduler
+    assert passes[0] >= bound["passes_fixed"] and passes[1] >= bound["passes_trace"]
+    assert split["pass_ratio"] / split["pass_cost_ratio"] == pytest.approx(s["window_speedup"])
+    assert "passes: window" in text
     # the profiled run (no GPU kernels on CPU): 3 requests, each a prefill token then 5 decode
     # tokens of >= 1 pass, all in windows
     for r in info["results"]:

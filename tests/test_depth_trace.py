@@ -114,3 +114,14 @@ def test_schedule_bound_counts_the_drain():
     assert uneven["occupancy_fixed"] == pytest.approx(36 / 48) and uneven["bound_fraction"] > 1
     with pytest.raises(ValueError, match="slots must be >= 1"):
         depth_trace.closed_loop_passes([1], 0)
+
+
+def test_pass_split_factors_the_speed_up():
+    """1,000 fixed-depth passes in 2 s against 625 trace passes in 1.375 s: 1.6x fewer passes,
+    each 10% dearer (2.2 against 2.0 ms), so the speed-up is 1.6 / 1.1."""
+    s = depth_trace.pass_split(2.0, 1000, 1.375, 625)
+    assert s["pass_ratio"] == pytest.approx(1.6) and s["pass_cost_ratio"] == pytest.approx(1.1)
+    assert s["fixed_ms_per_pass"] == pytest.approx(2.0) and s["trace_ms_per_pass"] == pytest.approx(2.2)
+    assert s["pass_ratio"] / s["pass_cost_ratio"] == pytest.approx(2.0 / 1.375)
+    with pytest.raises(ValueError, match="fixed 0 passes"):
+        depth_trace.pass_split(2.0, 0, 1.0, 10)

@@ -78,3 +78,20 @@ def schedule_bound(depths: Sequence[Sequence[int]], slots: int, num_loops: int) 
     occ_fixed = sum(fixed) / (slots * p_fixed) if p_fixed else 1.0
     return dict(passes_trace=p_trace, passes_fixed=p_fixed, occupancy_trace=occ_trace,
                 occupancy_fixed=occ_fixed, bound_fraction=occ_trace / occ_fixed)
+
+
+def pass_split(fixed_seconds: float, fixed_passes: int, trace_seconds: float, trace_passes: int) -> dict:
+    """Splits the speed-up of a trace run over a fixed-depth run of the same tokens,
+    fixed_seconds / trace_seconds, into two factors: the loop passes the trace saved
+    (``pass_ratio`` = fixed_passes / trace_passes) and how much more wall time each of its
+    passes took (``pass_cost_ratio``, wall seconds a pass with everything in them: prefill,
+    heads, host gaps). speed-up = pass_ratio / pass_cost_ratio. The first is the scheduler's
+    share, to set against ``schedule_bound``'s passes_fixed / passes_trace (a perfect
+    scheduler's); the second is the rest (1 when an adaptive pass costs what a fixed-depth
+    one does)."""
+    if min(fixed_passes, trace_passes) < 1 or min(fixed_seconds, trace_seconds) <= 0:
+        raise ValueError(f"pass_split needs runs with passes and time, got fixed {fixed_passes} passes in "
+                         f"{fixed_seconds} s, trace {trace_passes} passes in {trace_seconds} s")
+    fixed_pass, trace_pass = fixed_seconds / fixed_passes, trace_seconds / trace_passes
+    return dict(pass_ratio=fixed_passes / trace_passes, pass_cost_ratio=trace_pass / fixed_pass,
+                fixed_ms_per_pass=fixed_pass * 1e3, trace_ms_per_pass=trace_pass * 1e3)

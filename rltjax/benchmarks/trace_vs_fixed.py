@@ -1,0 +1,103 @@
+"""What adaptive depth bought on one serving workload: a fixed-depth run of
+``scripts/bench_serving.py`` against an exit-trace run of the same requests.
+
+    python -m rltjax.benchmarks.trace_vs_fixed fixed/results.json trace/results.json [--out F]
+
+Per concurrency that both ran: the achieved speed-up (trace output tok/s / fixed), the ideal
+speed-up for the depths each run measured, the fraction of it reached (the CDB measure),
+and the speed-up split into the loop passes the trace saved and the wall time each of its
+passes took (``depth_trace.pass_split``). The ideal is the ratio of the two runs'
+memory-bound rooflines (DESIGN section 4: tokens/s <= B / (d̄·(W + B·L·kv) / bandwidth)),
+R / d̄ where both runs have the same B and L.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from rltjax.benchmarks.depth_trace import pass_split
+
+
+def _same(what: str, fixed, trace) -> None:
+    if fixed != trace:
+        raise ValueError(f"not the same workload: {what} is {fixed!r} in the fixed-depth run and {trace!r} in the "
+                         f"trace run (run both with the same --num-requests, --seed and dataset flags)")
+
+
+def compare(fixed: dict, trace: dict) -> dict:
+    """fixed, trace: two ``bench_serving`` results (results.json), the second with an exit
+    trace. -> {"same_source": bool, "rows": one dict per concurrency both ran}."""
+    for name, result in (("fixed-depth", fixed), ("trace", trace)):
+        if result.get("kind") != "serving":
+            raise ValueError(f"the {name} file is not a bench_serving result (kind {result.get('kind')!r})")
+    if fixed.get("exit_trace") or not trace.get("exit_trace"):
+        raise ValueError("give the fixed-depth run first and the --trace-depth-probs run second")
+    _same("the dataset's workload", fixed["dataset"]["workload"], trace["dataset"]["workload"])
+    _same("the dataset seed", fixed["dataset"]["seed"], trace["dataset"]["seed"])
+    by_c = {run["concurrency"]: run for run in fixed["runs"]}
+    rows = []
+    for t in trace["runs"]:
+        f = by_c.get(t["concurrency"])
+        if f is None:
+            continue
+        c = t["concurrency"]
+        _same(f"C = {c}'s requests", f["num_requests"], t["num_requests"])
+        _same(f"C = {c}'s output tokens", f["summary"]["output_tokens"], t["summary"]["output_tokens"])
+        speedup = t["summary"]["output_throughput"] / f["summary"]["output_throughput"]
+        ideal = t["roofline"]["bound_tokens_per_s"] / f["roofline"]["bound_tokens_per_s"]
+        row = dict(concurrency=c, num_requests=t["num_requests"], fixed_tokens_per_s=f["summary"]["output_throughput"],
+                   trace_tokens_per_s=t["summary"]["output_throughput"], fixed_depth=f["summary"]["mean_decode_depth"],
+                   trace_depth=t["summary"]["mean_decode_depth"], speedup=speedup, ideal_speedup=ideal,
+                   fraction_of_ideal=speedup / ideal)
+        if f.get("passes") and t.get("passes"):
+            row["pass_split"] = pass_split(f["summary"]["duration_s"], f["passes"]["loop_passes"],
+                                           t["summary"]["duration_s"], t["passes"]["loop_passes"])
+        rows.append(row)
+    if not rows:
+        raise ValueError(f"no concurrency in both runs (fixed: {sorted(by_c)}, "
+                         f"trace: {sorted(r['concurrency'] for r in trace['runs'])})")
+    digests = [r["environment"].get("source_digest") for r in (fixed, trace)]
+    return dict(same_source=digests[0] == digests[1], source_digests=digests, rows=rows)
+
+
+def table(result: dict) -> str:
+    lines = ["| C | N | fixed tok/s | trace tok/s (depth) | speed-up | ideal | of ideal | passes saved | wall a pass |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in result["rows"]:
+        split = r.get("pass_split")
+        passes = (f"{split['pass_ratio']:.3f}x | {split['pass_cost_ratio'] - 1:+.1%} "
+                  f"({split['trace_ms_per_pass']:.3f} / {split['fixed_ms_per_pass']:.3f} ms)" if split else "- | -")
+        lines.append(f"| {r['concurrency']} | {r['num_requests']} | {r['fixed_tokens_per_s']:,.1f} | "
+                     f"{r['trace_tokens_per_s']:,.1f} ({r['trace_depth']:.2f}) | {r['speedup']:.3f} | "
+                     f"{r['ideal_speedup']:.3f} | {r['fraction_of_ideal']:.1%} | {passes} |")
+    if not result["same_source"]:
+        lines.append(f"\nWARNING: the runs come from different code (source digests {result['source_digests']})")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("fixed", help="results.json of the fixed-depth run")
+    p.add_argument("trace", help="results.json of the --trace-depth-probs run of the same requests")
+    p.add_argument("--out", help="write the comparison as JSON here")
+    args = p.parse_args(argv)
+    try:
+        with open(args.fixed) as f, open(args.trace) as t:
+            result = compare(json.load(f), json.load(t))
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyError as exc:
+        print(f"error: field {exc} is missing from a results.json (not a bench_serving result of this "
+              f"version?)", file=sys.stderr)
+        return 2
+    print(table(result))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

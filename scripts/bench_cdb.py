@@ -103,11 +103,6 @@ def run(engine, prompts, params, ids) -> tuple[float, dict, list, dict]:
     return wall, dict(engine.steps_by_kind), outs, compiles.report()
 
 
-def loop_passes(steps: dict) -> int:
-    """Loop passes a run made: the windows' and the host-scheduled ones."""
-    return steps.get("window_passes", 0) + steps.get("loop", 0)
-
-
 def profile(engine, prompts, params, ids, trace_dir: str, n: int) -> dict:
     """One more run of the first n requests under the profiler: GPU busy, span and summed
     event time per executable (ms; events on every device stream), and the loop passes it ran."""
@@ -132,7 +127,7 @@ def main(argv=None) -> int:
     import jax
 
     from checkpoints.random_init import random_checkpoint
-    from rltjax.benchmarks.depth_trace import draw_depths, pass_split, schedule_bound
+    from rltjax.benchmarks.depth_trace import draw_depths, loop_passes, pass_split, schedule_bound
     from rltjax.benchmarks.report import source_identity
     from rltjax.benchmarks.roofline import model_bytes
     from rltjax.engine.exit_trace import ExitTrace

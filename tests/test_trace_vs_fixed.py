@@ -17,8 +17,9 @@ def run(c, tok_s, bound, seconds, passes, depth, n=8, tokens=2000):
             "passes": {"loop_passes": passes}}
 
 
-def result(runs, trace=False, digest="abc", workload=WORKLOAD, seed=0):
+def result(runs, trace=False, digest="abc", workload=WORKLOAD, seed=0, window=16):
     return {"kind": "serving", "runs": runs, "dataset": {"workload": workload, "seed": seed},
+            "config": {"mode": "in-process", "decode_window": window, "max_num_seqs": 64},
             "environment": {"source_digest": digest},
             **({"exit_trace": {"kind": "drawn", "mean_depth": 2.5}} if trace else {})}
 
@@ -40,7 +41,18 @@ def test_speed_up_ideal_and_pass_split_from_known_numbers():
     assert "| 8 | 8 | 1,000.0 | 1,500.0 (2.50) | 1.500 | 1.600 | 93.8% | 1.600x | +6.7%" in text
     assert "WARNING" not in text
     other = trace_vs_fixed.compare(fixed, result(trace["runs"], trace=True, digest="def"))
-    assert not other["same_source"] and "WARNING: the runs come from different code" in trace_vs_fixed.table(other)
+    assert not other["same_source"] and "WARNING: the runs may come from different code" in trace_vs_fixed.table(other)
+    unknown = trace_vs_fixed.compare(result(fixed["runs"], digest=None), result(trace["runs"], trace=True, digest=None))
+    assert not unknown["same_source"]              # no digests: not known to be the same code
+
+
+def test_runs_without_pass_counts_compare_without_the_split():
+    """A run with no engine steps (passes None): the speed-up and the ideal, no split."""
+    fixed, trace = run(8, 1000.0, 2000.0, 2.0, 1, 4.0), run(8, 1500.0, 3200.0, 4 / 3, 1, 2.5)
+    fixed["passes"] = None
+    out = trace_vs_fixed.compare(result([fixed]), result([trace], trace=True))
+    assert "pass_split" not in out["rows"][0] and out["rows"][0]["fraction_of_ideal"] == pytest.approx(0.9375)
+    assert "| 93.8% | - | - |" in trace_vs_fixed.table(out)
 
 
 @pytest.mark.parametrize("fixed, trace, match", [
@@ -49,6 +61,8 @@ def test_speed_up_ideal_and_pass_split_from_known_numbers():
     (result([run(8, 1, 1, 1, 1, 4)]), result([run(8, 1, 1, 1, 1, 2.5, n=16)], trace=True), "C = 8's requests"),
     (result([run(8, 1, 1, 1, 1, 4)]), result([run(8, 1, 1, 1, 1, 2.5, tokens=3)], trace=True), "output tokens"),
     (result([run(8, 1, 1, 1, 1, 4)]), result([run(32, 1, 1, 1, 1, 2.5)], trace=True), "no concurrency in both"),
+    (result([run(8, 1, 1, 1, 1, 4)]), result([run(8, 1, 1, 1, 1, 2.5)], trace=True, window=8), "'decode_window'"),
+    (result([run(8, 0.0, 1, 1, 1, 4)]), result([run(8, 1, 1, 1, 1, 2.5)], trace=True), "did its requests fail"),
     ({"kind": "offline"}, result([], trace=True), "not a bench_serving result"),
 ])
 def test_runs_that_do_not_compare_are_refused_by_name(fixed, trace, match):

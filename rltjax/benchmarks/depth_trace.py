@@ -80,6 +80,12 @@ def schedule_bound(depths: Sequence[Sequence[int]], slots: int, num_loops: int) 
                 occupancy_fixed=occ_fixed, bound_fraction=occ_trace / occ_fixed)
 
 
+def loop_passes(steps: dict) -> int:
+    """Loop passes an engine run made, from its ``steps_by_kind``: the windows' passes and
+    the host-scheduled ones."""
+    return steps.get("window_passes", 0) + steps.get("loop", 0)
+
+
 def pass_split(fixed_seconds: float, fixed_passes: int, trace_seconds: float, trace_passes: int) -> dict:
     """Splits the speed-up of a trace run over a fixed-depth run of the same tokens,
     fixed_seconds / trace_seconds, into two factors: the loop passes the trace saved

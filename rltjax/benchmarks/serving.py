@@ -155,11 +155,11 @@ def run_benchmark(args, argv: list[str]) -> dict:
                                             summary["output_throughput"], args.bandwidth)
             mismatches = sum(t.ok and t.output_tokens != r.output_len for t, r in zip(timings, reqs))
             steps = dict(engine.steps_by_kind) if engine is not None else None
-            loop_passes = steps.get("window_passes", 0) + steps.get("loop", 0) if steps else 0
             run = dict(concurrency=c, num_requests=n, summary=summary, roofline=roof,
                        output_len_mismatches=mismatches, per_request=report.per_request(timings),
                        compiles_during_run=compiles.report() if compiles else None, engine_steps=steps,
-                       passes=metrics.pass_occupancy(timings, loop_passes, wall, min(c, n)) if steps else None)
+                       passes=metrics.pass_occupancy(timings, depth_trace.loop_passes(steps), wall, min(c, n))
+                       if steps else None)
             result["runs"].append(run)
             timings_by_run.append(timings)
             print(report.summary_line(run), flush=True)

@@ -18,6 +18,15 @@ import sys
 
 from rltjax.benchmarks.depth_trace import pass_split
 
+# bench_serving's configuration fields that make it another engine or another workload
+SAME_CONFIG = ("mode", "model", "preset", "quick", "dtype", "hf_overrides", "max_model_len", "kv_layout",
+               "page_size", "num_pages", "cache_max_loops", "scheduler_mode", "max_num_seqs",
+               "max_num_batched_tokens", "prefill_chunk_size", "max_prefill_batches_before_decode",
+               "min_coda_batch_size", "exit_mode", "exit_threshold", "attn_impl", "attn_num_splits",
+               "matmul_impl", "xla_option", "decode_window", "window_trip", "mixed_prefill_tokens",
+               "async_scheduling", "temperature", "max_output_len", "max_prompt_len", "min_len", "dataset",
+               "tokenizer", "tokenizer_vocab_size", "bandwidth")
+
 
 def _same(what: str, fixed, trace) -> None:
     if fixed != trace:
@@ -33,6 +42,9 @@ def compare(fixed: dict, trace: dict) -> dict:
             raise ValueError(f"the {name} file is not a bench_serving result (kind {result.get('kind')!r})")
     if fixed.get("exit_trace") or not trace.get("exit_trace"):
         raise ValueError("give the fixed-depth run first and the --trace-depth-probs run second")
+    if "config" in fixed and "config" in trace:
+        for key in SAME_CONFIG:
+            _same(f"config {key!r}", fixed["config"].get(key), trace["config"].get(key))
     _same("the dataset's workload", fixed["dataset"]["workload"], trace["dataset"]["workload"])
     _same("the dataset seed", fixed["dataset"]["seed"], trace["dataset"]["seed"])
     by_c = {run["concurrency"]: run for run in fixed["runs"]}
@@ -44,6 +56,11 @@ def compare(fixed: dict, trace: dict) -> dict:
         c = t["concurrency"]
         _same(f"C = {c}'s requests", f["num_requests"], t["num_requests"])
         _same(f"C = {c}'s output tokens", f["summary"]["output_tokens"], t["summary"]["output_tokens"])
+        for name, run in (("fixed-depth", f), ("trace", t)):
+            if not run["summary"]["output_throughput"] > 0 or not run["roofline"]["bound_tokens_per_s"] > 0:
+                raise ValueError(f"C = {c}: the {name} run has no output throughput or roofline "
+                                 f"({run['summary']['output_throughput']} tok/s, bound "
+                                 f"{run['roofline']['bound_tokens_per_s']}); did its requests fail?")
         speedup = t["summary"]["output_throughput"] / f["summary"]["output_throughput"]
         ideal = t["roofline"]["bound_tokens_per_s"] / f["roofline"]["bound_tokens_per_s"]
         row = dict(concurrency=c, num_requests=t["num_requests"], fixed_tokens_per_s=f["summary"]["output_throughput"],
@@ -58,7 +75,11 @@ def compare(fixed: dict, trace: dict) -> dict:
         raise ValueError(f"no concurrency in both runs (fixed: {sorted(by_c)}, "
                          f"trace: {sorted(r['concurrency'] for r in trace['runs'])})")
     digests = [r["environment"].get("source_digest") for r in (fixed, trace)]
-    return dict(same_source=digests[0] == digests[1], source_digests=digests, rows=rows)
+    return dict(same_source=digests[0] is not None and digests[0] == digests[1], source_digests=digests, rows=rows)
+
+
+def _depth(depth) -> str:
+    return "-" if depth is None else f"{depth:.2f}"
 
 
 def table(result: dict) -> str:
@@ -69,10 +90,10 @@ def table(result: dict) -> str:
         passes = (f"{split['pass_ratio']:.3f}x | {split['pass_cost_ratio'] - 1:+.1%} "
                   f"({split['trace_ms_per_pass']:.3f} / {split['fixed_ms_per_pass']:.3f} ms)" if split else "- | -")
         lines.append(f"| {r['concurrency']} | {r['num_requests']} | {r['fixed_tokens_per_s']:,.1f} | "
-                     f"{r['trace_tokens_per_s']:,.1f} ({r['trace_depth']:.2f}) | {r['speedup']:.3f} | "
+                     f"{r['trace_tokens_per_s']:,.1f} ({_depth(r['trace_depth'])}) | {r['speedup']:.3f} | "
                      f"{r['ideal_speedup']:.3f} | {r['fraction_of_ideal']:.1%} | {passes} |")
     if not result["same_source"]:
-        lines.append(f"\nWARNING: the runs come from different code (source digests {result['source_digests']})")
+        lines.append(f"\nWARNING: the runs may come from different code (source digests {result['source_digests']})")
     return "\n".join(lines)
 
 

@@ -15,8 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from rltjax.benchmarks.depth_trace import pass_split
+from rltjax.benchmarks.report import write_json
 
 # bench_serving's configuration fields that make it another engine or another workload
 SAME_CONFIG = ("mode", "model", "preset", "quick", "dtype", "hf_overrides", "max_model_len", "kv_layout",
@@ -28,10 +30,10 @@ SAME_CONFIG = ("mode", "model", "preset", "quick", "dtype", "hf_overrides", "max
                "tokenizer", "tokenizer_vocab_size", "bandwidth")
 
 
-def _same(what: str, fixed, trace) -> None:
+def _same(what: str, fixed, trace, hint="run both with the same --num-requests, --seed and dataset flags") -> None:
     if fixed != trace:
-        raise ValueError(f"not the same workload: {what} is {fixed!r} in the fixed-depth run and {trace!r} in the "
-                         f"trace run (run both with the same --num-requests, --seed and dataset flags)")
+        raise ValueError(f"not the same runs: {what} is {fixed!r} in the fixed-depth run and {trace!r} in the "
+                         f"trace run ({hint})")
 
 
 def compare(fixed: dict, trace: dict) -> dict:
@@ -44,7 +46,8 @@ def compare(fixed: dict, trace: dict) -> dict:
         raise ValueError("give the fixed-depth run first and the --trace-depth-probs run second")
     if "config" in fixed and "config" in trace:
         for key in SAME_CONFIG:
-            _same(f"config {key!r}", fixed["config"].get(key), trace["config"].get(key))
+            _same(f"config {key!r}", fixed["config"].get(key), trace["config"].get(key),
+                  "run both with the same engine and workload flags")
     _same("the dataset's workload", fixed["dataset"]["workload"], trace["dataset"]["workload"])
     _same("the dataset seed", fixed["dataset"]["seed"], trace["dataset"]["seed"])
     by_c = {run["concurrency"]: run for run in fixed["runs"]}
@@ -115,8 +118,7 @@ def main(argv=None) -> int:
         return 2
     print(table(result))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(Path(args.out), result)
     return 0
 
 

@@ -117,8 +117,11 @@ def unfuse_qkv(layer, q_width: int, kv_width: int):
 
 def swiglu(x: jax.Array, matmul, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
     """[N, D] -> [N, D]; ``matmul(x, w)`` applies one projection (w_gate/w_up [.., D, F],
-    w_down [.., F, D]: the backend's matmul picks the layer of stacked weights)."""
-    return matmul(silu_mul(matmul(x, w_gate), matmul(x, w_up)), w_down)
+    w_down [.., F, D]: the backend's matmul picks the layer of stacked weights). x reaches the
+    up projection through a barrier, as in ``kernels.skinny_matmul.gated_up_ref``: XLA:GPU would
+    otherwise merge the two dots by concatenating their weights on every call."""
+    x_up = jax.lax.optimization_barrier(x)
+    return matmul(silu_mul(matmul(x, w_gate), matmul(x_up, w_up)), w_down)
 
 
 def causal_softmax_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:

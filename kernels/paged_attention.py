@@ -23,8 +23,9 @@ import jax.numpy as jnp
 from kernels.paged_attention_ref import paged_attention_ref, paged_write_ref, rope_rotate_half_ref
 from kernels.triton_common import kernel_rope_supported
 
-# Query rows per prefill-kernel program; the engine aligns chunks to it. H200, Ouro shapes:
-# 32 was 1.2-1.6x faster than 16 at most shapes (scripts/bench_prefill.py, docs/performance.md).
+# The prefill kernel's aligned query blocks (rows of one block read one table); the engine
+# aligns chunks to it. Its programs take 64 rows (``kernels.pallas_prefill.PROGRAM_ROWS``), so
+# two blocks of one chunk share a program, while short prompts pad only to 32 rows.
 DEFAULT_BLOCK_Q = 32
 
 KERNEL_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -196,11 +197,12 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
                             block_tables: jax.Array, row_tables: jax.Array, lengths: jax.Array, *,
                             layer: jax.Array | int | None = None, impl: str = "auto",
                             interpret: bool = False, scale: float | None = None,
-                            block_q: int = DEFAULT_BLOCK_Q) -> jax.Array:
+                            block_q: int = DEFAULT_BLOCK_Q, program_rows: int | None = None) -> jax.Array:
     """``paged_attention`` for prefill chunks: same arguments and result, one more
     precondition for the kernel (``kernels.pallas_prefill``): in every aligned block of
     ``block_q`` rows, the rows with length > 0 read one block table. The XLA path takes
-    any layout. A Mosaic GPU or jax-triton port replaces the "pallas" branch only.
+    any layout. ``program_rows``: the kernel's rows a program (None: its default). A Mosaic
+    GPU or jax-triton port replaces the "pallas" branch only.
     """
     _validate(q, k_pages, v_pages, block_tables, row_tables, lengths, layer, impl)
     if block_q < 16 or block_q & (block_q - 1):
@@ -211,4 +213,5 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
                                    layer=layer, scale=scale)
     from kernels.pallas_prefill import paged_prefill_attention_pallas
     return paged_prefill_attention_pallas(q, k_pages, v_pages, block_tables, row_tables, lengths,
-                                          layer=layer, scale=scale, block_q=block_q, interpret=interpret)
+                                          layer=layer, scale=scale, block_q=block_q, program_rows=program_rows,
+                                          interpret=interpret)

@@ -52,12 +52,16 @@ def chunk_lists(draw, page_size, block_q):
 @given(data=st.data(), seed=st.integers(0, 2**31 - 1), num_kv=st.sampled_from([1, 2]),
        group=st.sampled_from([1, 2, 4]), page_size=st.sampled_from([8, 16]),
        head_dim=st.sampled_from([64, 96]), dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
-       block_q=st.sampled_from([16, 32]))
-def test_prefill_kernel_matches_reference(data, seed, num_kv, group, page_size, head_dim, dtype, block_q):
+       block_q=st.sampled_from([16, 32]), blocks_a_program=st.sampled_from([None, 1]))
+def test_prefill_kernel_matches_reference(data, seed, num_kv, group, page_size, head_dim, dtype, block_q,
+                                          blocks_a_program):
+    """blocks_a_program None: the default 64-row programs, which hold 2-4 aligned blocks here
+    and so up to 4 chunks' tables (each looped over once); 1: one block a program."""
     chunks = data.draw(chunk_lists(page_size, block_q))
     case = prefill_batch(np.random.default_rng(seed), chunks, num_kv=num_kv, group=group,
                          page_size=page_size, head_dim=head_dim, dtype=dtype, block_q=block_q)
-    out = paged_prefill_attention(*case, impl="pallas", interpret=True, block_q=block_q)
+    program_rows = None if blocks_a_program is None else block_q * blocks_a_program
+    out = paged_prefill_attention(*case, impl="pallas", interpret=True, block_q=block_q, program_rows=program_rows)
     ref = paged_attention_ref(*case)
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
                                atol=TOL[dtype], rtol=TOL[dtype])
@@ -92,18 +96,38 @@ def test_broken_layout_is_nan_not_wrong():
     np.testing.assert_allclose(out[:8], ref[:8], atol=2e-5, rtol=2e-5)
 
 
+def test_a_row_may_read_another_block_table_of_its_program():
+    """A program loops over each of its blocks' tables for every row of that table, so a row
+    whose table is a later block's (in the same 64-row program) is served, not NaN; one
+    whose table no block of its program has is NaN."""
+    rng = np.random.default_rng(6)
+    q, k, v, bt, rt, ln = prefill_batch(rng, [(0, 0, 8), (2, 30, 10)], num_kv=1, group=2, page_size=8,
+                                        head_dim=64, dtype=jnp.float32)
+    rt, ln = rt.at[9].set(2).at[10].set(3), ln.at[9].set(21).at[10].set(5)   # block 0: tables 0, 2, 3
+    out = np.asarray(paged_prefill_attention(q, k, v, bt, rt, ln, impl="pallas", interpret=True, block_q=BLOCK_Q))
+    ref = np.asarray(paged_attention_ref(q, k, v, bt, rt, ln))
+    served = np.asarray(ln) > 0
+    served[10] = False
+    np.testing.assert_allclose(out[served], ref[served], atol=2e-5, rtol=2e-5)
+    assert np.all(np.isnan(out[10]))
+
+
 def test_block_q_validation():
     rng = np.random.default_rng(5)
     case = prefill_batch(rng, [(0, 0, 4)], num_kv=1, group=1, page_size=8, head_dim=64, dtype=jnp.float32)
     with pytest.raises(ValueError, match="block_q"):
         paged_prefill_attention(*case, impl="pallas", interpret=True, block_q=24)
+    with pytest.raises(ValueError, match="program_rows"):
+        paged_prefill_attention(*case, impl="pallas", interpret=True, block_q=32, program_rows=48)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,block_q", [(jnp.bfloat16, 16), (jnp.bfloat16, 32), (jnp.bfloat16, 64),
-                                           (jnp.float16, 32), (jnp.float32, 32)])
-def test_prefill_kernel_compiled_on_gpu(dtype, block_q):
-    """Compiled (not interpreted) on the GPU at Ouro-like head sizes, GQA 2, page 16."""
+@pytest.mark.parametrize("dtype,block_q,program_rows", [
+    (jnp.bfloat16, 16, None), (jnp.bfloat16, 32, None), (jnp.bfloat16, 32, 32), (jnp.bfloat16, 32, 128),
+    (jnp.bfloat16, 64, None), (jnp.float16, 32, None), (jnp.float32, 32, None)])
+def test_prefill_kernel_compiled_on_gpu(dtype, block_q, program_rows):
+    """Compiled (not interpreted) on the GPU at Ouro-like head sizes, GQA 2, page 16; the
+    default 64-row programs hold two or four blocks (block_q 32 / 16), some of two chunks."""
     rng = np.random.default_rng(7)
     num_pages = 200
     k = jnp.asarray(rng.standard_normal((4, num_pages, 16, 128)), dtype)
@@ -116,7 +140,7 @@ def test_prefill_kernel_compiled_on_gpu(dtype, block_q):
         lengths += [0] * pad + list(range(start + 1, start + n + 1))
     q = jnp.asarray(rng.standard_normal((len(lengths), 8, 128)), dtype)
     case = (q, k, v, tables, jnp.asarray(row_tables, jnp.int32), jnp.asarray(lengths, jnp.int32))
-    out = paged_prefill_attention(*case, impl="pallas", block_q=block_q)
+    out = paged_prefill_attention(*case, impl="pallas", block_q=block_q, program_rows=program_rows)
     with jax.default_matmul_precision("highest"):     # XLA's GPU default for float32 is TF32
         ref = paged_attention_ref(*case)
     tol = {jnp.bfloat16: 2e-2, jnp.float16: 4e-3}.get(dtype, 1e-4)   # f32: as the decode kernel GPU test

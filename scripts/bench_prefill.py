@@ -4,12 +4,15 @@ XLA reference, on engine-shaped prefill batches at Ouro-1.4B shapes (16 heads x 
 bf16, page 16).
 
     python scripts/bench_prefill.py --out prefill.json       # on a GPU
+    python scripts/bench_prefill.py --block-q 32 --program-rows 32 64 --num-stages 2 3
     python scripts/bench_prefill.py --quick                  # CPU smoke run (interpret mode)
 
 A case is a list of chunks (prefix already in the cache, chunk length): every chunk's
 rows are consecutive positions of one sequence, starting at a block-aligned row, as the
-engine lays them out. Timings: median microseconds per call (bench_attention's chained
-timing). "speed-up" is per-row decode kernel time / prefill kernel time.
+engine lays them out. Each prefill-kernel column is one launch: block_q (the layout's
+aligned blocks), program_rows (rows a program takes; a multiple of block_q) and stages
+(None: the kernel's defaults). Timings: median microseconds per call (bench_attention's
+chained timing). "speed-up" is per-row decode kernel time / the best prefill launch's.
 """
 from __future__ import annotations
 
@@ -31,6 +34,10 @@ from kernels.pallas_prefill import paged_prefill_attention_pallas  # noqa: E402
 from kernels.pallas_triton import paged_attention_pallas  # noqa: E402
 
 CASES = {  # name: [(prefix, chunk length)]
+    "4x256 @0": [(0, 256)] * 4,         # bench_cdb's prompts, one 1,024-token step
+    "8x128 @0": [(0, 128)] * 8,
+    "12x85 @0": [(0, 85)] * 12,         # about ShareGPT's mean prompt
+    "16x32 @0": [(0, 32)] * 16,
     "1x128 @0": [(0, 128)],
     "1x128 @1920": [(1920, 128)],
     "2x128 @0,@896": [(0, 128), (896, 128)],
@@ -63,13 +70,25 @@ def make_case(chunks, num_heads, head_dim, page_size, dtype, align, seed=0):
     return q, kp, vp, jnp.asarray(tables), jnp.asarray(row_tables, jnp.int32), jnp.asarray(lengths, jnp.int32)
 
 
+def launch_name(block_q: int, program_rows: int | None, num_stages: int | None) -> str:
+    """A launch's column: bq32 (the kernel's defaults otherwise), bq32_rows64_s3, ..."""
+    return f"bq{block_q}" + (f"_rows{program_rows}" if program_rows else "") + (f"_s{num_stages}" if num_stages else "")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny shapes, interpret mode (CPU)")
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--block-q", type=int, nargs="+", default=[16, 32, 64])
+    p.add_argument("--block-q", type=int, nargs="+", default=[32])
+    p.add_argument("--program-rows", type=int, nargs="+", default=[None],
+                   help="rows a program takes (a multiple of block_q; default: the kernel's)")
+    p.add_argument("--num-stages", type=int, nargs="+", default=[None], help="default: the kernel's")
     p.add_argument("--out")
     args = p.parse_args(argv)
+    launches = [(bq, pr, st) for bq in args.block_q for pr in args.program_rows for st in args.num_stages
+                if pr is None or (pr >= bq and pr % bq == 0)]
+    if not launches:
+        p.error("no launch left: every --program-rows must be a multiple of a --block-q")
     interpret = args.quick
     heads, head_dim, page_size = (2, 64, 8) if args.quick else (16, 128, 16)
     dtype = jnp.float32 if args.quick else jnp.bfloat16
@@ -85,11 +104,12 @@ def main(argv=None) -> int:
         row["per_row_err"] = max_diff(per_row(*case), ref)
         if not args.quick or name in QUICK_CASES:
             row["xla_us"] = time_us(paged_attention_ref, case, iters, chain)
-        for bq in args.block_q:
-            fn = functools.partial(paged_prefill_attention_pallas, block_q=bq, interpret=interpret)
-            row[f"prefill_bq{bq}_us"] = time_us(fn, case, iters, chain)
-            row[f"prefill_bq{bq}_err"] = max_diff(fn(*case), ref)
-        best = min(row[f"prefill_bq{bq}_us"] for bq in args.block_q)
+        for bq, pr, st in launches:
+            fn = functools.partial(paged_prefill_attention_pallas, block_q=bq, program_rows=pr, num_stages=st,
+                                   interpret=interpret)
+            row[f"prefill_{launch_name(bq, pr, st)}_us"] = time_us(fn, case, iters, chain)
+            row[f"prefill_{launch_name(bq, pr, st)}_err"] = max_diff(fn(*case), ref)
+        best = min(row[f"prefill_{launch_name(*x)}_us"] for x in launches)
         row["speedup_vs_per_row"] = row["per_row_us"] / best
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -98,11 +118,13 @@ def main(argv=None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(info, f, indent=1)
-    print(f"\n{'case':<18}{'rows':>6}{'XLA ref':>10}{'per-row':>10}" + "".join(f"{'bq' + str(b):>9}" for b in args.block_q)
+    names = [launch_name(*x) for x in launches]
+    width = max(9, *(len(n) + 2 for n in names))
+    print(f"\n{'case':<18}{'rows':>6}{'XLA ref':>10}{'per-row':>10}" + "".join(f"{n:>{width}}" for n in names)
           + f"{'speed-up':>10}   (us; {info['device']})")
     for r in rows:
         print(f"{r['case']:<18}{r['rows']:>6}{r.get('xla_us', float('nan')):>10.1f}{r['per_row_us']:>10.1f}"
-              + "".join(f"{r[f'prefill_bq{b}_us']:>9.1f}" for b in args.block_q) + f"{r['speedup_vs_per_row']:>9.2f}x")
+              + "".join(f"{r[f'prefill_{n}_us']:>{width}.1f}" for n in names) + f"{r['speedup_vs_per_row']:>9.2f}x")
     return 0
 
 

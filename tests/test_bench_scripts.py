@@ -67,11 +67,13 @@ def test_bench_decode_attention_backs_only_touched_pages():
 
 def test_bench_prefill_quick(tmp_path):
     out = tmp_path / "prefill.json"
-    text = run_script("bench_prefill.py", "--quick", "--block-q", "16", "32", "--out", str(out))
+    text = run_script("bench_prefill.py", "--quick", "--block-q", "16", "32", "--program-rows", "32", "64",
+                      "--out", str(out))
     rows = json.loads(out.read_text())["results"]
-    assert rows and all(r["per_row_err"] < 1e-4 and r["prefill_bq16_err"] < 1e-4 and r["prefill_bq32_err"] < 1e-4
+    launches = ("bq16_rows32", "bq16_rows64", "bq32_rows32", "bq32_rows64")
+    assert rows and all(r["per_row_err"] < 1e-4 and all(r[f"prefill_{n}_err"] < 1e-4 for n in launches)
                         for r in rows)
-    assert "speed-up" in text
+    assert "speed-up" in text and all(n in text for n in launches)
 
 
 def test_bench_cdb_quick(tmp_path):

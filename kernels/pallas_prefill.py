@@ -10,18 +10,19 @@ precondition on how rows are laid out (the engine's prefill batches keep it):
 A prefill chunk is consecutive positions of one sequence at one plane, so when
 each chunk starts at a multiple of ``block_q`` all its blocks qualify. The
 per-row decode kernel re-reads a row's whole prefix for every row (quadratic
-traffic in the chunk length); here one program reads each KV block once for
-``block_q`` rows and multiplies [block_q, Dh] x [Dh, block_k] on tensor cores.
+traffic in the chunk length); here one program reads each KV block once for its
+``program_rows`` rows of a chunk and multiplies [program_rows, Dh] x [Dh, block_k] on
+tensor cores.
 
-Grid (program block, query head). A program takes ``program_rows`` rows (a multiple of
-``block_q``: on an H200 64-row tiles ran 2-3x faster than 32-row ones at 256-2,048-token
-prompts, docs/performance.md, twenty-first session), so it holds up to program_rows / block_q
-aligned blocks and as many tables. For each block whose table no earlier block of the program
-has, it loops over that table's key blocks up to its longest row (online softmax in float32,
-per-row causal mask ``key < length``, rows of other tables masked out); blocks of one chunk
-share a table and cost one loop. It writes [program_rows, Dh]. A row whose table is none of its
-program's blocks' tables gets NaN: a broken layout is loud, never silently wrong. Rows with
-length 0 get zeros.
+Grid (program block, query head). A program takes ``program_rows`` rows (a power-of-two
+multiple of ``block_q``; by default 64, over the engine's 32-row blocks: 1.2-2.8x faster than
+32-row programs on an H200 at engine-shaped prefill batches, docs/performance.md, twenty-first
+session), so it holds up to program_rows / block_q aligned blocks and as many tables. For
+each block whose table no earlier block of the program has, it loops over that table's key
+blocks up to its longest row (online softmax in float32, per-row causal mask ``key < length``,
+rows of other tables masked out); blocks of one chunk share a table and cost one loop. It
+writes [program_rows, Dh]. A row whose table is none of its program's blocks' tables gets NaN:
+a broken layout is loud, never silently wrong. Rows with length 0 get zeros.
 
 Addressing and head_dim chunking as in `kernels.pallas_triton` (int64 strides for
 pools beyond 2**31 elements; page ids past the needed pages replaced by page 0).
@@ -36,7 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels.paged_attention import DEFAULT_BLOCK_Q
-from kernels.triton_common import cdiv, head_dim_chunks, stacked_pool
+from kernels.triton_common import cdiv, head_dim_chunks, is_pow2, stacked_pool
 
 NEG_INF = float("-inf")
 TARGET_BLOCK_K = 64          # keys per inner iteration
@@ -135,16 +136,18 @@ def paged_prefill_attention_pallas(q, k_pages, v_pages, block_tables, row_tables
                          f"got {pages_per_block}")
     if block_q < 16 or block_q & (block_q - 1):
         raise ValueError(f"block_q must be a power of two >= 16 (tensor-core tiles), got {block_q}")
-    if program_rows % block_q:
-        raise ValueError(f"program_rows must be a multiple of block_q={block_q}, got {program_rows}")
+    if program_rows < block_q or not is_pow2(program_rows):
+        raise ValueError(f"program_rows must be a power of two >= block_q={block_q} (so a multiple of it), "
+                         f"got {program_rows}")
     pad = -n % program_rows
     if pad:
         q = jnp.pad(q, ((0, pad), (0, 0), (0, 0)))
         row_tables = jnp.pad(row_tables, (0, pad))
         lengths = jnp.pad(lengths, (0, pad))
     scale = head_dim ** -0.5 if scale is None else float(scale)
-    kernel = functools.partial(_kernel, block_q=block_q, program_rows=program_rows, group=num_heads // num_kv, page_size=page_size,
-                               pages_per_block=pages_per_block, pages_per_table=pages_per_table, scale=scale)
+    kernel = functools.partial(_kernel, block_q=block_q, program_rows=program_rows, group=num_heads // num_kv,
+                               page_size=page_size, pages_per_block=pages_per_block, pages_per_table=pages_per_table,
+                               scale=scale)
     whole = lambda shape: pl.BlockSpec(shape, lambda i, h: (0,) * len(shape))
     out = pl.pallas_call(
         kernel,

@@ -63,7 +63,7 @@ def gated_up_ref(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, layer=None) -
     """silu(x @ w_gate[layer]) * (x @ w_up[layer]) [M, F] in x's dtype: a SwiGLU MLP's
     activation, each product rounded to x's dtype first (as two projections are)."""
     # Two dots that share x: XLA:GPU's dot merger would make them one by concatenating the two
-    # weights on every call (a 92 MB copy and an f32 [M, 2F] product a layer at Ouro-1.4B's
+    # weights on every call (92 MB of copy traffic and an f32 [M, 2F] product a layer at Ouro-1.4B's
     # prefill of 1,024 rows on an H200, docs/performance.md); the barrier gives up its own x.
     x_up = jax.lax.optimization_barrier(x)
     return silu_mul(skinny_matmul_ref(x, w_gate, layer), skinny_matmul_ref(x_up, w_up, layer))

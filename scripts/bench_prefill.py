@@ -86,9 +86,9 @@ def main(argv=None) -> int:
     p.add_argument("--out")
     args = p.parse_args(argv)
     launches = [(bq, pr, st) for bq in args.block_q for pr in args.program_rows for st in args.num_stages
-                if pr is None or (pr >= bq and pr % bq == 0)]
+                if pr is None or (pr >= bq and pr & (pr - 1) == 0)]
     if not launches:
-        p.error("no launch left: every --program-rows must be a multiple of a --block-q")
+        p.error("no launch left: a --program-rows must be a power of two >= a --block-q")
     interpret = args.quick
     heads, head_dim, page_size = (2, 64, 8) if args.quick else (16, 128, 16)
     dtype = jnp.float32 if args.quick else jnp.bfloat16

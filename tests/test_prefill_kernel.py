@@ -112,13 +112,38 @@ def test_a_row_may_read_another_block_table_of_its_program():
     assert np.all(np.isnan(out[10]))
 
 
+@pytest.mark.parametrize("name, chunks, program_rows", [
+    # (table, start, n) per chunk, each from the next 16-row block; programs of 64 rows
+    ("tables A, B, A, B in one program", [(1, 3, 16), (2, 40, 16), (1, 19, 16), (2, 56, 5)], 64),
+    ("an empty block, then table 0", [(0, 0, 0), (0, 10, 12)], 64),
+    ("one program of padding only", [(3, 0, 9)], 32),
+    ("128-row programs over a padded tail", [(0, 0, 16), (1, 7, 16), (0, 16, 16), (3, 2, 7)], 128),
+])
+def test_fixed_layouts_of_several_blocks_a_program(name, chunks, program_rows):
+    """Layouts hypothesis reaches only by chance: a table met again after another one, a
+    block with no live row before one of table 0 (the stand-in table of an empty block), a
+    program with no live row, programs wider than the batch."""
+    rng = np.random.default_rng(8)
+    q, k, v, bt, rt, ln = prefill_batch(rng, [c for c in chunks if c[2]], num_kv=2, group=2, page_size=8,
+                                        head_dim=64, dtype=jnp.float32)
+    if name == "an empty block, then table 0":
+        rt, ln = jnp.roll(rt, BLOCK_Q), jnp.roll(ln, BLOCK_Q)       # block 0 left empty
+    out = np.asarray(paged_prefill_attention(q, k, v, bt, rt, ln, impl="pallas", interpret=True, block_q=BLOCK_Q,
+                                             program_rows=program_rows))
+    ref = np.asarray(paged_attention_ref(q, k, v, bt, rt, ln))
+    assert not np.any(np.isnan(out))
+    np.testing.assert_allclose(out, ref, atol=2e-5, rtol=2e-5)
+    assert not np.any(out[np.asarray(ln) == 0])
+
+
 def test_block_q_validation():
     rng = np.random.default_rng(5)
     case = prefill_batch(rng, [(0, 0, 4)], num_kv=1, group=1, page_size=8, head_dim=64, dtype=jnp.float32)
     with pytest.raises(ValueError, match="block_q"):
         paged_prefill_attention(*case, impl="pallas", interpret=True, block_q=24)
-    with pytest.raises(ValueError, match="program_rows"):
-        paged_prefill_attention(*case, impl="pallas", interpret=True, block_q=32, program_rows=48)
+    for program_rows in (48, 96, 16, 0):       # not a multiple, not a power of two, < block_q, zero
+        with pytest.raises(ValueError, match="program_rows"):
+            paged_prefill_attention(*case, impl="pallas", interpret=True, block_q=32, program_rows=program_rows)
 
 
 @pytest.mark.gpu

@@ -55,6 +55,23 @@ def test_gated_up_matches_float64(m, k_blocks, f_blocks, block_k, block_n, num_l
                                atol=2 * step * float(np.max(np.abs(np.asarray(ref, np.float32)))))
 
 
+def _dot_lhs(fn, *args):
+    """The lhs operand (a jaxpr var) of each dot_general that ``fn(*args)`` traces to."""
+    return [eqn.invars[0] for eqn in jax.make_jaxpr(fn)(*args).jaxpr.eqns if eqn.primitive.name == "dot_general"]
+
+
+def test_gate_and_up_dots_do_not_share_x():
+    """The gate and up products take x through different values (the up one through a
+    barrier): two dots sharing an operand are what XLA:GPU's dot merger merges, by
+    concatenating the two weights on every call."""
+    from rltjax.models.layers import swiglu
+    x, wg, wu, wd = jnp.ones((8, 32)), jnp.ones((32, 64)), jnp.ones((32, 64)), jnp.ones((64, 32))
+    gate_up = _dot_lhs(gated_up_ref, x, wg, wu)
+    assert len(gate_up) == 2 and gate_up[0] is not gate_up[1]
+    mlp = _dot_lhs(lambda *a: swiglu(a[0], jnp.dot, *a[1:]), x, wg, wu, wd)
+    assert len(mlp) == 3 and mlp[0] is not mlp[1]
+
+
 def test_gated_up_validation():
     x, w = jnp.ones((4, 64), jnp.float32), jnp.ones((64, 32), jnp.float32)
     with pytest.raises(ValueError, match="share a shape and dtype"):

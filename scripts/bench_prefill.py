@@ -32,6 +32,7 @@ from bench_attention import max_diff, time_us  # noqa: E402
 from kernels.paged_attention_ref import paged_attention_ref  # noqa: E402
 from kernels.pallas_prefill import paged_prefill_attention_pallas  # noqa: E402
 from kernels.pallas_triton import paged_attention_pallas  # noqa: E402
+from kernels.triton_common import is_pow2  # noqa: E402
 
 CASES = {  # name: [(prefix, chunk length)]
     "4x256 @0": [(0, 256)] * 4,         # bench_cdb's prompts, one 1,024-token step
@@ -86,7 +87,7 @@ def main(argv=None) -> int:
     p.add_argument("--out")
     args = p.parse_args(argv)
     launches = [(bq, pr, st) for bq in args.block_q for pr in args.program_rows for st in args.num_stages
-                if pr is None or (pr >= bq and pr & (pr - 1) == 0)]
+                if pr is None or (pr >= bq and is_pow2(pr))]
     if not launches:
         p.error("no launch left: a --program-rows must be a power of two >= a --block-q")
     interpret = args.quick

@@ -200,6 +200,12 @@ class ExecutionConfig:
     (``rltjax.engine.decode_window``) whenever every running request is decoding; 0 runs
     every pass as its own engine step; None (default) picks DEFAULT_DECODE_WINDOW where the
     engine can run windows (refill, min_coda_batch_size 1) and 0 elsewhere.
+    decode_window_rows: the most rows a decode window runs (a power of two >= 8); requests
+    admitted beyond them (up to SchedulerConfig.max_num_seqs) are prefilled and wait on the
+    device, each taking the row of the next request to finish in the pass after it finishes
+    (``rltjax.engine.standby``), so a finished request's row is not left idle until the host
+    reads the window one window late. None (default): every admitted request has a row.
+    Not with mixed prefill.
     window_trip: how a decode window's loop runs: ``early_stop`` (a while loop that ends when
     no row is active; the head runs under a cond, only on passes where a row exits),
     ``fixed`` (exactly K passes and a head every pass: no predicate for XLA to read back to
@@ -225,6 +231,7 @@ class ExecutionConfig:
     matmul_impl: str = "auto"
     interpret: bool = False
     decode_window: int | None = None
+    decode_window_rows: int | None = None
     window_trip: str = "auto"
     async_scheduling: bool = False
     xla_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -246,6 +253,9 @@ class ExecutionConfig:
                 not isinstance(self.decode_window, int) or isinstance(self.decode_window, bool)
                 or not 0 <= self.decode_window <= 1024):
             _bad("ExecutionConfig", "decode_window", self.decode_window, "must be an integer in [0, 1024]")
+        r = self.decode_window_rows
+        if r is not None and (not isinstance(r, int) or isinstance(r, bool) or r < 8 or r & (r - 1)):
+            _bad("ExecutionConfig", "decode_window_rows", r, "must be None or a power of two >= 8")
         if self.window_trip not in WINDOW_TRIPS:
             _bad("ExecutionConfig", "window_trip", self.window_trip, f"choose one of {WINDOW_TRIPS}")
         m = self.mixed_prefill_tokens
@@ -286,6 +296,12 @@ COMBINATION_RULES: list[tuple[str, Callable[..., bool], str]] = [
      lambda c, s, e, x: x.mixed_prefill_tokens > 0 and (x.window_trip == "early_stop" or c.kv_layout != "last_exited"),
      "use ExecutionConfig.window_trip='auto' or 'fixed' and CacheConfig.kv_layout='last_exited', "
      "or mixed_prefill_tokens=0"),
+    ("decode_window_rows limits decode windows",
+     lambda c, s, e, x: x.decode_window_rows is not None and x.decode_window == 0,
+     "leave ExecutionConfig.decode_window unset (or > 0) or decode_window_rows=None"),
+    ("decode_window_rows places requests on the device, which mixed prefill's prompt rows cannot share",
+     lambda c, s, e, x: x.decode_window_rows is not None and x.mixed_prefill_tokens > 0,
+     "set ExecutionConfig.decode_window_rows=None or mixed_prefill_tokens=0"),
     ("the Pallas kernel needs page_size >= 8",
      lambda c, s, e, x: x.attn_impl == "pallas" and c.page_size < 8,
      "use CacheConfig.page_size >= 8 or ExecutionConfig.attn_impl='xla'"),

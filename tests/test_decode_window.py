@@ -153,8 +153,9 @@ def test_no_window_is_launched_behind_one_that_finishes_every_row(window):
     engine = make_engine(exit_mode="ouro_delayed", decode_window=window, max_num_seqs=2, window_trip="fixed")
     launched_idle = []
     real = engine.runner.window_launch
+    # nothing to run: no active row and no standby entry waiting for one
     engine.runner.window_launch = lambda rows, *rest: launched_idle.append(
-        not np.asarray(rows.active).any()) or real(rows, *rest)
+        not np.asarray(rows.active).any() and not np.asarray(engine.runner.standby.active).any()) or real(rows, *rest)
     ref = reference_for("last_exited", "ouro_delayed")
     for i, n in enumerate([7, 1, 4, 12, 3]):
         sp = SamplingParams(max_tokens=n, temperature=0.0, exit_threshold=1.0, ignore_eos=True)

@@ -125,16 +125,16 @@ def test_continued_windows_after_warm_up_do_not_compile(exit_mode):
     """Windows launched from the previous window's device rows reuse the warm-up executable:
     host rows are committed to the device like those device rows (an uncommitted first
     variant made the first continued window of each row bucket compile inside the run); so
-    does a request admitted into a continued window (the rows merge is warmed up too), and an
-    aborted request's row idled in one."""
+    does a request admitted into a continued window (the standby merge is warmed up too), and an
+    aborted request's row stopped in one."""
     engine = make_engine(compile_ahead=True, max_num_seqs=2, decode_window=3, exit_mode=exit_mode)
     launches = []
     real = engine.runner.window_launch
     engine.runner.window_launch = lambda rows, *rest: launches.append(
         not isinstance(rows.slots, np.ndarray)) or real(rows, *rest)
-    merges = []
-    real_merge = engine.runner.window_merge
-    engine.runner.window_merge = lambda *a: merges.append(1) or real_merge(*a)
+    admitted = []      # standby entries put while a window runs: an admission into a continued one
+    real_put = engine.runner.standby_put
+    engine.runner.standby_put = lambda *a: admitted.append(engine.windows.inflight) or real_put(*a)
     with compile_events() as events:
         for i in range(2):
             engine.add_request(f"c{i}", TOKENS[:5 + i], greedy(10 + 4 * i))
@@ -144,10 +144,11 @@ def test_continued_windows_after_warm_up_do_not_compile(exit_mode):
             if finished and not added:       # admitted behind the window in flight
                 engine.add_request("late", TOKENS[2:6], greedy(6))
                 added = True
-            elif added and merges and not engine.get_output("c1").finished:
-                engine.abort_request("c1")   # its row runs on until a continued window idles it
+            elif added and any(admitted) and not engine.get_output("c1").finished:
+                aborted = engine.abort_request("c1")   # its row runs on until a continued window stops it
     assert sum(launches) >= 2, "no window continued from device rows"
-    assert len(merges) >= 2, "not both an admission into a continued window and an idled row"
+    assert any(admitted), "no admission into a continued window"
+    assert aborted.finished and engine.get_output("c1").finish_reason == "abort"
     assert events == []
     assert_all_pages_free(engine)
 

@@ -165,7 +165,7 @@ def test_rows_the_host_finished_are_idled_in_continued_windows(how):
     assert_all_pages_free(engine)
 
 
-@pytest.mark.parametrize("fail", ["head_launch", "window_merge"])
+@pytest.mark.parametrize("fail", ["head_launch", "standby_put"])
 def test_failure_admitting_behind_the_window_errors_only_the_new_requests(fail):
     """A failing head or window launch while requests are admitted into a continued window
     finishes those requests with the error; the requests of the window in flight go on to the

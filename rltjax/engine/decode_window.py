@@ -50,19 +50,23 @@ from rltjax.cache.paged_kv import PagedKV, PagedMeta
 from rltjax.engine.exit_policy import EXIT_RULES
 from rltjax.engine.mixed_prefill import WindowPrompt, prompt_passes
 from rltjax.engine.slot_buffers import set_slots
+from rltjax.engine.standby import owned, start_standby, take_standby
 from rltjax.engine.window_state import WindowOutputs, WindowRows, ends_request, sample_rows
 from rltjax.jit_options import engine_jit
 from rltjax.models.layers import split_layer_stacks
 
 @engine_jit(static_argnames=("model", "backend", "num_passes", "mode", "num_top", "layered",
-                                             "dummy_slot", "fixed_trip", "sampler", "prefill_backend"),
+                                             "dummy_slot", "fixed_trip", "sampler", "prefill_backend",
+                                             "swap_every_pass"),
                    donate_argnames=("kv", "slot_state", "bkv", "slot_inject"))
 def decode_window(params, kv: PagedKV, slot_state, rows: WindowRows, block_tables, lookahead_w, bkv, slot_inject,
-                  boundary_tables, slot_tokens, prompt: WindowPrompt | None = None, *, model, backend,
+                  boundary_tables, slot_tokens, prompt: WindowPrompt | None = None,
+                  standby: WindowRows | None = None, owners=None, *, model, backend,
                   num_passes: int, mode: str, num_top: int, layered: bool, dummy_slot: int,
-                  fixed_trip: bool = False, sampler: str = "truncate", prefill_backend=None):
+                  fixed_trip: bool = False, sampler: str = "truncate", prefill_backend=None,
+                  swap_every_pass: bool = True):
     """Up to ``num_passes`` loop passes (exactly that many when ``fixed_trip``) over the rows
-    -> (kv, slot_state, bkv, slot_inject, rows, WindowOutputs). Models with boundary stages
+    -> (kv, slot_state, bkv, slot_inject, rows, WindowOutputs, standby). Models with boundary stages
     (Huginn) pass their boundary pool ``bkv``, the per-slot ``slot_inject`` and the boundary
     block tables: a row starting a token runs the prelude (writing its boundary KV) and an
     exiting row's head runs the coda; others pass None. ``params`` may hold its layer stacks
@@ -72,8 +76,19 @@ def decode_window(params, kv: PagedKV, slot_state, rows: WindowRows, block_table
     token from the last head step (``rows.first`` rows start from it; the host has not
     read it yet). prompt: whole prompts run in the first R passes with the rows (one GEMM
     over both, attention through ``prefill_backend`` for them), then their first heads;
-    fixed trip, plain models only. The window still runs ``num_passes`` passes in all."""
+    fixed trip, plain models only. The window still runs ``num_passes`` passes in all.
+    owners: [num_slots + 1] int32 each slot's request tag (``standby``): rows and entries
+    whose request no longer holds its slot stop here. standby: entries (``standby``) that
+    free rows take at the start of each pass (``swap_every_pass``), else only at the window's
+    start (when the rows have room for every request, no entry waits past it); not with a prompt."""
     b, k_max = rows.slots.shape[0], num_passes
+    if standby is not None and (prompt is not None or owners is None):
+        raise ValueError("decode_window: standby entries need owners and no prompt (this is a bug)")
+    if owners is not None:
+        rows = dataclasses.replace(rows, active=rows.active & owned(rows, owners))
+    if standby is not None:
+        standby = start_standby(standby, owners, slot_tokens)
+    swap_in_passes = standby is not None and swap_every_pass
     # A request's first token comes from the head step queued just before this window: it
     # starts looping here, unless it already ends the request (the host's stop checks agree).
     tokens = jnp.where(rows.first, slot_tokens[rows.slots], rows.tokens)
@@ -82,12 +97,12 @@ def decode_window(params, kv: PagedKV, slot_state, rows: WindowRows, block_table
                                first=jnp.zeros_like(rows.first))
     page_size = kv.page_size
     first_out = rows.num_out if prompt is None else rows.num_out - prompt.rows   # a prompt's row: its first token too
-    seeds = jnp.stack([rows.seed_hi, rows.seed_lo], axis=1)
     out = WindowOutputs(tokens=jnp.zeros((b, k_max), jnp.int32), depths=jnp.zeros((b, k_max), jnp.int32),
                         chosen=jnp.zeros((b, k_max), jnp.float32),
                         top_ids=jnp.zeros((b, k_max, num_top), jnp.int32),
                         top_lp=jnp.zeros((b, k_max, num_top), jnp.float32),
-                        count=jnp.zeros((b,), jnp.int32), passes=jnp.zeros((), jnp.int32))
+                        count=jnp.zeros((b,), jnp.int32), passes=jnp.zeros((), jnp.int32),
+                        swap_col=jnp.full((b,), -1, jnp.int32), swap_tag=jnp.full((b,), -1, jnp.int32))
 
     layer_weights = split_layer_stacks(params)       # no-op when the caller split them already
 
@@ -100,7 +115,9 @@ def decode_window(params, kv: PagedKV, slot_state, rows: WindowRows, block_table
     def one_pass(carry, mixed=None):
         """One pass over the rows; mixed = (prompt state [T, D], pages, tables) of a prompt
         loop riding along -> (carry, its new state) instead of the carry."""
-        kv, slot_state, bkv, slot_inject, rows, out = carry
+        kv, slot_state, bkv, slot_inject, rows, out, standby = carry
+        if swap_in_passes:
+            rows, standby, out = take_standby(rows, standby, out)
         # The weights are loop-invariant, so XLA would hoist each layer's weight slices out
         # of the loop as materialised copies (re-copied every pass under memory pressure), and
         # slices left inside the loop are copied before each matmul: either way ~1.2 ms of
@@ -124,6 +141,7 @@ def decode_window(params, kv: PagedKV, slot_state, rows: WindowRows, block_table
             starting = (rows.loops_done == 0) & act
 
             def prelude(bkv):
+                seeds = jnp.stack([rows.seed_hi, rows.seed_lo], axis=1)     # a row's request may change
                 return model.embed(weights, tokens, bkv, boundary_meta(rows, pos, starting), backend, seeds=seeds)
 
             zeros = jnp.zeros_like(slot_state[slots])
@@ -177,7 +195,8 @@ def decode_window(params, kv: PagedKV, slot_state, rows: WindowRows, block_table
         # and output index, so the kept tokens are those a head over the exiting rows makes)
         tok, chosen, top_ids, top_lp, bkv = (head(bkv) if fixed_trip else
                                              jax.lax.cond(any_exit, head, no_head, bkv))
-        k = jnp.where(exit_now, rows.num_out - first_out, k_max)          # k_max: out of range, dropped
+        # k_max: out of range, dropped; with standby a row's columns continue across a swap
+        k = jnp.where(exit_now, rows.num_out - first_out if standby is None else out.count, k_max)
         out = dataclasses.replace(out.put(k, tok, r, chosen, top_ids, top_lp, exit_now),
                                   passes=out.passes + (jnp.any(act) | (mixed is not None)))
         num_out = rows.num_out + exit_now
@@ -188,10 +207,12 @@ def decode_window(params, kv: PagedKV, slot_state, rows: WindowRows, block_table
             remaining=jnp.where(exit_now, jnp.float32(1.0), jnp.where(act, remaining, rows.remaining)),
             triggered=jnp.where(act & ~exit_now, trigger, False), active=act & ~(exit_now & stops),
             num_out=num_out)
-        carry = kv, slot_state, bkv, slot_inject, rows, out
+        carry = kv, slot_state, bkv, slot_inject, rows, out, standby
         return carry if mixed is None else (carry, px)
 
-    carry = (kv, slot_state, bkv, slot_inject, rows, out)
+    if standby is not None and not swap_every_pass:
+        rows, standby, out = take_standby(rows, standby, out)
+    carry = (kv, slot_state, bkv, slot_inject, rows, out, standby)
     if prompt is not None:
         carry = prompt_passes(carry, one_pass, prompt, model, layer_weights, backend, dummy_slot=dummy_slot,
                                sampler=sampler, num_top=num_top)
@@ -200,6 +221,10 @@ def decode_window(params, kv: PagedKV, slot_state, rows: WindowRows, block_table
         return jax.lax.fori_loop(0, plain, lambda _, c: one_pass(c), carry)
 
     def cond(carry):
-        return (carry[5].passes < k_max) & jnp.any(carry[4].active)
+        rows, out, standby = carry[4:]
+        more = jnp.any(rows.active)
+        if swap_in_passes:          # a free row that can still take a waiting entry
+            more |= jnp.any(~rows.active & (out.swap_col < 0)) & jnp.any(standby.active)
+        return (out.passes < k_max) & more
 
     return jax.lax.while_loop(cond, one_pass, carry)

@@ -80,7 +80,8 @@ class LLMEngine:
                                   window_trace_width=windows.trace_width,
                                   max_prefill_chunk=max_prefill_chunk(scheduler_config, max_model_len,
                                                                       not self.layered),
-                                  mixed_prefill_tokens=windows.mixed_prefill_tokens)
+                                  mixed_prefill_tokens=windows.mixed_prefill_tokens,
+                                  window_rows=execution_config.decode_window_rows)
         if (self.runner.prefill_alignment > 1) != prefill_kernel:
             raise RuntimeError("the prefill budget was picked for another prefill attention path (this is a bug)")
         self.scheduler = Scheduler(scheduler_config, num_pages=kv.num_pages, page_size=cache_config.page_size,

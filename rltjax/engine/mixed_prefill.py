@@ -46,7 +46,7 @@ def prompt_passes(carry, one_pass, prompt: WindowPrompt, model, weights, backend
     last = num_loops - 1
     pages = prompt.write_page[last:] if prompt.write_page.shape[0] > num_loops else prompt.write_page[last]
     carry, px = mixed(last, pages, (carry, px))
-    kv, slot_state, bkv, slot_inject, rows, out = carry
+    kv, slot_state, bkv, slot_inject, rows, out, standby = carry
     slot_state = set_slots(slot_state, prompt.out_slots, px)
     new = prompt.rows
     slots = jnp.where(new, rows.slots, dummy_slot)
@@ -57,7 +57,7 @@ def prompt_passes(carry, one_pass, prompt: WindowPrompt, model, weights, backend
     out = out.put(at, tok, num_loops, chosen, top_ids, top_lp, new)
     rows = dataclasses.replace(rows, tokens=jnp.where(new, tok, rows.tokens),
                                active=rows.active | (new & ~ends_request(rows, tok, rows.num_out)))
-    return kv, slot_state, bkv, slot_inject, rows, out
+    return kv, slot_state, bkv, slot_inject, rows, out, standby
 
 
 def fits_window(chunks, limit: int, alignment: int, free_rows: int) -> bool:

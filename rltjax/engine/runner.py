@@ -27,6 +27,7 @@ from rltjax.engine.device_steps import DeviceSteps
 from rltjax.engine.mixed_prefill import WindowPrompt
 from rltjax.engine.runner_io import BoundaryRows, PendingSignals
 from rltjax.engine.scheduler import prefill_batch_bound
+from rltjax.engine.host_rows import idle_window_rows
 from rltjax.engine.window_state import RowsRead, WindowOutputs, WindowRows
 from rltjax.models.base import boundary_kv_layers
 from rltjax.models.layers import split_layer_stacks
@@ -87,7 +88,8 @@ class ModelRunner:
                  boundary_kv: PagedKV | None = None, xla_options: tuple = (),
                  prefill_write_planes: int | None = None, raw_signal: bool = False, interpret: bool = False,
                  chunked_prefill: bool = True, window_spec: dict | None = None, window_trace_width: int = 1,
-                 max_prefill_chunk: int | None = None, mixed_prefill_tokens: int = 0):
+                 max_prefill_chunk: int | None = None, mixed_prefill_tokens: int = 0,
+                 window_rows: int | None = None):
         """boundary_kv: the boundary pool, exactly when the model has boundary stages.
         prefill_write_planes: core planes a prompt row writes (R, or the loop cap when the
         last_exited planes reach beyond R). raw_signal: loop passes return the raw signal.
@@ -103,7 +105,10 @@ class ModelRunner:
         buckets with max_num_seqs. mixed_prefill_tokens: > 0, windows may carry whole prompts of
         up to this many tokens (alignment padding included) in their first R passes
         (``mixed_prefill.WindowPrompt``); one executable per row bucket and sampler. Capped at
-        the largest prefill bucket (no admission holds more)."""
+        the largest prefill bucket (no admission holds more). window_rows: the largest row
+        bucket a window runs (a power of two; None: every request's); without mixed prefill,
+        windows take their requests as standby entries (``standby``) and the requests beyond
+        the rows wait there, prefilled, for the next free row."""
         self.model = model
         # Prefill and decode windows loop on the device (fori_loop over loops, while_loop over
         # passes), where XLA:GPU copies every layer slice of a stacked weight before its matmul
@@ -149,6 +154,7 @@ class ModelRunner:
         self.window_spec = window_spec
         self.window_trace_width = window_trace_width
         self.row_buckets = buckets_up_to(max_num_seqs, MIN_ROW_BUCKET)
+        self.window_buckets = [b for b in self.row_buckets if window_rows is None or b <= window_rows]
         # aligned prefill batches stay within the budget (one chunk when budget < alignment), and
         # within max_num_seqs chunks: no bucket is compiled that no batch can reach
         most_tokens = prefill_batch_bound(max_num_batched_tokens, max_num_seqs,
@@ -157,6 +163,19 @@ class ModelRunner:
         # no prefill batch is larger than the top token bucket: nor is a window's prompt part
         self.mixed_prefill_tokens = min(mixed_prefill_tokens, self.token_buckets[-1])
         self.num_planes = num_planes
+        # windows without a prompt part place their requests on the device (standby entries)
+        self.uses_standby = window_spec is not None and not self.mixed_prefill_tokens
+        self.standby = None
+        if self.uses_standby:
+            self.standby = jax.device_put(idle_window_rows(max_num_seqs + 1, num_planes, window_trace_width), device)
+        # entries wait past a window's start only when its rows cannot hold every request: the
+        # swap then runs every pass, else once a window (in every pass it cost the fixed-depth
+        # bench_cdb run 0.9% on an H200)
+        self.swap_every_pass = self.uses_standby and self.window_buckets[-1] < max_num_seqs
+
+    def window_bucket(self, n: int) -> int:
+        """The row bucket of a window over n requests (at most the largest window bucket)."""
+        return min(self._rows_bucket(n), self.window_buckets[-1])
 
     def _rows_bucket(self, n: int) -> int:
         return max(bucket(n), self.row_buckets[0])
@@ -264,7 +283,8 @@ class ModelRunner:
     def window(self, rows: WindowRows, block_tables, boundary_tables=None,
                sampler: str = "truncate") -> tuple[RowsRead, WindowOutputs]:
         """A decode window (``decode_window``) over rows padded to a row bucket, read at once:
-        numpy out, cut back to the given rows."""
+        numpy out, cut back to the given rows. No slot has an owner here, so the runner's
+        standby entries are emptied (warm-up calls)."""
         return self.window_read(*self.window_launch(rows, block_tables, boundary_tables, sampler), len(rows.slots))
 
     def window_prompt(self, prefill_args: tuple, rows: np.ndarray) -> WindowPrompt:
@@ -281,21 +301,25 @@ class ModelRunner:
                             np.pad(out_slots, (0, pad), constant_values=self.dummy_slot), np.asarray(rows, bool))
 
     def window_launch(self, rows: WindowRows, block_tables, boundary_tables=None, sampler: str = "truncate",
-                      prompt: WindowPrompt | None = None):
+                      prompt: WindowPrompt | None = None, owners: np.ndarray | None = None):
         """Launch a window; returns its (rows after, outputs) on the device, copies to the host
         started (of the outputs and the ``RowsRead`` fields: only what the host reads).
         ``rows``: host rows (padded here), or a previous launch's rows after (device, padded),
         which continues those rows without the host in between. boundary_tables: the
         boundary pool's block tables (models with boundary stages only). sampler: one of
         WINDOW_SAMPLERS (``window_sampler``); only "truncate" computes top logprobs. prompt:
-        prompts riding the first R passes (``window_prompt``)."""
+        prompts riding the first R passes (``window_prompt``). owners: [max_num_seqs + 1] int32
+        each slot's request tag (-1: free; None: every slot free), which rows and standby
+        entries must match to run (``standby``); the runner's standby entries ride along and
+        come back updated."""
         if sampler not in WINDOW_SAMPLERS:
             raise ValueError(f"sampler={sampler!r}: must be one of {WINDOW_SAMPLERS}")
         if isinstance(rows.slots, np.ndarray):
-            pad = self._rows_bucket(len(rows.slots)) - len(rows.slots)
+            pad = self.window_bucket(len(rows.slots)) - len(rows.slots)
+            fill = dict(slots=self.dummy_slot, tag=-1)
             rows = WindowRows(**{f.name: np.pad(getattr(rows, f.name),
                                                 [(0, pad)] + [(0, 0)] * (getattr(rows, f.name).ndim - 1),
-                                                constant_values=self.dummy_slot if f.name == "slots" else 0)
+                                                constant_values=fill.get(f.name, 0))
                                  for f in dataclasses.fields(WindowRows)})
             # committed, like the device rows a continued window gets: one executable for both
             # (uncommitted host rows compiled a second variant at the first continued window,
@@ -303,11 +327,17 @@ class ModelRunner:
             rows = jax.device_put(rows, self.device)
         mixed = {} if prompt is None else dict(prompt=jax.device_put(prompt, self.device),
                                                prefill_backend=self.prefill_backend)
-        self.kv, self.slot_state, self.bkv, self.slot_inject, after, out = self.steps.window(
+        if owners is None:
+            owners = np.full(self.max_num_seqs + 1, -1, np.int32)
+        owners = jax.device_put(np.asarray(owners, np.int32), self.device)
+        self.kv, self.slot_state, self.bkv, self.slot_inject, after, out, standby = self.steps.window(
             self.params, self.kv, self.slot_state, rows, block_tables, self.lookahead_w, self.bkv,
-            self.slot_inject, boundary_tables, self.slot_tokens, model=self.model, backend=self.backend,
-            num_top=self.num_top if sampler == "truncate" else 0, sampler=sampler,
-            dummy_slot=self.dummy_slot, **mixed, **self.window_spec)
+            self.slot_inject, boundary_tables, self.slot_tokens, standby=self.standby, owners=owners,
+            model=self.model, backend=self.backend, num_top=self.num_top if sampler == "truncate" else 0,
+            sampler=sampler, dummy_slot=self.dummy_slot, swap_every_pass=self.swap_every_pass, **mixed,
+            **self.window_spec)
+        if self.uses_standby:
+            self.standby = standby
         for leaf in jax.tree.leaves((RowsRead.of(after), out)):
             leaf.copy_to_host_async()
         return after, out
@@ -318,6 +348,12 @@ class ModelRunner:
         the same padded length); stays on the device, nothing is read."""
         host, replace = jax.device_put((host, np.asarray(replace, bool)), self.device)
         return self.steps.merge_rows(after, host, replace)
+
+    def standby_put(self, host: WindowRows, put: np.ndarray) -> None:
+        """Standby entries from the host: entry s (the request in slot s) taken from ``host``
+        ([max_num_seqs + 1] rows) where ``put`` is set, the device's kept elsewhere."""
+        host, put = jax.device_put((host, np.asarray(put, bool)), self.device)
+        self.standby = self.steps.merge_rows(self.standby, host, put)
 
     @staticmethod
     def window_read(after, out, n: int) -> tuple[RowsRead, WindowOutputs]:

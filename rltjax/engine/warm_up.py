@@ -31,7 +31,7 @@ import numpy as np
 
 from rltjax.benchmarks.compile_watch import CompileWatch
 from rltjax.engine.runner import WINDOW_SAMPLERS
-from rltjax.engine.window_driver import idle_window_rows
+from rltjax.engine.host_rows import idle_window_rows
 
 COMPILE_THREADS = max(1, min(16, os.cpu_count() or 1))
 
@@ -54,7 +54,7 @@ def warm_up(runner, block_tables: np.ndarray, boundary_block_tables: np.ndarray 
     t0 = time.perf_counter()
     jobs = bucket_jobs(runner)
     real_steps, state = runner.steps, (runner.kv, runner.slot_state, runner.bkv, runner.slot_inject,
-                                       runner.slot_tokens)
+                                       runner.slot_tokens, runner.standby)
     futures = []
     lower_by_kind = defaultdict(float)
     with ThreadPoolExecutor(max_workers=threads) as pool:
@@ -66,7 +66,7 @@ def warm_up(runner, block_tables: np.ndarray, boundary_block_tables: np.ndarray 
                 lower_by_kind[kind.split("/")[0]] += time.perf_counter() - t_job
         finally:
             runner.steps = real_steps
-            runner.kv, runner.slot_state, runner.bkv, runner.slot_inject, runner.slot_tokens = state
+            runner.kv, runner.slot_state, runner.bkv, runner.slot_inject, runner.slot_tokens, runner.standby = state
         t_lowered = time.perf_counter()
         for done, future in enumerate(as_completed(futures), 1):
             future.result()
@@ -93,10 +93,13 @@ def bucket_jobs(runner) -> list[tuple[str, int]]:
     on one long compile started last."""
     jobs = []
     if runner.window_spec:
-        jobs += [(f"window/{sampler}", b) for b in reversed(runner.row_buckets) for sampler in WINDOW_SAMPLERS]
-        jobs += [("window_merge", b) for b in runner.row_buckets]
+        jobs += [(f"window/{sampler}", b) for b in reversed(runner.window_buckets) for sampler in WINDOW_SAMPLERS]
+        if runner.uses_standby:
+            jobs += [("standby_put", runner.max_num_seqs + 1)]
+        else:
+            jobs += [("window_merge", b) for b in runner.window_buckets]
         if runner.mixed_prefill_tokens:
-            jobs += [(f"window_mixed/{sampler}", b) for b in reversed(runner.row_buckets)
+            jobs += [(f"window_mixed/{sampler}", b) for b in reversed(runner.window_buckets)
                      for sampler in WINDOW_SAMPLERS]
     jobs += [("prefill", t) for t in reversed(runner.token_buckets)]
     jobs += [("loop", b) for b in runner.row_buckets] + [("head", b) for b in runner.row_buckets]
@@ -130,6 +133,8 @@ def run_job(runner, kind: str, n: int, block_tables, boundary_block_tables) -> N
     elif kind == "window_merge":
         idle = idle_window_rows(n, runner.num_planes, runner.window_trace_width)
         runner.window_merge(jax.device_put(idle, runner.device), idle, np.zeros(n, bool))
+    elif kind == "standby_put":
+        runner.standby_put(idle_window_rows(n, runner.num_planes, runner.window_trace_width), np.zeros(n, bool))
     elif kind == "embed":
         runner.embed(dummy, zeros(n), zeros(n) - 1, zeros(n), pad_rows)
     elif kind == "head":

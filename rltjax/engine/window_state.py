@@ -40,6 +40,8 @@ class WindowRows:
     trace: jax.Array          # [B, W] int32 trace mode: recorded exit depth of each output index
     first: jax.Array          # bool its token is the one its first head (queued just before the
                               # window) wrote to ``slot_tokens``; ``tokens`` holds a placeholder
+    tag: jax.Array            # int32 the request's arrival index (-1: no request): a row or standby
+                              # entry runs only while ``owners[slot]`` names it
 
 
 @jax.tree_util.register_dataclass
@@ -52,6 +54,9 @@ class WindowOutputs:
     top_lp: jax.Array         # [B, K, T] f32
     count: jax.Array          # [B] int32 outputs made in this window
     passes: jax.Array         # [] int32 loop passes run
+    swap_col: jax.Array       # [B] int32 standby windows: the output column where a standby entry
+                              # took the row (the columns before it are the previous request's); -1: none
+    swap_tag: jax.Array       # [B] int32 the tag of the request that took the row (-1: none)
 
     def put(self, at, tokens, depths, chosen, top_ids, top_lp, made) -> "WindowOutputs":
         """Each row's output at column ``at`` [B] (out of range: dropped); made [B] bool

@@ -89,10 +89,10 @@ def test_execution_flags_reach_the_engine_config():
     p = argparse.ArgumentParser()
     add_engine_arguments(p)
     default = configs_from_args(p.parse_args([]))["execution_config"]
-    assert default.decode_window is None and default.async_scheduling is False
-    ex = configs_from_args(p.parse_args(["--decode-window", "4", "--async-scheduling",
+    assert default.decode_window is None and default.async_scheduling is False and default.decode_window_rows is None
+    ex = configs_from_args(p.parse_args(["--decode-window", "4", "--async-scheduling", "--decode-window-rows", "16",
                                          "--exit-mode", "ouro_delayed"]))["execution_config"]
-    assert ex.decode_window == 4 and ex.async_scheduling is True
+    assert ex.decode_window == 4 and ex.async_scheduling is True and ex.decode_window_rows == 16
     assert default.matmul_impl == "auto" and dict(default.xla_options) == {} and default.attn_num_splits is None
     ex = configs_from_args(p.parse_args([
         "--attn-num-splits", "3", "--matmul-impl", "pallas", "--xla-option", "xla_gpu_enable_command_buffer=FUSION,WHILE",

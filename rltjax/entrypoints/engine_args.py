@@ -66,6 +66,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--decode-window", type=int, default=None, metavar="K",
                    help="decode as device-side windows of up to K loop passes (0: one pass per step; "
                         "default: 16 where windows can run)")
+    g.add_argument("--decode-window-rows", type=int, default=None, metavar="N",
+                   help="the most rows a decode window runs (a power of two >= 8): requests admitted beyond "
+                        "them (up to --max-num-seqs) wait prefilled on the device and take the row of the next "
+                        "request to finish, in the pass after it (default: a row for every admitted request)")
     g.add_argument("--window-trip", default="auto", choices=WINDOW_TRIPS,
                    help="decode windows: stop when no row is active, heads only on exit passes "
                         "(early_stop), or run exactly K passes with a head every pass (fixed: "
@@ -141,6 +145,7 @@ def configs_from_args(args: argparse.Namespace) -> dict:
                                          xla_options=parse_xla_options(args.xla_option),
                                          compile_ahead=not args.no_compile_ahead,
                                          decode_window=args.decode_window, window_trip=args.window_trip,
+                                         decode_window_rows=args.decode_window_rows,
                                          async_scheduling=args.async_scheduling,
                                          mixed_prefill_tokens=args.mixed_prefill_tokens,
                                          compilation_cache_dir=args.compilation_cache_dir or None))

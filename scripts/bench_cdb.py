@@ -68,6 +68,10 @@ def parse(argv):
     p.add_argument("--mixed-prefill-tokens", type=int, default=0, metavar="T",
                    help="window executor: admitted prompts of up to T tokens run inside the windows' first "
                         "passes (ExecutionConfig.mixed_prefill_tokens; 0: off)")
+    p.add_argument("--standby", type=int, default=0, metavar="S",
+                   help="window executor: S more requests admitted beyond the --concurrency rows, prefilled "
+                        "and waiting on the device for the next row to free up (max_num_seqs = C + S, "
+                        "ExecutionConfig.decode_window_rows = C, a power of two >= 8; 0: off)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out")
@@ -149,18 +153,23 @@ def main(argv=None) -> int:
     except ValueError as exc:
         raise SystemExit(str(exc))
     sp = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
-    pages = C * -(-(args.prompt_len + args.output_len) // args.page_size) * R + 1
+    if args.standby and (args.standby < 0 or C < 8 or C & (C - 1)):
+        raise SystemExit(f"--standby {args.standby} needs --concurrency a power of two >= 8 (the window rows), "
+                         f"not {C}, and S >= 0")
+    pages = (C + args.standby) * -(-(args.prompt_len + args.output_len) // args.page_size) * R + 1
 
     def engine_for(exit_config, mode="refill", window=0, async_scheduling=False):
         gc.collect()
+        standby = args.standby if window else 0
         return build_engine(None, params=params_w, cfg=cfg, cache_config=CacheConfig(page_size=args.page_size,
                                                                                       num_pages=pages),
-                            scheduler_config=SchedulerConfig(max_num_seqs=C, mode=mode,
+                            scheduler_config=SchedulerConfig(max_num_seqs=C + standby, mode=mode,
                                                              max_model_len=args.prompt_len + args.output_len),
                             exit_config=exit_config,
                             execution_config=ExecutionConfig(decode_window=window, async_scheduling=async_scheduling,
                                                              mixed_prefill_tokens=args.mixed_prefill_tokens if window
-                                                             else 0, show_progress=False))
+                                                             else 0, show_progress=False,
+                                                             decode_window_rows=C if standby else None))
 
     class _Recorder:           # ExitTrace.record reads an LLM's .engine
         def __init__(self, engine):
@@ -231,7 +240,8 @@ def main(argv=None) -> int:
     info = dict(jax=jax.__version__, device=jax.devices()[0].device_kind, source=source_identity(),
                 preset=args.preset, quick=args.quick,
                 concurrency=C, num_requests=N, prompt_len=args.prompt_len, output_len=args.output_len,
-                decode_window=args.decode_window, mixed_prefill_tokens=args.mixed_prefill_tokens, results=rows,
+                decode_window=args.decode_window, mixed_prefill_tokens=args.mixed_prefill_tokens,
+                standby=args.standby, results=rows,
                 summary=summary)
     if args.out:
         with open(args.out, "w") as f:

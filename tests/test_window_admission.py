@@ -213,3 +213,21 @@ def test_failed_read_after_admitting_errors_every_running_request(fail, at_admis
     outs = closed_loop(engine, requests, clients=3)
     assert failed, "no failure injected"
     check_failed_and_rest(engine, requests, outs, failed[0], "RuntimeError: injected read failure")
+
+
+def test_windows_continue_while_an_admission_waits_for_pages():
+    """A request waits for KV pages (a slot is free, the pages are not): each window tries the
+    admission and, admitting nothing, continues from the device instead of making the host read
+    it first. Far fewer windows are drained than launched; outputs equal the oracle's, and
+    nothing leaks."""
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    arrivals = [(0, f"p{i}", TOKENS[i:i + 5], params) for i in range(6)]
+    engine = make_engine(exit_mode="ouro_delayed", decode_window=3, window_trip="fixed", max_num_seqs=6,
+                         num_pages=130)       # 29 positions x 4 planes = 32 pages a request: 4 fit
+    outs = run_workload(engine, arrivals)
+    ref = reference_for("last_exited", "ouro_delayed")
+    for _, rid, prompt, p in arrivals:
+        check_equal(outs[rid], ref.generate(prompt, p, request_id=rid))
+    assert_all_pages_free(engine)
+    kinds = engine.steps_by_kind
+    assert kinds["window"] > 4 * kinds.get("window_drain", 0), kinds

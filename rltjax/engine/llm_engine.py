@@ -236,11 +236,16 @@ class LLMEngine:
         when they fit (mixed prefill, ``mixed_prefill``); else their prefill step and first
         heads are queued before it, if the prefill completes every prompt and the window has
         rows for them. Otherwise the host drains the window first. Returns the step's outputs."""
-        drained = lambda: [self._output(r) for r in self.windows.drain()]        # noqa: E731
+        def drained():
+            self._count("window_drain")      # the host catches up before anything else launches
+            return [self._output(r) for r in self.windows.drain()]
         if not self.windows.only_admission_waits(self.scheduler):
             return drained()
         plan = self.scheduler.schedule()     # admits; every running request is in the window
-        if plan.kind != "prefill":           # nothing admitted (no slot or pages yet)
+        if plan.kind != "prefill":           # nothing admitted (the pages are not free yet)
+            if self.windows.can_continue(self.scheduler, admission_tried=True):
+                self._count("window")
+                return [self._output(r) for r in self.windows.run(list(self.scheduler.running))]
             return drained()
         fresh = [req for req, _, _ in plan.chunks]
         prompt = None

@@ -180,14 +180,16 @@ class WindowDriver:
             r.status is Status.LOOPING or (r.status is Status.AWAITING_HEAD and not r.output_token_ids)
             for r in running)
 
-    def can_continue(self, scheduler) -> bool:
+    def can_continue(self, scheduler, admission_tried: bool = False) -> bool:
         """Whether the next step may launch from the in-flight window's device state: the same
-        requests, all still decoding, no admission possible, and not all of them certain to
-        reach max_tokens inside the in-flight window (a window launched behind it would run
-        K passes over finished rows, holding back the next request's prefill); a standby
-        entry not yet read taking a row may still need one."""
+        requests, all still decoding, no admission possible (or one just tried that admitted
+        nothing: the pages are not free yet), and not all of them certain to reach max_tokens
+        inside the in-flight window (a window launched behind it would run K passes over
+        finished rows, holding back the next request's prefill); a standby entry not yet read
+        taking a row may still need one."""
         live = self._live()
-        return (self._same_rows_decoding(scheduler) and (not scheduler.waiting or not scheduler.free_slots)
+        return (self._same_rows_decoding(scheduler)
+                and (admission_tried or not scheduler.waiting or not scheduler.free_slots)
                 and not all(tag_of(r) not in self._waiting
                             and finishes_within(r, self.num_passes, self.runner.cfg.num_loops) for r in live))
 

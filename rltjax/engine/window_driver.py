@@ -158,7 +158,7 @@ class WindowDriver:
         if len(live) <= bucket:
             self._waiting.clear()
         else:
-            self._waiting |= {tag for tag in live[bucket:] if reset} | {tag_of(r) for r in requests}
+            self._waiting |= set(live[bucket:]) if reset else {tag_of(r) for r in requests}
 
     def _live(self) -> list[Request]:
         return [r for r in self._on_device.values() if not r.finished]

@@ -108,6 +108,20 @@ def check_trace_replay(kv_layout, depths, arrivals, **engine_kwargs):
     return engine
 
 
+def check_outputs(engine, arrivals, ref, aborted=None):
+    """Every request's output equals the oracle's; an aborted one's tokens and depths so far
+    are a prefix of it. No page leaks."""
+    for _, rid, prompt, params in arrivals:
+        out, want = engine.get_output(rid), ref.generate(prompt, params, request_id=rid)
+        if rid == aborted:
+            assert out.finish_reason == "abort"
+            assert out.token_ids == want.token_ids[:len(out.token_ids)]
+            assert out.exit_depths == want.exit_depths[:len(out.exit_depths)]
+        else:
+            check_equal(out, want)
+    assert_all_pages_free(engine)
+
+
 def check_equal(out, ref):
     """An engine output equals the reference oracle's run of the same request."""
     import numpy as np

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import reference_npz
-from engine_helpers import (assert_all_pages_free, check_equal, check_trace_replay, make_engine, reference_for,
-                            run_with_abort, run_workload)
+from engine_helpers import (assert_all_pages_free, check_equal, check_outputs, check_trace_replay, make_engine,
+                            reference_for, run_with_abort, run_workload)
 from rltjax.engine.window_state import STOP_ID_WIDTH
 from rltjax.engine_config import EngineConfigError, ExecutionConfig
 from rltjax.sampling_params import SamplingParams
@@ -45,17 +45,7 @@ def test_windows_match_reference(kv_layout, exit_mode, window, max_num_seqs, req
         arrivals.append((step, f"r{i}", TOKENS[start:start + length], params))
     aborted = run_with_abort(engine, arrivals, abort_at,
                              lambda e: e.scheduler.running[-1].request_id if e.scheduler.running else None)
-    ref = reference_for(kv_layout, exit_mode, lookahead_seed=3)
-    for _, rid, prompt, params in arrivals:
-        out = engine.get_output(rid)
-        want = ref.generate(prompt, params, request_id=rid)
-        if rid == aborted:     # an aborted request's tokens so far are a prefix of the oracle's
-            assert out.finish_reason == "abort"
-            assert out.token_ids == want.token_ids[:len(out.token_ids)]
-            assert out.exit_depths == want.exit_depths[:len(out.exit_depths)]
-        else:
-            check_equal(out, want)
-    assert_all_pages_free(engine)
+    check_outputs(engine, arrivals, reference_for(kv_layout, exit_mode, lookahead_seed=3), aborted)
 
 
 @pytest.mark.parametrize("params,sampler", [

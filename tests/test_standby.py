@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from engine_helpers import (assert_all_pages_free, check_equal, make_engine, reference_for, run_with_abort,
-                            run_workload)
+from engine_helpers import (assert_all_pages_free, check_equal, check_outputs, make_engine, reference_for,
+                            run_with_abort, run_workload)
 from engine_trace_helpers import TOKENS
 from rltjax.engine_config import EngineConfigError, ExecutionConfig
 from rltjax.sampling_params import SamplingParams
@@ -56,16 +56,7 @@ def test_standby_windows_match_reference(exit_mode, window, window_trip, request
         arrivals.append((step, f"r{i}", TOKENS[start:start + length], params))
     aborted = run_with_abort(engine, arrivals, abort_at,
                              lambda e: e.scheduler.running[victim].request_id if e.scheduler.running else None)
-    ref = reference_for("last_exited", exit_mode, lookahead_seed=3)
-    for _, rid, prompt, params in arrivals:
-        out, want = engine.get_output(rid), ref.generate(prompt, params, request_id=rid)
-        if rid == aborted:
-            assert out.finish_reason == "abort"
-            assert out.token_ids == want.token_ids[:len(out.token_ids)]
-            assert out.exit_depths == want.exit_depths[:len(out.exit_depths)]
-        else:
-            check_equal(out, want)
-    assert_all_pages_free(engine)
+    check_outputs(engine, arrivals, reference_for("last_exited", exit_mode, lookahead_seed=3), aborted)
 
 
 def queued_trace_workload(n: int, seed: int = 0):

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rltjax.benchmarks.compile_watch import CompileWatch
-from rltjax.engine.runner import WINDOW_SAMPLERS
+from rltjax.engine.window_calls import WINDOW_SAMPLERS
 from rltjax.engine.host_rows import idle_window_rows
 
 COMPILE_THREADS = max(1, min(16, os.cpu_count() or 1))

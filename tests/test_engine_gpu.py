@@ -26,20 +26,39 @@ SMALL = {"num_hidden_layers": 2, "layer_types": ["full_attention"] * 2, "hidden_
          "vocab_size": 256, "max_position_embeddings": 256}
 
 
+def gpu_engine(cfg, params, exit_config, *, max_num_seqs=4, **execution):
+    """The engine as served (attn_impl auto: the Pallas kernels), float32 weights."""
+    engine = build_engine(
+        None, params=params, cfg=cfg, cache_config=CacheConfig(kv_layout="last_exited", page_size=8),
+        scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=64, prefill_chunk_size=32),
+        exit_config=exit_config,
+        execution_config=ExecutionConfig(compilation_cache_dir=None, show_progress=False, **execution))
+    assert engine.runner.prefill_alignment > 1      # attn_impl auto picked the Pallas kernels
+    return engine
+
+
+def workload(cfg, n: int, seed: int = 0):
+    """n requests: mixed prompt lengths, greedy and sampled, some with top logprobs, arriving
+    over the first steps."""
+    rng = np.random.default_rng(seed)
+    lengths = [37, 5, 23, 16, 9] * (n // 5 + 1)
+    arrivals = []
+    for i in range(n):
+        prompt = rng.integers(3, cfg.vocab_size, lengths[i]).tolist()
+        params = SamplingParams(max_tokens=int(rng.integers(1, 13)), temperature=(0.0, 1.0, 0.0, 0.7)[i % 4], seed=i,
+                                exit_threshold=0.5, ignore_eos=True, logprobs=2 if i % 2 else None)
+        arrivals.append((int(rng.integers(0, 10)), f"r{i}", prompt, params))
+    return arrivals
+
+
 @pytest.mark.parametrize("window_trip, mixed_prefill_tokens", [("fixed", 0), ("early_stop", 0), ("fixed", 64)])
 def test_served_engine_matches_reference_on_gpu(window_trip, mixed_prefill_tokens):
     cfg = preset_config("ouro-1.4b", SMALL)
     params = random_checkpoint(cfg, seed=1, dtype="float32")
     exit_config = ExitConfig(mode="ouro_delayed")
     with jax.default_matmul_precision("highest"):
-        engine = build_engine(
-            None, params=params, cfg=cfg, cache_config=CacheConfig(kv_layout="last_exited", page_size=8),
-            scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk_size=32),
-            exit_config=exit_config,
-            execution_config=ExecutionConfig(decode_window=6 if mixed_prefill_tokens else 4, window_trip=window_trip,
-                                             mixed_prefill_tokens=mixed_prefill_tokens, compilation_cache_dir=None,
-                                             show_progress=False))
-        assert engine.runner.prefill_alignment > 1      # attn_impl auto picked the Pallas kernels
+        engine = gpu_engine(cfg, params, exit_config, decode_window=6 if mixed_prefill_tokens else 4,
+                            window_trip=window_trip, mixed_prefill_tokens=mixed_prefill_tokens)
         rng = np.random.default_rng(0)
         prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (37, 5, 23, 16, 9)]
         lengths, temps, steps = (9, 6, 1, 12, 7), (0.0, 1.0, 0.0, 0.7, 0.0), (0, 0, 2, 5, 9)
@@ -52,4 +71,30 @@ def test_served_engine_matches_reference_on_gpu(window_trip, mixed_prefill_token
             check_equal(outputs[rid], ref.generate(prompt, sp, request_id=rid))
     assert engine.steps_by_kind.get("window", 0) > 0, engine.steps_by_kind
     assert (engine.steps_by_kind.get("mixed_prefill", 0) > 0) == (mixed_prefill_tokens > 0), engine.steps_by_kind
+    assert_all_pages_free(engine)
+
+
+@pytest.mark.parametrize("window_trip", ["fixed", "early_stop"])
+def test_standby_entries_match_reference_on_gpu(window_trip):
+    """12 admitted requests through 8 window rows: the 4 beyond them wait as standby entries,
+    which free rows take on the device (a swap inside a window). Outputs equal the oracle's."""
+    cfg = preset_config("ouro-1.4b", SMALL)
+    params = random_checkpoint(cfg, seed=2, dtype="float32")
+    exit_config = ExitConfig(mode="ouro_delayed")
+    arrivals = workload(cfg, 20)
+    with jax.default_matmul_precision("highest"):
+        engine = gpu_engine(cfg, params, exit_config, max_num_seqs=12, decode_window=4, window_trip=window_trip,
+                            decode_window_rows=8)
+        swaps, read = [], engine.runner.window_read
+
+        def recording_read(after, out, n):
+            got = read(after, out, n)
+            swaps.append(np.asarray(got[1].swap_col))
+            return got
+        engine.runner.window_read = recording_read
+        outputs = run_workload(engine, arrivals)
+        ref = ReferenceModel(get_model(cfg), params, kv_layout="last_exited", exit_config=exit_config)
+        for _, rid, prompt, sp in arrivals:
+            check_equal(outputs[rid], ref.generate(prompt, sp, request_id=rid))
+    assert any((s > 0).any() for s in swaps), "no row took a standby entry inside a window"
     assert_all_pages_free(engine)

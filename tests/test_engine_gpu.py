@@ -1,7 +1,7 @@
 """On the GPU, the engine as it is served equals the dense oracle: decode windows (fixed
 trip; and with mixed prefill, prompts in the windows' first passes) over the Pallas Triton
 kernels, admissions mid-run (first heads queued with the next window), a request its first token ends, adaptive exits (K/V written through to deeper planes). float32, matmuls
-at full precision (no TF32). Skipped without a GPU; run it on the device machine whenever
+at full precision (no TF32), compared up to the oracle's near-ties (``near_ties``). Skipped without a GPU; run it on the device machine whenever
 the runner, the windows or the KV writes change."""
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from checkpoints.random_init import random_checkpoint
-from engine_helpers import assert_all_pages_free, check_equal, run_workload
+from engine_helpers import assert_all_pages_free, run_workload
+from near_ties import check_equal_before_ties
 from rltjax.engine_config import CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig
 from rltjax.entrypoints.llm import build_engine
 from rltjax.models.base import get_model
@@ -35,6 +36,18 @@ def gpu_engine(cfg, params, exit_config, *, max_num_seqs=4, **execution):
         execution_config=ExecutionConfig(compilation_cache_dir=None, show_progress=False, **execution))
     assert engine.runner.prefill_alignment > 1      # attn_impl auto picked the Pallas kernels
     return engine
+
+
+def check_against_oracle(cfg, params, exit_config, arrivals, outputs):
+    """Each output equals the oracle's up to the oracle's first near-tie (``near_ties``: this
+    process's autotuned GEMMs round differently from the oracle's); ties must stay rare."""
+    ref = ReferenceModel(get_model(cfg), params, kv_layout="last_exited", exit_config=exit_config)
+    compared = total = 0
+    for _, rid, prompt, sp in arrivals:
+        want = ref.generate(prompt, sp, request_id=rid, record_logits=True)
+        compared += check_equal_before_ties(outputs[rid], want, sp, exit_mode=exit_config.mode)
+        total += len(want.token_ids)
+    assert compared >= 0.9 * total, f"only {compared} of {total} tokens compared: near-ties are not rare"
 
 
 def workload(cfg, n: int, seed: int = 0):
@@ -66,9 +79,7 @@ def test_served_engine_matches_reference_on_gpu(window_trip, mixed_prefill_token
                                                        ignore_eos=True, logprobs=2 if i % 2 else None))
                     for i, (step, p, n, t) in enumerate(zip(steps, prompts, lengths, temps))]
         outputs = run_workload(engine, arrivals)
-        ref = ReferenceModel(get_model(cfg), params, kv_layout="last_exited", exit_config=exit_config)
-        for _, rid, prompt, sp in arrivals:
-            check_equal(outputs[rid], ref.generate(prompt, sp, request_id=rid))
+        check_against_oracle(cfg, params, exit_config, arrivals, outputs)
     assert engine.steps_by_kind.get("window", 0) > 0, engine.steps_by_kind
     assert (engine.steps_by_kind.get("mixed_prefill", 0) > 0) == (mixed_prefill_tokens > 0), engine.steps_by_kind
     assert_all_pages_free(engine)
@@ -93,8 +104,6 @@ def test_standby_entries_match_reference_on_gpu(window_trip):
             return got
         engine.runner.window_read = recording_read
         outputs = run_workload(engine, arrivals)
-        ref = ReferenceModel(get_model(cfg), params, kv_layout="last_exited", exit_config=exit_config)
-        for _, rid, prompt, sp in arrivals:
-            check_equal(outputs[rid], ref.generate(prompt, sp, request_id=rid))
+        check_against_oracle(cfg, params, exit_config, arrivals, outputs)
     assert any((s > 0).any() for s in swaps), "no row took a standby entry inside a window"
     assert_all_pages_free(engine)

@@ -293,3 +293,17 @@ def test_bench_mlp_quick(tmp_path):
         # the fused kernels' outputs against XLA's path: the activation, and (x_new, h) of the norm
         assert all(c["rel_err_vs_xla"] < 1e-2 and c["us"] > 0 for c in r["kernel"])
         assert r["kernel"][3]["k_splits"] == 2          # the sweep's split point ran (checked by rel_err above)
+
+
+def test_hf_overrides_apply_on_top_of_the_preset():
+    """--hf-overrides reshapes a --preset model (after --quick), as it does a --model's."""
+    import argparse
+
+    from rltjax.entrypoints.bench import preset_config_from_args
+    layers = json.dumps({"num_hidden_layers": 3, "layer_types": ["full_attention"] * 3})
+    cfg = preset_config_from_args(argparse.Namespace(preset="ouro-1.4b", quick=True, hf_overrides=layers))
+    assert (cfg.num_layers, cfg.hidden_size, cfg.vocab_size) == (3, 64, 512)
+    full = preset_config_from_args(argparse.Namespace(preset="ouro-1.4b", quick=False, hf_overrides=layers))
+    assert (full.num_layers, full.hidden_size) == (3, 2048)
+    plain = preset_config_from_args(argparse.Namespace(preset="ouro-1.4b", quick=False, hf_overrides=None))
+    assert plain.num_layers == 24

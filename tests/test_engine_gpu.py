@@ -1,8 +1,9 @@
 """On the GPU, the engine as it is served equals the dense oracle: decode windows (fixed
 trip; and with mixed prefill, prompts in the windows' first passes) over the Pallas Triton
-kernels, admissions mid-run (first heads queued with the next window), a request its first token ends, adaptive exits (K/V written through to deeper planes). float32, matmuls
-at full precision (no TF32), compared up to the oracle's near-ties (``near_ties``). Skipped without a GPU; run it on the device machine whenever
-the runner, the windows or the KV writes change."""
+kernels, admissions mid-run (first heads queued with the next window), a request its first
+token ends, adaptive exits (K/V written through to deeper planes). float32, matmuls at full
+precision (no TF32), compared up to the oracle's near-ties (``near_ties``). Skipped without a
+GPU; run it on the device machine whenever the runner, the windows or the KV writes change."""
 from __future__ import annotations
 
 import jax

@@ -136,6 +136,10 @@ def run_engine(engine, requests: Sequence[BenchRequest], concurrency: int, *, te
         outputs = engine.step()
         now = clock()
         for out in outputs:
+            if out.request_id not in ids:
+                raise RuntimeError(f"the engine returned output for request {out.request_id!r}, which this run "
+                                   f"did not submit (finish_reason {out.finish_reason!r}, "
+                                   f"{len(out.token_ids)} tokens): an engine bug")
             t = timings[ids[out.request_id]]
             t.arrivals.extend([now] * (len(out.token_ids) - t.output_tokens))
             t.output_tokens = len(out.token_ids)

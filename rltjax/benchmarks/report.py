@@ -101,7 +101,8 @@ def summary_line(run: dict) -> str:
     f = lambda k: f"{s[k]['mean']:.1f}/{s[k]['p50']:.1f}/{s[k]['p95']:.1f}/{s[k]['p99']:.1f}"
     return (f"C={run['concurrency']:<4d} {s['output_throughput']:9.1f} out tok/s {s['request_throughput']:7.2f} "
             f"req/s | ms mean/p50/p95/p99: TTFT {f('ttft_ms')}  TPOT {f('tpot_ms')}  ITL {f('itl_ms')}  "
-            f"E2E {f('e2e_ms')} | {s['completed']} ok, {s['failed']} failed")
+            f"E2E {f('e2e_ms')} | {s['completed']} ok, {s['failed']} failed"
+            + "".join(f"\n      error: {e}" for e in s.get("errors", [])))
 
 
 def passes_line(p: dict, concurrency: int, roof: dict) -> str:

@@ -40,14 +40,13 @@ def add_trace_argument(p) -> None:
 
 def model_config(args):
     """(ModelConfig, parameter dtype name) of the benchmarked model, without loading weights."""
-    from rltjax.entrypoints.bench import QUICK_OVERRIDES
-    from rltjax.presets import preset_config
+    from rltjax.entrypoints.bench import preset_config_from_args
     if args.model:
         from rltjax.config import parse_hf_config
         hf = json.loads((Path(args.model) / "config.json").read_text())
         overrides = json.loads(args.hf_overrides) if args.hf_overrides else None
         return parse_hf_config(hf, overrides), args.dtype or hf.get("torch_dtype") or "bfloat16"
-    cfg = preset_config(args.preset, QUICK_OVERRIDES if args.quick else None)
+    cfg = preset_config_from_args(args)
     return cfg, args.dtype or ("float32" if args.quick else "bfloat16")
 
 

@@ -33,6 +33,14 @@ QUICK_OVERRIDES = {"num_hidden_layers": 2, "layer_types": ["full_attention"] * 2
                    "head_dim": 16, "vocab_size": 512, "max_position_embeddings": 1024}
 
 
+def preset_config_from_args(args):
+    """The ModelConfig of ``--preset``: shrunk by ``--quick``, then ``--hf-overrides`` on top."""
+    from rltjax.presets import preset_config
+    overrides = {**(QUICK_OVERRIDES if args.quick else {}),
+                 **(json.loads(args.hf_overrides) if args.hf_overrides else {})}
+    return preset_config(args.preset, overrides or None)
+
+
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", default=None, help="model directory (weights are loaded)")
@@ -134,7 +142,6 @@ def bench_engine(args: argparse.Namespace, outputs: dict) -> dict:
 
     from checkpoints.random_init import random_checkpoint
     from rltjax.entrypoints.llm import build_engine, setup_compilation_cache
-    from rltjax.presets import preset_config
     from rltjax.sampling_params import SamplingParams
 
     configs = configs_from_args(args)
@@ -145,7 +152,7 @@ def bench_engine(args: argparse.Namespace, outputs: dict) -> dict:
     if args.model:
         engine = build_engine(args.model, **configs)
     else:
-        cfg = preset_config(args.preset, QUICK_OVERRIDES if args.quick else None)
+        cfg = preset_config_from_args(args)
         dtype = configs["dtype"] or ("float32" if args.quick else "bfloat16")
         # the draw's compile comes from the persistent cache too, as a warm engine's do
         setup_compilation_cache(configs["execution_config"].compilation_cache_dir)

@@ -1,0 +1,55 @@
+"""Failure injection into decode windows (with and without standby entries): a window whose
+launch or read raises errors its requests, and only once: no output for a request follows its
+finish, the others equal the oracle's, no page leaks."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine_helpers import assert_all_pages_free, check_equal, make_engine, reference_for
+from engine_trace_helpers import TOKENS, drive
+from rltjax.sampling_params import SamplingParams
+
+
+def workload(n: int = 14):
+    rng = np.random.default_rng(0)
+    arrivals = []
+    for i in range(n):
+        start = int(rng.integers(0, 60))
+        arrivals.append((int(rng.integers(0, 8)), f"r{i}", TOKENS[start:start + int(rng.integers(2, 10))],
+                         SamplingParams(max_tokens=int(rng.integers(2, 12)), temperature=0.0, exit_threshold=0.6,
+                                        ignore_eos=True)))
+    return arrivals
+
+
+@pytest.mark.parametrize("standby", [True, False])
+@pytest.mark.parametrize("call", ["window_launch", "window_read"])
+@pytest.mark.parametrize("fail_at", [2, 7])
+def test_failed_window_errors_its_requests_once(standby, call, fail_at, monkeypatch):
+    rows = dict(decode_window_rows=8) if standby else {}
+    engine = make_engine(exit_mode="ouro_delayed", page_size=4, max_num_seqs=12 if standby else 4, num_pages=512,
+                         decode_window=3, window_trip="fixed", **rows)
+    real, calls = getattr(engine.runner, call), [0]
+
+    def flaky(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == fail_at:
+            raise RuntimeError("injected window failure")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(engine.runner, call, flaky)
+    arrivals = workload()
+    outputs, _, returned = drive(engine, arrivals)
+    finished_at = {}
+    for step, outs in enumerate(returned):
+        for out in outs:
+            assert out.request_id not in finished_at, f"{out.request_id}: output at step {step} after its finish"
+            if out.finished:
+                finished_at[out.request_id] = step
+    ref = reference_for("last_exited", "ouro_delayed")
+    errors = [rid for rid, out in outputs.items() if out.finish_reason == "error"]
+    assert calls[0] >= fail_at and errors
+    assert all(outputs[rid].error == "RuntimeError: injected window failure" for rid in errors)
+    for _, rid, prompt, params in arrivals:
+        if rid not in errors:
+            check_equal(outputs[rid], ref.generate(prompt, params, request_id=rid))
+    assert_all_pages_free(engine)

@@ -84,6 +84,45 @@ def test_pass_occupancy_splits_throughput_into_rows_and_pass_time():
                                   loop_passes=3, wall_s=0.5, rows=2) is None       # no depths recorded (HTTP)
 
 
+class ReplayingEngine:
+    """An engine stand-in whose step returns scripted outputs (ids as run_engine tags them)."""
+
+    def __init__(self, script):
+        self.cfg, self.script, self.added = type("Cfg", (), {"vocab_size": 100})(), list(script), []
+
+    def add_request(self, rid, prompt, params):
+        self.added.append(rid)
+
+    def step(self):
+        return self.script.pop(0) if self.script else []
+
+    def forget(self, rid):
+        pass
+
+
+def scripted_output(rid, n, finished):
+    from rltjax.engine.outputs import RequestOutput
+    return RequestOutput(request_id=rid, prompt_token_ids=[1], token_ids=[5] * n, finished=finished,
+                         finish_reason="length" if finished else None, exit_depths=[4] * n)
+
+
+@pytest.mark.parametrize("bad, why", [(scripted_output("t-0", 2, True), "saw finish already"),
+                                      (scripted_output("other-3", 1, False), "did not submit")])
+def test_closed_loop_rejects_outputs_it_cannot_account_for(bad, why):
+    """An output after a request's finish, or for a request the run did not submit, would
+    corrupt the closed loop's count: the run stops with a clear error instead."""
+    from rltjax.benchmarks import clients
+    from rltjax.benchmarks.dataset import BenchRequest
+    reqs = [BenchRequest("c0", "p", (1, 2), 2, 2), BenchRequest("c1", "p", (3,), 2, 2)]
+    script = [[scripted_output("t-0", 1, False)], [scripted_output("t-0", 2, True)], [bad],
+              [scripted_output("t-1", 2, True)]]
+    with pytest.raises(RuntimeError, match=why):
+        clients.run_engine(ReplayingEngine(script), reqs, 1, tag="t")
+    good = [[scripted_output("t-0", 2, True)], [scripted_output("t-1", 1, False)], [scripted_output("t-1", 2, True)]]
+    timings, _ = clients.run_engine(ReplayingEngine(good), reqs, 1, tag="t")
+    assert [t.output_tokens for t in timings] == [2, 2] and all(t.ok for t in timings)
+
+
 def test_mean_decode_depth_skips_the_prompt_entry():
     ts = [RequestTiming(start=0, exit_depths=[4, 2, 3]), RequestTiming(start=0, exit_depths=[4, 1])]
     assert metrics.mean_decode_depth(ts) == pytest.approx(2.0)

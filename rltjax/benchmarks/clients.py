@@ -136,11 +136,12 @@ def run_engine(engine, requests: Sequence[BenchRequest], concurrency: int, *, te
         outputs = engine.step()
         now = clock()
         for out in outputs:
-            if out.request_id not in ids:
+            t = timings[ids[out.request_id]] if out.request_id in ids else None
+            if t is None or t.end is not None:   # the closed loop's count would be wrong from here on
                 raise RuntimeError(f"the engine returned output for request {out.request_id!r}, which this run "
-                                   f"did not submit (finish_reason {out.finish_reason!r}, "
-                                   f"{len(out.token_ids)} tokens): an engine bug")
-            t = timings[ids[out.request_id]]
+                                   f"{'did not submit' if t is None else 'saw finish already'} (finish_reason "
+                                   f"{out.finish_reason!r}, {len(out.token_ids)} tokens, error {out.error!r}): "
+                                   f"an engine bug")
             t.arrivals.extend([now] * (len(out.token_ids) - t.output_tokens))
             t.output_tokens = len(out.token_ids)
             if out.finished:

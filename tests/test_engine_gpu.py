@@ -29,9 +29,11 @@ SMALL = {"num_hidden_layers": 2, "layer_types": ["full_attention"] * 2, "hidden_
 
 
 def gpu_engine(cfg, params, exit_config, *, max_num_seqs=4, **execution):
-    """The engine as served (attn_impl auto: the Pallas kernels), float32 weights."""
+    """The engine as served (attn_impl auto: the Pallas kernels), float32 weights. A fixed pool
+    (not 90% of free memory): the tests' engines share one process, and a pool sized from
+    free memory left the fifth too little room for a window's buffers (out of memory)."""
     engine = build_engine(
-        None, params=params, cfg=cfg, cache_config=CacheConfig(kv_layout="last_exited", page_size=8),
+        None, params=params, cfg=cfg, cache_config=CacheConfig(kv_layout="last_exited", page_size=8, num_pages=4096),
         scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=64, prefill_chunk_size=32),
         exit_config=exit_config,
         execution_config=ExecutionConfig(compilation_cache_dir=None, show_progress=False, **execution))

@@ -124,15 +124,20 @@ def check_outputs(engine, arrivals, ref, aborted=None):
 
 def check_equal(out, ref):
     """An engine output equals the reference oracle's run of the same request."""
-    import numpy as np
     assert out.token_ids == ref.token_ids
     assert out.exit_depths == ref.exit_depths
     assert out.finish_reason == ref.finish_reason
     assert out.error is None
     if ref.logprobs is not None:
-        assert [set(e) for e in out.logprobs] == [set(e) for e in ref.logprobs]
-        for a, b in zip(out.logprobs, ref.logprobs):
-            np.testing.assert_allclose([a[t] for t in sorted(a)], [b[t] for t in sorted(b)], rtol=1e-5, atol=1e-5)
+        check_logprobs(out.logprobs, ref.logprobs)
+
+
+def check_logprobs(got, want):
+    """Per-token logprob entries: the same token ids, values to 1e-5."""
+    import numpy as np
+    assert [set(e) for e in got] == [set(e) for e in want]
+    for a, b in zip(got, want):
+        np.testing.assert_allclose([a[t] for t in sorted(a)], [b[t] for t in sorted(b)], rtol=1e-5, atol=1e-5)
 
 
 @contextlib.contextmanager

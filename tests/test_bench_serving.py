@@ -61,6 +61,8 @@ def test_summary_of_a_known_run():
     assert s["itl_ms"]["mean"] == pytest.approx(4000 / 3)
     assert (s["itl_ms"]["p50"], s["itl_ms"]["p99"]) == pytest.approx((1000.0, 1980.0))
     assert metrics.summarize([a, b], wall_s=8.0)["output_throughput"] == pytest.approx(5 / 8)
+    line = report.summary_line({"concurrency": 2, "summary": s})    # the failure's error is printed
+    assert "2 ok, 1 failed" in line and line.endswith("\n      error: HTTP 500: boom")
 
 
 def test_pass_occupancy_splits_throughput_into_rows_and_pass_time():

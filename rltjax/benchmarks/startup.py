@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from rltjax.entrypoints.engine_args import add_engine_arguments, configs_from_args
+from rltjax.entrypoints.engine_args import add_engine_arguments, configs_from_args, hf_overrides_from_args
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -44,8 +44,7 @@ def model_config(args):
     if args.model:
         from rltjax.config import parse_hf_config
         hf = json.loads((Path(args.model) / "config.json").read_text())
-        overrides = json.loads(args.hf_overrides) if args.hf_overrides else None
-        return parse_hf_config(hf, overrides), args.dtype or hf.get("torch_dtype") or "bfloat16"
+        return parse_hf_config(hf, hf_overrides_from_args(args)), args.dtype or hf.get("torch_dtype") or "bfloat16"
     cfg = preset_config_from_args(args)
     return cfg, args.dtype or ("float32" if args.quick else "bfloat16")
 

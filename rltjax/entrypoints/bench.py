@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from rltjax.entrypoints.engine_args import add_engine_arguments, configs_from_args
+from rltjax.entrypoints.engine_args import add_engine_arguments, configs_from_args, hf_overrides_from_args
 
 QUICK_OVERRIDES = {"num_hidden_layers": 2, "layer_types": ["full_attention"] * 2, "hidden_size": 64,
                    "intermediate_size": 160, "num_attention_heads": 4, "num_key_value_heads": 4,
@@ -36,8 +36,7 @@ QUICK_OVERRIDES = {"num_hidden_layers": 2, "layer_types": ["full_attention"] * 2
 def preset_config_from_args(args):
     """The ModelConfig of ``--preset``: shrunk by ``--quick``, then ``--hf-overrides`` on top."""
     from rltjax.presets import preset_config
-    overrides = {**(QUICK_OVERRIDES if args.quick else {}),
-                 **(json.loads(args.hf_overrides) if args.hf_overrides else {})}
+    overrides = {**(QUICK_OVERRIDES if args.quick else {}), **(hf_overrides_from_args(args) or {})}
     return preset_config(args.preset, overrides or None)
 
 

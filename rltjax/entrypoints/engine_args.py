@@ -15,7 +15,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="parameter dtype (default: the checkpoint's)")
     g.add_argument("--hf-overrides", default=None,
-                   help='JSON object of config.json fields to override, e.g. \'{"total_ut_steps": 2}\'')
+                   help='JSON object of config.json fields to override (of --model, or of a benchmark\'s --preset), '
+                        'e.g. \'{"total_ut_steps": 2}\'')
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the model's position limit)")
     g = p.add_argument_group("KV cache")
@@ -126,11 +127,16 @@ def parse_xla_options(items: list[str]) -> dict:
     return options
 
 
+def hf_overrides_from_args(args: argparse.Namespace) -> dict | None:
+    """``--hf-overrides`` parsed (None when unset)."""
+    return json.loads(args.hf_overrides) if args.hf_overrides else None
+
+
 def configs_from_args(args: argparse.Namespace) -> dict:
     """Keyword arguments for ``build_engine`` / ``LLM`` from parsed flags."""
     return dict(
         dtype=args.dtype,
-        hf_overrides=json.loads(args.hf_overrides) if args.hf_overrides else None,
+        hf_overrides=hf_overrides_from_args(args),
         cache_config=CacheConfig(kv_layout=args.kv_layout, page_size=args.page_size, num_pages=args.num_pages,
                                  gpu_memory_utilization=args.gpu_memory_utilization,
                                  max_loops=args.cache_max_loops),

@@ -3,6 +3,7 @@ launch or read raises errors its requests, and only once: no output for a reques
 finish, the others equal the oracle's, no page leaks."""
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
@@ -52,4 +53,42 @@ def test_failed_window_errors_its_requests_once(standby, call, fail_at, monkeypa
     for _, rid, prompt, params in arrivals:
         if rid not in errors:
             check_equal(outputs[rid], ref.generate(prompt, params, request_id=rid))
+    assert_all_pages_free(engine)
+
+
+def test_a_standby_entry_taken_twice_errors_instead_of_duplicating(monkeypatch):
+    """A window read whose outputs put one request in two rows (its standby entry taken twice,
+    as an H200 run once produced: ``docs/performance.md``, twenty-fifth session) must not
+    replay the request twice (two finishes, twice the tokens): its window's requests error once
+    each, the rest of the workload runs on, no page leaks."""
+    engine = make_engine(exit_mode="ouro_delayed", page_size=4, max_num_seqs=16, num_pages=512,
+                         decode_window=3, window_trip="fixed")
+    real, corrupted = engine.runner.window_read, []
+
+    def read_with_a_twice_taken_entry(after, out, n):
+        after, out = (jax.tree.map(np.array, t) for t in real(after, out, n))
+        took = np.nonzero(out.swap_col >= 0)[0]
+        idle = np.nonzero((out.swap_col < 0) & (out.count == 0))[0]
+        if not corrupted and len(took) and len(idle):   # an idle row takes the same entry
+            i, j = int(took[0]), int(idle[0])
+            out.swap_col[j], out.swap_tag[j], after.active[j] = 0, out.swap_tag[i], True
+            corrupted.append(int(out.swap_tag[i]))
+        return after, out
+    monkeypatch.setattr(engine.runner, "window_read", read_with_a_twice_taken_entry)
+    arrivals = workload(20)
+    outputs, _, returned = drive(engine, arrivals)
+    assert corrupted, "no read had both a swap and an idle row: the workload no longer exercises this"
+    finished_at = {}
+    for step, outs in enumerate(returned):
+        for out in outs:
+            assert out.request_id not in finished_at, f"{out.request_id}: output at step {step} after its finish"
+            if out.finished:
+                finished_at[out.request_id] = step
+    errors = [rid for rid, out in outputs.items() if out.finish_reason == "error"]
+    assert errors and all("standby entry was taken twice" in outputs[rid].error for rid in errors)
+    ref = reference_for("last_exited", "ouro_delayed")
+    for _, rid, prompt, params in arrivals:
+        if rid not in errors:
+            check_equal(outputs[rid], ref.generate(prompt, params, request_id=rid))
+    assert len(outputs) == len(arrivals)
     assert_all_pages_free(engine)

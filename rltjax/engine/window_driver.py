@@ -227,6 +227,11 @@ class WindowDriver:
                 tag = int(out.swap_tag[i])
                 self._waiting.discard(tag)
                 rows[i] = self._on_device.get(tag)      # None: finished and forgotten
+                if rows[i] is not None and any(rows[j] is rows[i] for j in range(len(rows)) if j != i):
+                    # replaying it would give the request two rows' tokens and two finishes
+                    raise RuntimeError(f"request {rows[i].request_id!r}: the decode window placed it in rows "
+                                       f"{[j for j in range(len(rows)) if rows[j] is rows[i]]} (its standby "
+                                       f"entry was taken twice; the device's window state is inconsistent)")
                 self._replay(rows[i], out, i, col, count, now, changed)
             else:
                 self._replay(rows[i], out, i, 0, count, now, changed)

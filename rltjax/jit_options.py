@@ -25,24 +25,6 @@ def engine_jit(**jit_kwargs):
     return wrap
 
 
-# On a GPU, XLA's rematerialization pass sizes a program's memory without the donated KV
-# pool's aliasing (an H200 engine's ~125 GiB pool counted as ~276 GiB), finds it above the
-# device's memory and rematerializes a few small values: ~160 bytes, no use. In the decode
-# window that once left a standby entry waiting after a row took it (twenty-fifth session,
-# docs/performance.md: one request ran in two rows and finished twice). A limit far above any
-# such estimate keeps the pass idle. An explicit --xla-option of the same name wins.
-GPU_DEFAULT_OPTIONS = (("xla_gpu_memory_limit_slop_factor", 1000),)
-
-
-def engine_options(options: tuple[tuple[str, Any], ...], platform: str) -> tuple[tuple[str, Any], ...]:
-    """The XLA options an engine's steps compile with on ``platform``: the caller's, plus
-    ``GPU_DEFAULT_OPTIONS`` on a GPU for the names the caller did not set (sorted pairs)."""
-    merged = dict(options)
-    if platform == "gpu":
-        merged = dict(GPU_DEFAULT_OPTIONS) | merged
-    return tuple(sorted(merged.items()))
-
-
 @functools.cache
 def _rebuilt(jitted, options: tuple) -> Callable:
     fn, jit_kwargs = _DECLARED[jitted]

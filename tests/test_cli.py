@@ -143,13 +143,3 @@ def test_xla_options_are_checked(options, match):
     with pytest.raises(EngineConfigError, match=match):
         ExecutionConfig(xla_options=options)
 
-
-def test_gpu_engines_compile_with_the_remat_limit_unless_the_user_sets_it():
-    """A GPU engine's steps get GPU_DEFAULT_OPTIONS (XLA accepts them: checked here by
-    compiling with them), other platforms only the user's options, and a user's own value wins."""
-    from rltjax.jit_options import GPU_DEFAULT_OPTIONS, check_options, engine_options
-    check_options(GPU_DEFAULT_OPTIONS)
-    name, value = GPU_DEFAULT_OPTIONS[0]
-    assert engine_options((("xla_gpu_autotune_level", 0),), "cpu") == (("xla_gpu_autotune_level", 0),)
-    assert dict(engine_options((("xla_gpu_autotune_level", 0),), "gpu")) == {"xla_gpu_autotune_level": 0, name: value}
-    assert dict(engine_options(((name, 95),), "gpu")) == {name: 95}

@@ -58,7 +58,7 @@ def test_failed_window_errors_its_requests_once(standby, call, fail_at, monkeypa
 
 def test_a_standby_entry_taken_twice_errors_instead_of_duplicating(monkeypatch):
     """A window read whose outputs put one request in two rows (its standby entry taken twice,
-    as an H200 run once produced: ``docs/performance.md``, twenty-fifth session) must not
+    as H200 runs produced: ``docs/performance.md``, twenty-fifth session) must not
     replay the request twice (two finishes, twice the tokens): its window's requests error once
     each, the rest of the workload runs on, no page leaks."""
     engine = make_engine(exit_mode="ouro_delayed", page_size=4, max_num_seqs=16, num_pages=512,

@@ -142,4 +142,3 @@ def test_xla_options_are_checked(options, match):
     from rltjax.engine_config import EngineConfigError, ExecutionConfig
     with pytest.raises(EngineConfigError, match=match):
         ExecutionConfig(xla_options=options)
-

@@ -23,6 +23,16 @@ def workload(n: int = 14):
     return arrivals
 
 
+def assert_no_output_after_finish(returned) -> None:
+    """No request has an output in a step after the one that finished it (returned: per step)."""
+    finished_at = {}
+    for step, outs in enumerate(returned):
+        for out in outs:
+            assert out.request_id not in finished_at, f"{out.request_id}: output at step {step} after its finish"
+            if out.finished:
+                finished_at[out.request_id] = step
+
+
 @pytest.mark.parametrize("standby", [True, False])
 @pytest.mark.parametrize("call", ["window_launch", "window_read"])
 @pytest.mark.parametrize("fail_at", [2, 7])
@@ -40,12 +50,7 @@ def test_failed_window_errors_its_requests_once(standby, call, fail_at, monkeypa
     monkeypatch.setattr(engine.runner, call, flaky)
     arrivals = workload()
     outputs, _, returned = drive(engine, arrivals)
-    finished_at = {}
-    for step, outs in enumerate(returned):
-        for out in outs:
-            assert out.request_id not in finished_at, f"{out.request_id}: output at step {step} after its finish"
-            if out.finished:
-                finished_at[out.request_id] = step
+    assert_no_output_after_finish(returned)
     ref = reference_for("last_exited", "ouro_delayed")
     errors = [rid for rid, out in outputs.items() if out.finish_reason == "error"]
     assert calls[0] >= fail_at and errors
@@ -78,12 +83,7 @@ def test_a_standby_entry_taken_twice_errors_instead_of_duplicating(monkeypatch):
     arrivals = workload(20)
     outputs, _, returned = drive(engine, arrivals)
     assert corrupted, "no read had both a swap and an idle row: the workload no longer exercises this"
-    finished_at = {}
-    for step, outs in enumerate(returned):
-        for out in outs:
-            assert out.request_id not in finished_at, f"{out.request_id}: output at step {step} after its finish"
-            if out.finished:
-                finished_at[out.request_id] = step
+    assert_no_output_after_finish(returned)
     errors = [rid for rid, out in outputs.items() if out.finish_reason == "error"]
     assert errors and all("standby entry was taken twice" in outputs[rid].error for rid in errors)
     ref = reference_for("last_exited", "ouro_delayed")

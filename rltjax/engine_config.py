@@ -216,7 +216,10 @@ class ExecutionConfig:
     needs an exit mode that decides one pass ahead (ouro_delayed, random_lookahead, trace, fixed).
     xla_options: XLA compiler options for every engine executable, {name: value} (e.g.
     {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUSTOM_CALL,WHILE,CONDITIONAL"}); an
-    unknown name fails at the first compile with XLA's message. Empty: XLA's defaults.
+    unknown name fails at the first compile with XLA's message. On a GPU the engine adds
+    ``xla_disable_hlo_passes=rematerialization`` (``jit_options.GPU_DEFAULT_OPTIONS``: XLA's
+    remat pass miscomputed decode windows over a full-size KV pool); passes a caller disables
+    are added to it. Empty elsewhere: XLA's defaults.
     compile_ahead: compile every bucket at start-up (else on first use).
     compilation_cache_dir: XLA's persistent compilation cache (None disables it).
     mixed_prefill_tokens: > 0 (a power of two): requests admitted while a decode window runs

@@ -25,6 +25,32 @@ def engine_jit(**jit_kwargs):
     return wrap
 
 
+# On a GPU, XLA's rematerialization pass sizes a program without the donated KV pool's
+# aliasing (an H200 engine's 92 GiB pool counted three times: 275.7 GiB against a 101.7 GiB
+# limit), cannot reach its limit, and recomputes a few small values anyway. In the decode
+# window, with a full-size pool, the recomputed take of standby entries left an entry waiting
+# after a row had taken it, so one request ran in two rows (twenty-fifth and twenty-sixth
+# sessions, docs/performance.md); with the pass off the same run is right. The pass saves no
+# memory here, so the engine turns it off.
+GPU_DEFAULT_OPTIONS = (("xla_disable_hlo_passes", "rematerialization"),)
+LIST_OPTIONS = ("xla_disable_hlo_passes",)    # comma-separated lists: a caller's adds to the default
+
+
+def engine_options(options: tuple[tuple[str, Any], ...], platform: str) -> tuple[tuple[str, Any], ...]:
+    """The XLA options an engine's steps compile with on ``platform``: the caller's, plus
+    ``GPU_DEFAULT_OPTIONS`` on a GPU (a caller's value of the same name replaces a default,
+    except for LIST_OPTIONS, whose items are joined) -> sorted pairs."""
+    merged = dict(options)
+    if platform == "gpu":
+        for name, value in GPU_DEFAULT_OPTIONS:
+            if name in LIST_OPTIONS and name in merged:
+                items = [*str(value).split(","), *str(merged[name]).split(",")]
+                merged[name] = ",".join(dict.fromkeys(i.strip() for i in items if i.strip()))
+            else:
+                merged.setdefault(name, value)
+    return tuple(sorted(merged.items()))
+
+
 @functools.cache
 def _rebuilt(jitted, options: tuple) -> Callable:
     fn, jit_kwargs = _DECLARED[jitted]

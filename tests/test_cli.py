@@ -142,3 +142,18 @@ def test_xla_options_are_checked(options, match):
     from rltjax.engine_config import EngineConfigError, ExecutionConfig
     with pytest.raises(EngineConfigError, match=match):
         ExecutionConfig(xla_options=options)
+
+
+def test_gpu_engines_compile_without_the_remat_pass():
+    """A GPU engine's steps get GPU_DEFAULT_OPTIONS (which XLA accepts: compiled with them
+    here), other platforms only the caller's options; a caller's own passes to disable are
+    added to the default, other names of the caller's win."""
+    from rltjax.jit_options import GPU_DEFAULT_OPTIONS, check_options, engine_options
+    check_options(GPU_DEFAULT_OPTIONS)
+    assert dict(GPU_DEFAULT_OPTIONS) == {"xla_disable_hlo_passes": "rematerialization"}
+    mine = (("xla_gpu_autotune_level", 0),)
+    assert engine_options(mine, "cpu") == mine
+    assert engine_options(mine, "gpu") == (("xla_disable_hlo_passes", "rematerialization"),
+                                           ("xla_gpu_autotune_level", 0))
+    joined = dict(engine_options((("xla_disable_hlo_passes", "algsimp, rematerialization"),), "gpu"))
+    assert joined == {"xla_disable_hlo_passes": "rematerialization,algsimp"}

@@ -30,6 +30,7 @@ from rltjax.engine.host_rows import idle_window_rows
 from rltjax.engine.window_calls import WindowCalls
 from rltjax.models.base import boundary_kv_layers
 from rltjax.models.layers import split_layer_stacks
+from rltjax.jit_options import engine_options
 
 NUM_TOP_LOGPROBS = 20
 MIN_TOKEN_BUCKET = 32   # prefill token counts pad to >= this: fewer executables, negligible padding
@@ -121,7 +122,8 @@ class ModelRunner(WindowCalls):
             raise ValueError(f"{self.cfg.arch}: boundary_kv must be given exactly when the model has boundary "
                              f"stages ({boundary_kv_layers(model)} boundary KV layers)")
         self.bkv = boundary_kv
-        self.steps = DeviceSteps.build(xla_options)   # xla_options: (name, value) pairs
+        # xla_options: (name, value) pairs; a GPU adds its defaults (``jit_options.engine_options``)
+        self.steps = DeviceSteps.build(engine_options(xla_options, jax.default_backend()))
         # loop, head, embed steps and windows: one row per request (the fused decode write holds)
         uses_kernel = attention_uses_kernel(attn_impl, self.cfg, kv)
         self.backend = PagedKVBackend(attn_impl=attn_impl, interpret=interpret, matmul_impl=matmul_impl,

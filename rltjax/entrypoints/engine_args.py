@@ -63,7 +63,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "xla = XLA's dot; pallas = the kernels for every projection of <= 64 rows and the heads")
     g.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
                    help="an XLA compiler option for every engine executable (repeatable), e.g. "
-                        "xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUSTOM_CALL,WHILE,CONDITIONAL")
+                        "xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUSTOM_CALL,WHILE,CONDITIONAL (on a GPU the "
+                        "engine always disables XLA's rematerialization pass)")
     g.add_argument("--decode-window", type=int, default=None, metavar="K",
                    help="decode as device-side windows of up to K loop passes (0: one pass per step; "
                         "default: 16 where windows can run)")

@@ -92,3 +92,42 @@ def test_a_standby_entry_taken_twice_errors_instead_of_duplicating(monkeypatch):
             check_equal(outputs[rid], ref.generate(prompt, params, request_id=rid))
     assert len(outputs) == len(arrivals)
     assert_all_pages_free(engine)
+
+
+@pytest.mark.parametrize("standby", [True, False])
+@pytest.mark.parametrize("fail_at", [1, 2])
+def test_a_failed_drain_errors_its_window_and_streams_every_finish(standby, fail_at, monkeypatch):
+    """A window whose read fails while the host drains it (before another kind of step; the
+    H200 failure of the twenty-sixth session came this way) errors its requests instead of
+    raising out of ``step``, and every request's finish is among the outputs ``step`` returned
+    (a server streams only those), once."""
+    rows = dict(decode_window_rows=8) if standby else {}
+    engine = make_engine(exit_mode="ouro_delayed", page_size=4, max_num_seqs=12 if standby else 4, num_pages=512,
+                         decode_window=3, window_trip="fixed", **rows)
+    real_drain, real_read, drains = engine.windows.drain, engine.runner.window_read, [0]
+
+    def failing_read(*args, **kwargs):
+        raise RuntimeError("injected read failure")
+
+    def drain():
+        drains[0] += 1
+        if drains[0] == fail_at:
+            monkeypatch.setattr(engine.runner, "window_read", failing_read)
+        try:
+            return real_drain()
+        finally:
+            monkeypatch.setattr(engine.runner, "window_read", real_read)
+    monkeypatch.setattr(engine.windows, "drain", drain)
+    arrivals = workload()
+    outputs, _, returned = drive(engine, arrivals)
+    assert drains[0] >= fail_at, "the workload drained fewer windows: it no longer exercises this"
+    assert_no_output_after_finish(returned)
+    streamed = {out.request_id for outs in returned for out in outs if out.finished}
+    assert streamed == {rid for _, rid, _, _ in arrivals}
+    errors = [rid for rid, out in outputs.items() if out.finish_reason == "error"]
+    assert errors and all(outputs[rid].error == "RuntimeError: injected read failure" for rid in errors)
+    ref = reference_for("last_exited", "ouro_delayed")
+    for _, rid, prompt, params in arrivals:
+        if rid not in errors:
+            check_equal(outputs[rid], ref.generate(prompt, params, request_id=rid))
+    assert_all_pages_free(engine)

@@ -238,7 +238,10 @@ class LLMEngine:
         rows for them. Otherwise the host drains the window first. Returns the step's outputs."""
         def drained():
             self._count("window_drain")      # the host catches up before anything else launches
-            return [self._output(r) for r in self.windows.drain()]
+            try:
+                return [self._output(r) for r in self.windows.drain()]
+            except Exception as exc:         # its outputs cannot be taken: the window's requests error
+                return self._fail(list(self.scheduler.running), exc)
         if not self.windows.only_admission_waits(self.scheduler):
             return drained()
         plan = self.scheduler.schedule()     # admits; every running request is in the window

@@ -218,6 +218,7 @@ class WindowDriver:
         the row then holds (``rows`` updated in place)."""
         after, out = self.runner.window_read(after_dev, out_dev, len(rows))
         self.steps_by_kind["window_passes"] = self.steps_by_kind.get("window_passes", 0) + int(out.passes)
+        self._check_swaps(rows, out)
         now = time.monotonic()
         changed = []
         for i in range(len(rows)):
@@ -227,11 +228,6 @@ class WindowDriver:
                 tag = int(out.swap_tag[i])
                 self._waiting.discard(tag)
                 rows[i] = self._on_device.get(tag)      # None: finished and forgotten
-                if rows[i] is not None and any(rows[j] is rows[i] for j in range(len(rows)) if j != i):
-                    # replaying it would give the request two rows' tokens and two finishes
-                    raise RuntimeError(f"request {rows[i].request_id!r}: the decode window placed it in rows "
-                                       f"{[j for j in range(len(rows)) if rows[j] is rows[i]]} (its standby "
-                                       f"entry was taken twice; the device's window state is inconsistent)")
                 self._replay(rows[i], out, i, col, count, now, changed)
             else:
                 self._replay(rows[i], out, i, 0, count, now, changed)
@@ -244,6 +240,19 @@ class WindowDriver:
                 r.exit_remaining, r.exit_triggered = np.float32(after.remaining[i]), bool(after.triggered[i])
         self._on_device = {tag: r for tag, r in self._on_device.items() if not r.finished}
         return changed
+
+    def _check_swaps(self, rows: list[Request | None], out) -> None:
+        """Before anything is replayed: no request may hold two rows after the window's swaps
+        (its standby entry taken twice), which would give it two rows' tokens and two finishes."""
+        held = {}
+        for i in range(len(rows)):
+            r = self._on_device.get(int(out.swap_tag[i])) if out.swap_col[i] >= 0 else rows[i]
+            if r is not None and not r.finished:
+                held.setdefault(id(r), (r, []))[1].append(i)
+        for r, at in held.values():
+            if len(at) > 1:
+                raise RuntimeError(f"request {r.request_id!r}: the decode window placed it in rows {at} (its "
+                                   f"standby entry was taken twice; the device's window state is inconsistent)")
 
     def _replay(self, r: Request | None, out, i: int, lo: int, hi: int, now: float, changed: list,
                 left: bool = False) -> None:

@@ -28,9 +28,9 @@ from rltjax.engine.runner_io import BoundaryRows, PendingSignals
 from rltjax.engine.scheduler import prefill_batch_bound
 from rltjax.engine.host_rows import idle_window_rows
 from rltjax.engine.window_calls import WindowCalls
+from rltjax.jit_options import engine_options
 from rltjax.models.base import boundary_kv_layers
 from rltjax.models.layers import split_layer_stacks
-from rltjax.jit_options import engine_options
 
 NUM_TOP_LOGPROBS = 20
 MIN_TOKEN_BUCKET = 32   # prefill token counts pad to >= this: fewer executables, negligible padding

@@ -33,21 +33,17 @@ def engine_jit(**jit_kwargs):
 # sessions, docs/performance.md); with the pass off the same run is right. The pass saves no
 # memory here, so the engine turns it off.
 GPU_DEFAULT_OPTIONS = (("xla_disable_hlo_passes", "rematerialization"),)
-LIST_OPTIONS = ("xla_disable_hlo_passes",)    # comma-separated lists: a caller's adds to the default
 
 
 def engine_options(options: tuple[tuple[str, Any], ...], platform: str) -> tuple[tuple[str, Any], ...]:
-    """The XLA options an engine's steps compile with on ``platform``: the caller's, plus
-    ``GPU_DEFAULT_OPTIONS`` on a GPU (a caller's value of the same name replaces a default,
-    except for LIST_OPTIONS, whose items are joined) -> sorted pairs."""
+    """The XLA options an engine's steps compile with on ``platform``: the caller's, and on a
+    GPU the passes of ``GPU_DEFAULT_OPTIONS`` disabled too (joined with any the caller
+    disables) -> sorted pairs."""
     merged = dict(options)
     if platform == "gpu":
-        for name, value in GPU_DEFAULT_OPTIONS:
-            if name in LIST_OPTIONS and name in merged:
-                items = [*str(value).split(","), *str(merged[name]).split(",")]
-                merged[name] = ",".join(dict.fromkeys(i.strip() for i in items if i.strip()))
-            else:
-                merged.setdefault(name, value)
+        for name, passes in GPU_DEFAULT_OPTIONS:     # comma-separated pass names
+            items = f"{passes},{merged.get(name, '')}".split(",")
+            merged[name] = ",".join(dict.fromkeys(i.strip() for i in items if i.strip()))
     return tuple(sorted(merged.items()))
 
 

@@ -33,6 +33,15 @@ def assert_no_output_after_finish(returned) -> None:
                 finished_at[out.request_id] = step
 
 
+def assert_others_match_oracle(engine, arrivals, outputs, errors) -> None:
+    """Every request not in ``errors`` equals the oracle's; no page leaks."""
+    ref = reference_for("last_exited", "ouro_delayed")
+    for _, rid, prompt, params in arrivals:
+        if rid not in errors:
+            check_equal(outputs[rid], ref.generate(prompt, params, request_id=rid))
+    assert_all_pages_free(engine)
+
+
 @pytest.mark.parametrize("standby", [True, False])
 @pytest.mark.parametrize("call", ["window_launch", "window_read"])
 @pytest.mark.parametrize("fail_at", [2, 7])
@@ -51,14 +60,10 @@ def test_failed_window_errors_its_requests_once(standby, call, fail_at, monkeypa
     arrivals = workload()
     outputs, _, returned = drive(engine, arrivals)
     assert_no_output_after_finish(returned)
-    ref = reference_for("last_exited", "ouro_delayed")
     errors = [rid for rid, out in outputs.items() if out.finish_reason == "error"]
     assert calls[0] >= fail_at and errors
     assert all(outputs[rid].error == "RuntimeError: injected window failure" for rid in errors)
-    for _, rid, prompt, params in arrivals:
-        if rid not in errors:
-            check_equal(outputs[rid], ref.generate(prompt, params, request_id=rid))
-    assert_all_pages_free(engine)
+    assert_others_match_oracle(engine, arrivals, outputs, errors)
 
 
 def test_a_standby_entry_taken_twice_errors_instead_of_duplicating(monkeypatch):
@@ -86,12 +91,8 @@ def test_a_standby_entry_taken_twice_errors_instead_of_duplicating(monkeypatch):
     assert_no_output_after_finish(returned)
     errors = [rid for rid, out in outputs.items() if out.finish_reason == "error"]
     assert errors and all("standby entry was taken twice" in outputs[rid].error for rid in errors)
-    ref = reference_for("last_exited", "ouro_delayed")
-    for _, rid, prompt, params in arrivals:
-        if rid not in errors:
-            check_equal(outputs[rid], ref.generate(prompt, params, request_id=rid))
     assert len(outputs) == len(arrivals)
-    assert_all_pages_free(engine)
+    assert_others_match_oracle(engine, arrivals, outputs, errors)
 
 
 @pytest.mark.parametrize("standby", [True, False])
@@ -126,8 +127,4 @@ def test_a_failed_drain_errors_its_window_and_streams_every_finish(standby, fail
     assert streamed == {rid for _, rid, _, _ in arrivals}
     errors = [rid for rid, out in outputs.items() if out.finish_reason == "error"]
     assert errors and all(outputs[rid].error == "RuntimeError: injected read failure" for rid in errors)
-    ref = reference_for("last_exited", "ouro_delayed")
-    for _, rid, prompt, params in arrivals:
-        if rid not in errors:
-            check_equal(outputs[rid], ref.generate(prompt, params, request_id=rid))
-    assert_all_pages_free(engine)
+    assert_others_match_oracle(engine, arrivals, outputs, errors)

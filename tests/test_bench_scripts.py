@@ -208,6 +208,20 @@ def test_explore_weight_layout_quick(tmp_path):
         assert max(r["rel_err_vs_xla"].values()) < (2e-2 if r["case"] == "downsw" else 1e-2)
 
 
+def test_explore_panel_layout_quick(tmp_path):
+    """The engine's calls and every panel variant (panel widths, K splits as partial sums for o
+    and down, the gate | up pair with its SiLU-multiply) compute the projection."""
+    out = tmp_path / "panel.json"
+    run_script("explore_panel_layout.py", "--quick", "--out", str(out))
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["case"], r["rows"]) for r in rows] == [(c, m) for c in ("qkv", "o", "gateup", "down") for m in (1, 16)]
+    for r in rows:
+        labels = set(r["us"])
+        assert "engine" in labels and {"panel_p16_bk64_s1_w4_st3", "panel_p32_bk64_s1_w4_st3"} <= labels
+        assert ("panel_p16_bk64_s2_w4_st3" in labels) == (r["case"] in ("o", "down"))
+        assert max(r["rel_err"].values()) < 1e-2 and min(r["us"].values()) > 0
+
+
 def test_profile_loop_pass_quick(tmp_path):
     """Each XLA option set compiles its own pass (the values parsed as --xla-option parses them);
     a name XLA does not know fails the run."""

@@ -24,9 +24,9 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
-import json
 import os
 import sys
+from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -38,6 +38,7 @@ from jax.experimental.pallas import triton as plgpu  # noqa: E402
 
 from explore_weight_layout import compile_all, time_all  # noqa: E402
 from kernels.skinny_matmul import gated_up, gated_up_ref, skinny_matmul, skinny_matmul_ref  # noqa: E402
+from rltjax.benchmarks.report import write_json  # noqa: E402
 
 SHAPES = {"qkv": (2048, 6144), "o": (2048, 2048), "gateup": (2048, 5632), "down": (5632, 2048)}
 DOT_ROWS = 16
@@ -174,8 +175,7 @@ def main(argv=None) -> int:
                   f"  best panel {best} {times[best]:6.2f} ({mb / times[best]:.2f} TB/s)  one pass {best1} "
                   f"{times[best1]:6.2f}  max err {max(errs.values()):.1e}", flush=True)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(jax=jax.__version__, device=jax.devices()[0].device_kind, results=summary), f, indent=1)
+        write_json(Path(args.out), dict(jax=jax.__version__, device=jax.devices()[0].device_kind, results=summary))
     return 0
 
 

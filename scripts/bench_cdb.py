@@ -13,7 +13,8 @@ Random weights have no meaningful gate, hence a drawn trace, not a gated one.
 
 Ideal speed-up (DESIGN section 4) = (F0 + R*Fr) / (F0 + dbar*Fr) with the memory model's
 bytes: Fr = core weights + B*L*KV bytes per position per plane (one loop pass),
-F0 = head weights (lm_head), B = concurrency, L = mean context. Achieved speed-up =
+F0 = the weights a token reads once (``roofline.token_weight_bytes``: Ouro's lm_head, final
+norm and gate), B = concurrency, L = mean context. Achieved speed-up =
 adaptive tok/s / fixed-depth tok/s of the same executor; the ratio achieved/ideal is the
 CDB paper's measure. "full-depth overhead" compares the adaptive machinery at full depth
 (step engine, refill, threshold 1) with running each token's R loops back to back on the
@@ -133,7 +134,7 @@ def main(argv=None) -> int:
     from checkpoints.random_init import random_checkpoint
     from rltjax.benchmarks.depth_trace import draw_depths, loop_passes, pass_split, schedule_bound
     from rltjax.benchmarks.report import source_identity
-    from rltjax.benchmarks.roofline import model_bytes
+    from rltjax.benchmarks.roofline import ideal_speedup, model_bytes
     from rltjax.engine.exit_trace import ExitTrace
     from rltjax.engine_config import CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig
     from rltjax.entrypoints.llm import build_engine
@@ -219,8 +220,7 @@ def main(argv=None) -> int:
     sizes = model_bytes(cfg, dtype)
     L = args.prompt_len + args.output_len / 2
     fr = sizes.core_weight_bytes + C * L * sizes.kv_bytes_per_position_per_plane
-    f0 = cfg.hidden_size * cfg.vocab_size * np.dtype(dtype if args.quick else np.float16).itemsize
-    ideal = (f0 + R * fr) / (f0 + dbar * fr)
+    ideal = ideal_speedup(R, dbar, fr, sizes.token_weight_bytes)
     bound = schedule_bound([r["exit_depths"] for r in trace.records], C, R)
     summary = dict(mean_depth=dbar, depth_histogram=trace.depth_histogram(), ideal_speedup=ideal,
                    schedule_bound=bound)

@@ -151,12 +151,28 @@ def test_roofline_sizes_of_ouro_and_the_report():
     mb = roofline.model_bytes(preset_config("ouro-1.4b"), "bfloat16", "ouro-1.4b")
     assert mb.kv_bytes_per_position_per_plane == 196_608 and mb.num_loops == 4
     assert mb.core_weight_bytes == pytest.approx(2.47e9, rel=0.01)
+    # F0: the untied lm_head, the final norm and the gate (weights and bias), not the embedding
+    assert mb.token_weight_bytes == 2 * (2048 * 49152 + 2048 + 2048 + 1)
     assert roofline.mean_context([100, 200], [100, 300]) == pytest.approx(250.0)   # prompt + output / 2
     r = roofline.roofline_report(mb, 8, 450.0, None, 1000.0, bandwidth=4.3e12)
     assert r["mean_depth"] == 4.0 and "fixed depth" in r["depth_source"]
     assert r["bound_tokens_per_s"] == pytest.approx(2667, rel=0.02)
     assert r["fraction"] == pytest.approx(1000.0 / r["bound_tokens_per_s"])
     assert "bound" in roofline.roofline_line(r)
+
+
+def test_per_token_weights_of_a_tied_head_count_the_embedding():
+    """Huginn's F0: prelude and coda blocks, ln_f and the tied embedding table its head reads;
+    not the core nor the adapter (counted leaf by leaf from the params' shapes)."""
+    import jax
+    from checkpoints.hf import param_template
+    from rltjax.presets import preset_config
+    cfg = preset_config("huginn-0125")
+    template = param_template(cfg, "bfloat16")
+    assert template.lm_head is None
+    want = sum(x.size * 2 for part in (template.prelude, template.coda, template.ln_f, template.embed)
+               for x in jax.tree.leaves(part))
+    assert roofline.model_bytes(cfg, "bfloat16").token_weight_bytes == want
 
 
 # -- the ShareGPT loader --------------------------------------------------------------------

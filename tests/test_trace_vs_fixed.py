@@ -46,6 +46,26 @@ def test_speed_up_ideal_and_pass_split_from_known_numbers():
     assert not unknown["same_source"]              # no digests: not known to be the same code
 
 
+def test_ideal_is_designs_formula_with_the_per_token_weights():
+    """With the results' F0 (model_bytes.token_weight_bytes) the ideal is DESIGN's
+    (F0 + R·Fr) / (F0 + d̄·Fr): Fr = 2e9 + 8 * 250 * 2e5 = 2.4e9 B, F0 = 2e8 B, R = 4, d̄ = 2.5
+    -> 9.8 / 6.2; a 1.5x speed-up is then 94.9% of it (93.75% of the rooflines' 1.6)."""
+    def roof(bound, depth):
+        return {"bound_tokens_per_s": bound, "W_bytes": 2e9, "B": 8, "L": 250.0,
+                "kv_bytes_per_position_per_plane": 2e5, "mean_depth": depth}
+    fixed, trace = run(8, 1000.0, 2000.0, 2.0, 8000, 4.0), run(8, 1500.0, 3200.0, 4 / 3, 5000, 2.5)
+    fixed["roofline"], trace["roofline"] = roof(2000.0, 4.0), roof(3200.0, 2.5)
+    with_f0 = result([fixed])
+    with_f0["model_bytes"] = {"token_weight_bytes": 2e8}
+    out = trace_vs_fixed.compare(with_f0, result([trace], trace=True))
+    assert out["rows"][0]["ideal_speedup"] == pytest.approx(9.8 / 6.2)
+    assert out["rows"][0]["fraction_of_ideal"] == pytest.approx(1.5 * 6.2 / 9.8)
+    assert "| 1.581 | 94.9% |" in trace_vs_fixed.table(out) and "F0 = 200.0 MB" in trace_vs_fixed.table(out)
+    older = trace_vs_fixed.compare(result([fixed]), result([trace], trace=True))     # no F0 in the results
+    assert older["rows"][0]["ideal_speedup"] == pytest.approx(1.6)
+    assert "F0 = 0 (these results do not carry it)" in trace_vs_fixed.table(older)
+
+
 def test_runs_without_pass_counts_compare_without_the_split():
     """A run with no engine steps (passes None): the speed-up and the ideal, no split."""
     fixed, trace = run(8, 1000.0, 2000.0, 2.0, 1, 4.0), run(8, 1500.0, 3200.0, 4 / 3, 1, 2.5)

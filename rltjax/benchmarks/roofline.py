@@ -26,12 +26,13 @@ FORMULA = "tokens/s <= B / (d * (W + B*L*kv) / bandwidth)"
 
 @dataclasses.dataclass(frozen=True)
 class ModelBytes:
-    """The two sizes the bound needs, for one model at one dtype."""
+    """The sizes the bound and the ideal CDB speed-up need, for one model at one dtype."""
     name: str
     dtype: str
     core_weight_bytes: int
     kv_bytes_per_position_per_plane: int
     num_loops: int
+    token_weight_bytes: int       # F0 of the ideal speed-up (``token_weight_bytes``)
 
 
 def pass_seconds(batch: int, context: float, weight_bytes: float, kv_bytes: float,
@@ -51,6 +52,23 @@ def mean_context(prompt_lens: Sequence[int], output_lens: Sequence[int]) -> floa
     return float(np.mean(np.asarray(prompt_lens, float) + np.asarray(output_lens, float) / 2))
 
 
+def ideal_speedup(fixed_depth: float, mean_depth: float, loop_bytes: float, token_bytes: float) -> float:
+    """DESIGN section 4's ideal CDB speed-up of an exit trace over fixed depth,
+    (F0 + R·Fr) / (F0 + d̄·Fr), in bytes read: Fr = one loop pass (W + B·L·kv), F0 = the
+    per-token weights (``token_weight_bytes``), R = fixed_depth, d̄ = mean_depth."""
+    return (token_bytes + fixed_depth * loop_bytes) / (token_bytes + mean_depth * loop_bytes)
+
+
+def token_weight_bytes(params) -> int:
+    """F0's bytes: the weights a token reads once whatever its depth, i.e. every weight outside
+    the looped core but the embedding table, whose one row a token gathers; the table counts
+    where the head reads it (a tied lm_head). Ouro: the lm_head, the final norm and the gate."""
+    import jax
+    total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    embed = params.embed.size * params.embed.dtype.itemsize if params.lm_head is not None else 0
+    return int(total - core_weight_bytes(params) - embed)
+
+
 def core_weight_bytes(params) -> int:
     """Bytes of the looped core in a params pytree (Ouro / Nanbeige ``layers``; Huginn ``core`` + adapter)."""
     import jax
@@ -65,7 +83,7 @@ def model_bytes(cfg, dtype: str = "bfloat16", name: str = "") -> ModelBytes:
     template = param_template(cfg, dtype)
     return ModelBytes(name=name or cfg.arch, dtype=str(dtype), core_weight_bytes=core_weight_bytes(template),
                       kv_bytes_per_position_per_plane=int(kv_bytes_per_token_per_plane(cfg, dtype)),
-                      num_loops=cfg.num_loops)
+                      num_loops=cfg.num_loops, token_weight_bytes=token_weight_bytes(template))
 
 
 def roofline_report(mb: ModelBytes, batch: int, context: float, mean_depth: float | None,

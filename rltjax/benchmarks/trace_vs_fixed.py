@@ -6,9 +6,12 @@
 Per concurrency that both ran: the achieved speed-up (trace output tok/s / fixed), the ideal
 speed-up for the depths each run measured, the fraction of it reached (the CDB measure),
 and the speed-up split into the loop passes the trace saved and the wall time each of its
-passes took (``depth_trace.pass_split``). The ideal is the ratio of the two runs'
-memory-bound rooflines (DESIGN section 4: tokens/s <= B / (d̄·(W + B·L·kv) / bandwidth)),
-R / d̄ where both runs have the same B and L.
+passes took (``depth_trace.pass_split``). The ideal is DESIGN section 4's
+(F0 + R·Fr) / (F0 + d̄·Fr) in bytes read (``roofline.ideal_speedup``, as ``bench_cdb``
+computes it): Fr = W + B·L·kv, one loop pass of the fixed-depth run's roofline, F0 = the
+weights a token reads once (the results' ``model_bytes.token_weight_bytes``: Ouro's lm_head),
+R and d̄ the two runs' mean depths. Results written before they carried F0 get the ratio of
+the two runs' rooflines instead (F0 = 0: R / d̄ at equal B and L), and the table says so.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import sys
 from pathlib import Path
 
 from rltjax.benchmarks.depth_trace import pass_split
+from rltjax.benchmarks.roofline import ideal_speedup
 from rltjax.benchmarks.report import write_json
 
 # bench_serving's configuration fields that make it another engine or another workload
@@ -51,6 +55,7 @@ def compare(fixed: dict, trace: dict) -> dict:
     _same("the dataset's workload", fixed["dataset"]["workload"], trace["dataset"]["workload"])
     _same("the dataset seed", fixed["dataset"]["seed"], trace["dataset"]["seed"])
     by_c = {run["concurrency"]: run for run in fixed["runs"]}
+    token_bytes = (fixed.get("model_bytes") or {}).get("token_weight_bytes")
     rows = []
     for t in trace["runs"]:
         f = by_c.get(t["concurrency"])
@@ -65,7 +70,7 @@ def compare(fixed: dict, trace: dict) -> dict:
                                  f"({run['summary']['output_throughput']} tok/s, bound "
                                  f"{run['roofline']['bound_tokens_per_s']}); did its requests fail?")
         speedup = t["summary"]["output_throughput"] / f["summary"]["output_throughput"]
-        ideal = t["roofline"]["bound_tokens_per_s"] / f["roofline"]["bound_tokens_per_s"]
+        ideal = _ideal(f["roofline"], t["roofline"], token_bytes)
         row = dict(concurrency=c, num_requests=t["num_requests"], fixed_tokens_per_s=f["summary"]["output_throughput"],
                    trace_tokens_per_s=t["summary"]["output_throughput"], fixed_depth=f["summary"]["mean_decode_depth"],
                    trace_depth=t["summary"]["mean_decode_depth"], speedup=speedup, ideal_speedup=ideal,
@@ -78,7 +83,16 @@ def compare(fixed: dict, trace: dict) -> dict:
         raise ValueError(f"no concurrency in both runs (fixed: {sorted(by_c)}, "
                          f"trace: {sorted(r['concurrency'] for r in trace['runs'])})")
     digests = [r["environment"].get("source_digest") for r in (fixed, trace)]
-    return dict(same_source=digests[0] is not None and digests[0] == digests[1], source_digests=digests, rows=rows)
+    return dict(same_source=digests[0] is not None and digests[0] == digests[1], source_digests=digests,
+                token_weight_bytes=token_bytes, rows=rows)
+
+
+def _ideal(fixed_roof: dict, trace_roof: dict, token_bytes: int | None) -> float:
+    """DESIGN's ideal from the runs' rooflines and F0; the rooflines' ratio without F0."""
+    if token_bytes is None:
+        return trace_roof["bound_tokens_per_s"] / fixed_roof["bound_tokens_per_s"]
+    loop_bytes = fixed_roof["W_bytes"] + fixed_roof["B"] * fixed_roof["L"] * fixed_roof["kv_bytes_per_position_per_plane"]
+    return ideal_speedup(fixed_roof["mean_depth"], trace_roof["mean_depth"], loop_bytes, token_bytes)
 
 
 def _depth(depth) -> str:
@@ -95,6 +109,9 @@ def table(result: dict) -> str:
         lines.append(f"| {r['concurrency']} | {r['num_requests']} | {r['fixed_tokens_per_s']:,.1f} | "
                      f"{r['trace_tokens_per_s']:,.1f} ({_depth(r['trace_depth'])}) | {r['speedup']:.3f} | "
                      f"{r['ideal_speedup']:.3f} | {r['fraction_of_ideal']:.1%} | {passes} |")
+    f0 = result.get("token_weight_bytes")
+    lines.append("\nideal: (F0 + R·Fr) / (F0 + d̄·Fr), F0 = " + (f"{f0 / 1e6:,.1f} MB of per-token weights" if f0 is not None
+                 else "0 (these results do not carry it): the two rooflines' ratio"))
     if not result["same_source"]:
         lines.append(f"\nWARNING: the runs may come from different code (source digests {result['source_digests']})")
     return "\n".join(lines)

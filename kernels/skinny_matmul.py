@@ -234,14 +234,15 @@ def skinny_matmul(x: jax.Array, w: jax.Array, layer=None, *, impl: str = "xla", 
 def gated_config(m: int, k: int, f: int, block_n: int | None = None, block_k: int | None = None,
                  num_warps: int | None = None, num_stages: int | None = None, itemsize: int = 2) -> dict:
     """``gated_up``'s blocks, warps and stages: one pass over K in 64 x 128 tiles of each weight,
-    two warps up to 8 rows and four from 16, 4 stages (the best of a sweep on an H200 at Ouro's
-    2048 x 5632 pair at 1-64 rows, `scripts/bench_mlp.py --sweep`, docs/performance.md).
+    four warps, 4 stages (the best of sweeps on an H200 at Ouro's 2048 x 5632 pair,
+    `scripts/bench_mlp.py --sweep`, docs/performance.md: two warps, the fifteenth session's pick
+    up to 8 rows, took 14.85 us at 8 rows in the twenty-eighth against 13.57 with four).
     Fewer stages where the buffers would pass SMEM_BYTES, each stage an x tile and two weight
     tiles (bf16 64 x 256 tiles at 32 rows and 4 stages asked for 240 KB of the 232 KB): float32
     gets 3 up to 32 rows and 2 at 64. (bf16 at 64 rows: 15.2 us at 4 stages, 26.3 at 2.)"""
     bn, bk = fit_block(f, block_n or 64), fit_block(k, block_k or 128)
     stages = num_stages or fitting_stages((max(m, 16) * bk + 2 * bk * bn) * itemsize, 4)
-    return dict(block_n=bn, block_k=bk, num_warps=num_warps or (2 if m <= 8 else 4), num_stages=stages)
+    return dict(block_n=bn, block_k=bk, num_warps=num_warps or 4, num_stages=stages)
 
 
 def gated_up(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, layer=None, *, impl: str = "xla",

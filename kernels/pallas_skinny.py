@@ -84,8 +84,8 @@ def _kernel(layer_ref, x_ref, w_ref, *refs, block_n: int, block_k: int, steps: i
     skip_ref, o_ref = refs if skippable else (None, refs[0])
 
     def store(acc):                # acc [M, bn] float32
-        if len(o_ref.shape) == 2:      # one split: the whole sum, rounded once to the output dtype
-            o_ref[:, cols] = acc.astype(o_ref.dtype)
+        if len(o_ref.shape) == 2:      # one split: the whole sum, rounded once to x's dtype
+            o_ref[:, cols] = acc.astype(x_ref.dtype).astype(o_ref.dtype)
         else:
             o_ref[split, :, cols] = acc
 
@@ -147,12 +147,13 @@ def _layer_spec(shape):
 
 
 @functools.partial(jax.jit, static_argnames=("block_n", "block_k", "k_splits", "num_warps", "num_stages",
-                                             "interpret"))
+                                             "interpret", "widen"))
 def skinny_matmul_pallas(x, w, layer, skip=None, *, block_n: int, block_k: int, k_splits: int = 1,
-                         num_warps: int = 4, num_stages: int = 3, interpret: bool = False):
+                         num_warps: int = 4, num_stages: int = 3, interpret: bool = False, widen: bool = False):
     """x [M, K] (M a power of two), w [L, K, N], layer [1] int32 -> [M, N] in x's dtype
     (k_splits = 1) or [S, M, N] float32 partial sums (k_splits = S). skip: None or [1] int32;
-    nonzero writes zeros without reading the weight."""
+    nonzero writes zeros without reading the weight. widen (k_splits = 1): the product rounded
+    to x's dtype is stored as float32 (a head's logits: no conversion kernel after it)."""
     m, k = x.shape
     if m < 1 or m & (m - 1):
         raise ValueError(f"skinny_matmul_pallas: x has {m} rows; the kernel takes a power of two "
@@ -160,7 +161,7 @@ def skinny_matmul_pallas(x, w, layer, skip=None, *, block_n: int, block_k: int, 
     n = w.shape[-1]
     steps = k // block_k // k_splits
     if k_splits == 1:
-        out_shape = jax.ShapeDtypeStruct((m, n), x.dtype)
+        out_shape = jax.ShapeDtypeStruct((m, n), jnp.float32 if widen else x.dtype)
     else:
         out_shape = jax.ShapeDtypeStruct((k_splits, m, n), jnp.float32)
     args = [layer, x.astype(w.dtype), w] + ([] if skip is None else [skip])

@@ -177,12 +177,13 @@ def kernel_config(m: int, k: int, n: int, block_n: int | None = None, block_k: i
 def skinny_matmul(x: jax.Array, w: jax.Array, layer=None, *, impl: str = "xla", interpret: bool = False,
                   block_n: int | None = None, block_k: int | None = None, k_splits: int | None = None,
                   num_warps: int | None = None, num_stages: int | None = None,
-                  partial_sums: bool = False, skip: jax.Array | None = None) -> jax.Array:
+                  partial_sums: bool = False, skip: jax.Array | None = None, widen: bool = False) -> jax.Array:
     """x [M, K] @ w [K, N] (or w[layer] of a stacked [L, K, N]; layer an int32 scalar, may be
     traced) -> [M, N] in x's dtype. The keyword sizes override `kernel_config` (tuning).
     partial_sums: -> [S, M, N], whose sum over S in float32, rounded to x's dtype, is the
     product: the kernel's S K-splits' float32 sums unreduced (S = 1: the product itself).
-    skip: a bool scalar (may be traced): true gives zeros, and the kernel reads no weight."""
+    skip: a bool scalar (may be traced): true gives zeros, and the kernel reads no weight.
+    widen: the product (rounded to x's dtype) comes as float32, written so by the kernel."""
     if impl not in IMPLS:
         raise ValueError(f"skinny_matmul: impl: choose one of {IMPLS}, got {impl!r}")
     check_operands("skinny_matmul", x, w, layer)
@@ -192,6 +193,8 @@ def skinny_matmul(x: jax.Array, w: jax.Array, layer=None, *, impl: str = "xla", 
             raise ValueError(f"skinny_matmul: skip: expected a bool scalar, got {skip.dtype} {skip.shape}")
         if partial_sums:
             raise ValueError("skinny_matmul: skip is for whole products; partial_sums hands on split-K sums")
+    if widen and partial_sums:
+        raise ValueError("skinny_matmul: widen is for whole products; partial_sums are float32 already")
     why_not = kernel_unsupported(x, w, block_n or 16, block_k or 16)
     if impl == "pallas" and why_not:
         raise ValueError(f"skinny_matmul: {why_not}")
@@ -201,10 +204,10 @@ def skinny_matmul(x: jax.Array, w: jax.Array, layer=None, *, impl: str = "xla", 
         out = skinny_matmul_ref(x, w, layer)
         if skip is not None:
             out = jnp.where(skip, jnp.zeros_like(out), out)
-        return out[None] if partial_sums else out
+        return out[None] if partial_sums else out.astype(jnp.float32) if widen else out
     (m, k), n = x.shape, w.shape[-1]
     if m == 0:
-        return jnp.zeros((1, 0, n) if partial_sums else (0, n), x.dtype)
+        return jnp.zeros((1, 0, n) if partial_sums else (0, n), jnp.float32 if widen else x.dtype)
     # the kernel's tiles take power-of-two rows (the engine's buckets are); others are padded here
     rows = next_pow2(m)
     config = kernel_config(rows, k, n, block_n=block_n, block_k=block_k, k_splits=k_splits, num_warps=num_warps,
@@ -222,12 +225,14 @@ def skinny_matmul(x: jax.Array, w: jax.Array, layer=None, *, impl: str = "xla", 
     if w.ndim == 2:
         w, layer = w[None], 0
     flag = None if skip is None else skip.astype(jnp.int32).reshape(1)
-    out = skinny_matmul_pallas(xp, w, jnp.asarray(layer, jnp.int32).reshape(1), flag, interpret=interpret, **config)
+    out = skinny_matmul_pallas(xp, w, jnp.asarray(layer, jnp.int32).reshape(1), flag, interpret=interpret,
+                               widen=widen and config["k_splits"] == 1, **config)
     if partial_sums:    # S <= MAX_PARTIAL_SUMS (the consumer holds all S rows in registers)
         out = out if config["k_splits"] > 1 else out[None]
         return out if rows == m else out[:, :m]
     if config["k_splits"] > 1:
         out = out.sum(axis=0).astype(x.dtype)
+        out = out.astype(jnp.float32) if widen else out
     return out[:m]
 
 

@@ -50,10 +50,12 @@ def test_windows_match_reference(kv_layout, exit_mode, window, max_num_seqs, req
 
 @pytest.mark.parametrize("params,sampler", [
     (dict(temperature=0.0), "greedy"), (dict(temperature=0.9), "draw"), (dict(temperature=0.9, top_k=5), "truncate"),
-    (dict(temperature=0.0, logprobs=2), "truncate"), (dict(temperature=0.9, top_p=0.5), "truncate")])
+    (dict(temperature=0.0, logprobs=2), "truncate"), (dict(temperature=0.0, logprobs=0), "truncate"),
+    (dict(temperature=0.9, top_p=0.5), "truncate")])
 def test_window_head_is_the_cheapest_exact_variant(params, sampler):
-    """A window's head sorts the vocabulary (and computes top logprobs) only when one of its
-    requests needs it; its tokens are the oracle's either way."""
+    """A window's head sorts the vocabulary (and computes logprobs) only when one of its
+    requests needs it (logprobs=0 too: the sampled token's own); its tokens are the oracle's
+    either way."""
     engine = make_engine(decode_window=4, max_num_seqs=2)
     used = []
     real = engine.runner.window_launch

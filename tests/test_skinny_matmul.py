@@ -257,6 +257,25 @@ def test_backend_head_on_the_kernel_at_few_rows_skipped_when_no_row_keeps_it(mon
     assert calls[-1] == (2 * HEAD_KERNEL_ROWS, 256)
 
 
+@pytest.mark.parametrize("splits", [1, 2])
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+def test_widen_gives_the_rounded_product_as_float32(impl, splits):
+    """widen: the bf16 product exactly, stored as float32 (a head's logits); skipped: zeros."""
+    rng = np.random.default_rng(11)
+    x = jnp.asarray(rng.standard_normal((3, 128)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((128, 64)) / 11, jnp.bfloat16)
+    kw = dict(impl=impl, interpret=True) | (dict(block_n=16, block_k=32, k_splits=splits) if impl == "pallas" else {})
+    plain, wide = skinny_matmul(x, w, **kw), skinny_matmul(x, w, widen=True, **kw)
+    assert plain.dtype == jnp.bfloat16 and wide.dtype == jnp.float32 and wide.shape == (3, 64)
+    np.testing.assert_array_equal(np.asarray(wide), np.asarray(plain.astype(jnp.float32)))
+    assert rel_err(wide, x, w) < TOL[jnp.bfloat16]
+    skipped = skinny_matmul(x, w, skip=jnp.bool_(True), widen=True, **kw)
+    assert skipped.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(skipped), 0.0)
+    with pytest.raises(ValueError, match="widen"):
+        skinny_matmul(x, w, widen=True, partial_sums=True, **kw)
+
+
 def test_zero_rows_and_unpadded_kernel_calls():
     w = jnp.ones((64, 32), jnp.float32)
     out = skinny_matmul(jnp.ones((0, 64), jnp.float32), w, impl="pallas", interpret=True)

@@ -147,16 +147,18 @@ class PagedKVBackend:
         return skinny_matmul(x, w, layer, impl=impl, interpret=self.interpret, partial_sums=partial_sums)
 
     def head_matmul(self, x, w, needed=None):
-        """A decode head's x [N, D] @ lm_head [D, V] -> [N, V] in x's dtype, on the kernel for
-        "pallas" and, for "auto", for up to HEAD_KERNEL_ROWS rows of a head in head_shapes.
-        ``needed``: None (always computed) or a traced bool, whether any row keeps the logits;
-        where it is false the kernel returns zeros without streaming the weight."""
+        """A decode head's x [N, D] @ lm_head [D, V] -> [N, V] float32 logits (the product
+        rounded to x's dtype), on the kernel for "pallas" and, for "auto", for up to
+        HEAD_KERNEL_ROWS rows of a head in head_shapes; the kernel writes them as float32
+        (no conversion kernel after it). ``needed``: None (always computed) or a traced bool,
+        whether any row keeps the logits; where it is false the kernel returns zeros without
+        streaming the weight."""
         auto_shape = tuple(w.shape[-2:]) in self.head_shapes and x.shape[0] <= HEAD_KERNEL_ROWS
         impl = self._impl(x, w, kernel_unsupported, auto_shape)
         if impl == "xla":
-            return x @ w
+            return (x @ w).astype(jnp.float32)
         skip = None if needed is None else jnp.logical_not(needed)
-        return skinny_matmul(x, w, impl=impl, interpret=self.interpret, skip=skip)
+        return skinny_matmul(x, w, impl=impl, interpret=self.interpret, skip=skip, widen=True)
 
     def gated_up(self, x, w_gate, w_up, layer):
         """silu(x @ w_gate) * (x @ w_up) [N, F]: a SwiGLU MLP's activation, one kernel on the

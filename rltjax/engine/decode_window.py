@@ -17,7 +17,7 @@ pass, keeping what exiting rows need; the outputs are the same. (On the kernel p
 ``PagedKVBackend.head_matmul``, the lm_head product is skipped on a device flag where no
 row exits: zeros, which nothing keeps.) The head's sampler and
 top-logprob count are static: the host picks the cheapest variant exact for the window's
-requests (``sampling.sampler_for``), so an all-greedy window without top logprobs runs an
+requests (``sampling.sampler_for``), so an all-greedy window without logprobs runs an
 argmax, not a vocabulary sort. The host (``window_driver``) packs the rows and reads the
 outputs ([B, K] tokens, depths, logprobs) one window late: the next window is launched
 from the device's row state before the host reads the last one, also when requests are
@@ -47,7 +47,7 @@ import jax.numpy as jnp
 from rltjax.cache.kv_update import write_through_pages
 from rltjax.cache.mixed_kv import MixedKVBackend, MixedMeta
 from rltjax.cache.paged_kv import PagedKV, PagedMeta
-from rltjax.engine.exit_policy import EXIT_RULES
+from rltjax.engine.exit_policy import EXIT_RULES, TRIGGER_MODES
 from rltjax.engine.mixed_prefill import WindowPrompt, prompt_passes
 from rltjax.engine.slot_buffers import set_slots
 from rltjax.engine.standby import owned, start_standby, take_standby
@@ -86,6 +86,11 @@ def decode_window(params, kv: PagedKV, slot_state, rows: WindowRows, block_table
         raise ValueError("decode_window: standby entries need owners and no prompt (this is a bug)")
     if owners is not None:
         rows = dataclasses.replace(rows, active=rows.active & owned(rows, owners))
+    # Modes that never trigger keep every row's flag false from here, not rewritten each pass
+    # (a constant carried through the loop is a kernel of its own every pass).
+    triggers = mode in TRIGGER_MODES
+    if not triggers:
+        rows = dataclasses.replace(rows, triggered=jnp.zeros_like(rows.triggered))
     if standby is not None:
         standby = start_standby(standby, owners, slot_tokens)
     swap_in_passes = standby is not None and swap_every_pass
@@ -178,13 +183,15 @@ def decode_window(params, kv: PagedKV, slot_state, rows: WindowRows, block_table
         exit_now = exit_now & act
         any_exit = jnp.any(exit_now)
 
+        # The head reads x, not slot_state[slots] (a gather, a kernel a pass): the same rows
+        # for every row that keeps its head (active rows hold distinct slots).
         def head(bkv):
             if bkv is None:
                 # fixed trip: on a pass where no row exits the head's kernel skips the lm_head
                 project = functools.partial(backend.head_matmul, needed=any_exit)
-                logits = model.head(weights, slot_state[slots], project=project)  # [B, V] f32
+                logits = model.head(weights, x, project=project)  # [B, V] f32
             else:    # the coda writes the exiting rows' boundary KV
-                logits, bkv = model.head(weights, slot_state[slots], bkv, boundary_meta(rows, pos, exit_now), backend)
+                logits, bkv = model.head(weights, x, bkv, boundary_meta(rows, pos, exit_now), backend)
             return sample_rows(logits, rows, rows.num_out, sampler=sampler, num_top=num_top) + (bkv,)
 
         def no_head(bkv):
@@ -205,7 +212,8 @@ def decode_window(params, kv: PagedKV, slot_state, rows: WindowRows, block_table
             rows, tokens=jnp.where(exit_now, tok, rows.tokens), positions=rows.positions + exit_now,
             loops_done=jnp.where(exit_now, 0, jnp.where(act, r, rows.loops_done)),
             remaining=jnp.where(exit_now, jnp.float32(1.0), jnp.where(act, remaining, rows.remaining)),
-            triggered=jnp.where(act & ~exit_now, trigger, False), active=act & ~(exit_now & stops),
+            triggered=jnp.where(act & ~exit_now, trigger, False) if triggers else rows.triggered,
+            active=act & ~(exit_now & stops),
             num_out=num_out)
         carry = kv, slot_state, bkv, slot_inject, rows, out, standby
         return carry if mixed is None else (carry, px)

@@ -53,6 +53,8 @@ EXIT_RULES: dict[str, tuple[bool, Callable]] = {
     "fixed": (False, _fixed),
     "latent_diff": (False, _latent_diff),
 }
+# modes whose rule can set ``triggered`` (exit after the next loop); the others' is always false
+TRIGGER_MODES = ("ouro_delayed", "random_lookahead")
 # modes that read the loop's raw signal instead of hazard / lookahead score
 RAW_SIGNAL_MODES = ("latent_diff",)
 # modes whose exit after pass r reads pass r's own signal: the host must read it before

@@ -19,9 +19,9 @@ WINDOW_SAMPLERS = SAMPLERS   # a window executable per sampler and row bucket
 class WindowCalls:
     def window_sampler(self, sampling_params) -> str:
         """The window head's sampler for requests with these SamplingParams: the cheapest of
-        WINDOW_SAMPLERS exact for them; "truncate" (the one computing top logprobs) when any
-        asks for top logprobs."""
-        if any(p.logprobs for p in sampling_params):
+        WINDOW_SAMPLERS exact for them; "truncate" (the one computing logprobs) when any asks
+        for logprobs (0 too: the sampled token's own)."""
+        if any(p.logprobs is not None for p in sampling_params):
             return "truncate"
         return sampler_for([p.temperature for p in sampling_params], [p.top_k for p in sampling_params],
                            [p.top_p for p in sampling_params], self.cfg.vocab_size)
@@ -53,7 +53,7 @@ class WindowCalls:
         ``rows``: host rows (padded here), or a previous launch's rows after (device, padded),
         which continues those rows without the host in between. boundary_tables: the
         boundary pool's block tables (models with boundary stages only). sampler: one of
-        WINDOW_SAMPLERS (``window_sampler``); only "truncate" computes top logprobs. prompt:
+        WINDOW_SAMPLERS (``window_sampler``); only "truncate" computes logprobs. prompt:
         prompts riding the first R passes (``window_prompt``). owners: [max_num_seqs + 1] int32
         each slot's request tag (-1: free; None: every slot free), which rows and standby
         entries must match to run (``standby``); the runner's standby entries ride along and

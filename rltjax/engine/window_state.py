@@ -59,15 +59,19 @@ class WindowOutputs:
     swap_tag: jax.Array       # [B] int32 the tag of the request that took the row (-1: none)
 
     def put(self, at, tokens, depths, chosen, top_ids, top_lp, made) -> "WindowOutputs":
-        """Each row's output at column ``at`` [B] (out of range: dropped); made [B] bool
-        counts toward ``count``."""
-        idx = jnp.arange(at.shape[0])
+        """Each row's output at column ``at`` [B] (out of range, negative too: dropped); made
+        [B] bool counts toward ``count``. A select over the columns, not a scatter: selects fuse
+        with their neighbours, where each scatter was a kernel of its own every pass."""
+        hit = jnp.arange(self.tokens.shape[1])[None, :] == at[:, None]            # [B, K]
+
+        def col(new, old):      # old [B, K, ...]; new [B, ...] or a scalar
+            new = jnp.broadcast_to(jnp.asarray(new, old.dtype), old.shape[:1] + old.shape[2:])
+            return jnp.where(hit.reshape(hit.shape + (1,) * (old.ndim - 2)), new[:, None], old)
+
         return dataclasses.replace(
-            self, tokens=self.tokens.at[idx, at].set(tokens, mode="drop"),
-            depths=self.depths.at[idx, at].set(depths, mode="drop"),
-            chosen=self.chosen.at[idx, at].set(chosen, mode="drop"),
-            top_ids=self.top_ids.at[idx, at].set(top_ids, mode="drop"),
-            top_lp=self.top_lp.at[idx, at].set(top_lp, mode="drop"), count=self.count + made)
+            self, tokens=col(tokens, self.tokens), depths=col(depths, self.depths),
+            chosen=col(chosen, self.chosen), top_ids=col(top_ids, self.top_ids),
+            top_lp=col(top_lp, self.top_lp), count=self.count + made)
 
 
 class RowsRead(NamedTuple):
@@ -86,15 +90,25 @@ class RowsRead(NamedTuple):
 def ends_request(rows: WindowRows, tokens, num_out):
     """[B] bool: the newest token (of num_out so far) ends its request on the device: a stop
     id (EOS unless ignored, the first STOP_ID_WIDTH token-stop ids) or max_tokens reached."""
-    return jnp.any(tokens[:, None] == rows.stop_ids, axis=1) | (num_out >= rows.max_tokens)
+    # column by column, elementwise: a reduction over the ids would be a kernel of its own
+    stop = num_out >= rows.max_tokens
+    for j in range(rows.stop_ids.shape[1]):
+        stop = stop | (tokens == rows.stop_ids[:, j])
+    return stop
 
 
 def sample_rows(logits, rows: WindowRows, output_index, *, sampler: str, num_top: int):
     """[B, V] f32 logits -> (token, its logprob, top ids, top logprobs) per row, with each
-    row's sampling params and per-request key at ``output_index``. The logits are
-    materialised once: otherwise XLA may fuse the lm_head GEMM into each consumer (sampling's
-    argmax, the log-softmax) and stream the 49k-column weight twice."""
+    row's sampling params and per-request key at ``output_index``. Logprobs only with the
+    "truncate" sampler (``WindowCalls.window_sampler`` picks it for any request that asks for
+    logprobs); the others give zeros, not the log-softmax's two reductions every pass. The
+    logits are materialised once: otherwise XLA may fuse the lm_head GEMM into each consumer
+    (sampling's argmax, the log-softmax) and stream the 49k-column weight twice."""
     logits = jax.lax.optimization_barrier(logits)
     tok = sample_tokens(logits, rows.temperature, rows.top_k, rows.top_p, rows.seed_hi, rows.seed_lo,
                         output_index, sampler=sampler)
+    if sampler != "truncate":
+        b = logits.shape[0]
+        return (tok, jnp.zeros((b,), jnp.float32), jnp.zeros((b, num_top), jnp.int32),
+                jnp.zeros((b, num_top), jnp.float32))
     return (tok,) + token_logprobs(logits, tok, num_top)

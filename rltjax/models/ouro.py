@@ -140,7 +140,8 @@ class OuroModel:
 
     def head(self, params: OuroParams, state: jax.Array, kv: Any = None, meta: Any = None, project=None):
         """state [N, D] (already normed by the loop) -> logits [N, V] float32. project:
-        (state, lm_head) -> their product in state's dtype, the engine's kernel choice (None: XLA's dot)."""
+        (state, lm_head) -> their product in state's dtype or float32, the engine's kernel choice (None:
+        XLA's dot)."""
         logits = state @ params.lm_head if project is None else project(state, params.lm_head)
         return logits.astype(jnp.float32)
 

@@ -195,6 +195,7 @@ def skinny_matmul(x: jax.Array, w: jax.Array, layer=None, *, impl: str = "xla", 
             raise ValueError("skinny_matmul: skip is for whole products; partial_sums hands on split-K sums")
     if widen and partial_sums:
         raise ValueError("skinny_matmul: widen is for whole products; partial_sums are float32 already")
+    out_dtype = jnp.float32 if widen else x.dtype
     why_not = kernel_unsupported(x, w, block_n or 16, block_k or 16)
     if impl == "pallas" and why_not:
         raise ValueError(f"skinny_matmul: {why_not}")
@@ -204,10 +205,10 @@ def skinny_matmul(x: jax.Array, w: jax.Array, layer=None, *, impl: str = "xla", 
         out = skinny_matmul_ref(x, w, layer)
         if skip is not None:
             out = jnp.where(skip, jnp.zeros_like(out), out)
-        return out[None] if partial_sums else out.astype(jnp.float32) if widen else out
+        return out[None] if partial_sums else out.astype(out_dtype)
     (m, k), n = x.shape, w.shape[-1]
     if m == 0:
-        return jnp.zeros((1, 0, n) if partial_sums else (0, n), jnp.float32 if widen else x.dtype)
+        return jnp.zeros((1, 0, n), x.dtype) if partial_sums else jnp.zeros((0, n), out_dtype)
     # the kernel's tiles take power-of-two rows (the engine's buckets are); others are padded here
     rows = next_pow2(m)
     config = kernel_config(rows, k, n, block_n=block_n, block_k=block_k, k_splits=k_splits, num_warps=num_warps,
@@ -231,8 +232,7 @@ def skinny_matmul(x: jax.Array, w: jax.Array, layer=None, *, impl: str = "xla", 
         out = out if config["k_splits"] > 1 else out[None]
         return out if rows == m else out[:, :m]
     if config["k_splits"] > 1:
-        out = out.sum(axis=0).astype(x.dtype)
-        out = out.astype(jnp.float32) if widen else out
+        out = out.sum(axis=0).astype(x.dtype).astype(out_dtype)
     return out[:m]
 
 

@@ -5,13 +5,17 @@ pages, the key splits combined after it.
     python scripts/bench_decode_attention.py --out decode_attn.json          # GPU, Ouro-1.4B shapes
     python scripts/bench_decode_attention.py --rows 32 64 --lengths 512 270 --block-keys 32 64 \
         --num-warps 1 2 4 --num-stages 1 3 --num-splits 2 4
+    python scripts/bench_decode_attention.py --max-model-len 2048 --rows 8 32 64 --lengths \
+        --length-file bench-results/fixed/results.json    # rows at a ShareGPT run's lengths
     python scripts/bench_decode_attention.py --quick        # CPU smoke run (interpret mode, tiny shapes)
 
 A measurement chains --reps x layers calls in one jitted loop, layer i % layers of the
 stacked pool each (the pools donated and updated in place, the outputs summed so the split
 combine runs), and reports wall time / calls, median over --iters samples: launch gaps and
 the loop's own overhead are in it, the same for every config. Every row has --lengths keys
-in a table of max_model_len / page_size pages, writes --planes pages. "default" is the
+in a table of max_model_len / page_size pages, writes --planes pages. --length-file adds a
+ragged case a rows value: the steady-state keys of a closed-loop serving batch on that
+workload's prompt / output lengths (``serving_lengths``). "default" is the
 kernel's own launch (``kernels.attention_defaults.default_launch``); the sweep runs every
 point of --block-keys x --num-warps x --num-stages x --num-splits. Each config's outputs
 are checked against the XLA path (write, then attend) on one call.
@@ -38,18 +42,20 @@ from rltjax.models.layers import rope_cos_sin  # noqa: E402
 
 def make_case(rows, length, *, kv_heads, head_dim, page_size, pages_per_table, planes, seed=0):
     """Rows with their own tables, one per plane; every row reads its plane-0 table and writes
-    its key at position length - 1 of each plane's table. Only the pages a call touches are
-    backed (the rest of each table is page 0), so a 2,048-key table at 64 rows fits the
-    timing's pools and the check's random ones at once. The pools are shapes only
-    (allocated per timing): case["num_pages"] of them."""
+    its key at position length - 1 of each plane's table (length: one for every row, or a
+    sequence of one per row). Only the pages a call touches are backed (the rest of each table
+    is page 0), so a 2,048-key table at 64 rows fits the timing's pools and the check's random
+    ones at once. The pools are shapes only (allocated per timing): case["num_pages"] of them."""
     rng = np.random.default_rng(seed)
-    n_pages = -(-length // page_size)
-    pos = np.full(rows, length - 1)
+    lengths = np.broadcast_to(np.asarray(length, np.int64), (rows,))
+    n_pages = -(-lengths // page_size)                                   # [rows]
+    pos = lengths - 1
     r = np.arange(rows)
-    num_pages = rows * (n_pages + planes - 1) + 1
+    num_pages = int(n_pages.sum()) + rows * (planes - 1) + 1
     ids = iter(rng.permutation(np.arange(1, num_pages)))
     pages = np.zeros((rows * planes, pages_per_table), np.int64)
-    pages[:rows, :n_pages] = np.fromiter(ids, np.int64, rows * n_pages).reshape(rows, n_pages)
+    for row in r:
+        pages[row, :n_pages[row]] = np.fromiter(ids, np.int64, n_pages[row])
     for m in range(1, planes):
         pages[r + m * rows, pos // page_size] = np.fromiter(ids, np.int64, rows)
     write_page = np.stack([pages[r + m * rows, pos // page_size] for m in range(planes)])
@@ -58,6 +64,25 @@ def make_case(rows, length, *, kv_heads, head_dim, page_size, pages_per_table, p
     return dict(q=qkv[:, :kv_heads], k_new=qkv[:, kv_heads:2 * kv_heads], v_new=qkv[:, 2 * kv_heads:],
                 block_tables=i32(pages), row_tables=i32(r), lengths=i32(pos + 1), write_page=i32(write_page),
                 write_offset=i32(pos % page_size), rope=rope_cos_sin(i32(pos), head_dim, 1e6), num_pages=num_pages)
+
+
+def workload_lengths(data: dict) -> tuple[list[int], list[int]]:
+    """(prompt lengths, output lengths) of a --length-file: {"prompt_len": [...], "output_len":
+    [...]}, or a ``bench_serving.py`` results.json (its run with the most requests)."""
+    if "runs" in data:
+        rows = max(data["runs"], key=lambda run: len(run["per_request"]))["per_request"]
+        return [r["prompt_tokens"] for r in rows], [r["output_tokens"] for r in rows]
+    return list(data["prompt_len"]), list(data["output_len"])
+
+
+def serving_lengths(prompt_len, output_len, rows: int, max_len: int) -> list[int]:
+    """Keys a row of a closed-loop serving batch holds, as ``rows`` stratified quantiles of its
+    steady state: a request is active for as many passes as it has output tokens (so drawn
+    with weight output_len), at a uniform point of its output (context prompt + 1..output)."""
+    p, o = np.asarray(prompt_len, np.int64), np.asarray(output_len, np.int64)
+    ctx = np.concatenate([pi + np.arange(1, oi + 1) for pi, oi in zip(p, o)])    # every pass of every request
+    qs = np.quantile(ctx, (np.arange(rows) + 0.5) / rows, method="nearest")
+    return [int(min(q, max_len)) for q in qs]
 
 
 def call(case, k, v, layer, impl, interpret, **launch):
@@ -110,7 +135,8 @@ def sweep(args):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64], help="decode rows (the engine's buckets)")
-    p.add_argument("--lengths", type=int, nargs="+", default=[512], help="keys a row (each with every --rows)")
+    p.add_argument("--lengths", type=int, nargs="*", default=[512],
+                   help="keys a row (each with every --rows; none: only --length-file's case)")
     p.add_argument("--max-model-len", type=int, default=768, help="the table's capacity in keys")
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--kv-heads", type=int, default=16)
@@ -123,6 +149,9 @@ def main(argv=None):
     p.add_argument("--num-warps", type=int, nargs="+", default=[4])
     p.add_argument("--num-stages", type=int, nargs="+", default=[2])
     p.add_argument("--num-splits", type=int, nargs="+", default=[2])
+    p.add_argument("--length-file", help="a serving workload's lengths: a bench_serving.py results.json, or JSON with "
+                   "prompt_len and output_len lists; adds, for every --rows, a ragged case of the rows' "
+                   "steady-state lengths (serving_lengths)")
     p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny shapes, interpret mode")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
@@ -133,21 +162,29 @@ def main(argv=None):
         p.error(f"--lengths must be at most --max-model-len ({args.max_model_len})")
     print(f"devices: {jax.devices()}  jax {jax.__version__}", flush=True)
     pages_per_table = -(-args.max_model_len // args.page_size)
+    cases = [(rows, length, length) for rows, length in itertools.product(args.rows, args.lengths)]
+    if args.length_file:
+        with open(args.length_file) as f:
+            prompts, outputs = workload_lengths(json.load(f))
+        cases += [(rows, "serving", serving_lengths(prompts, outputs, rows, args.max_model_len)) for rows in args.rows]
     results = []
-    for rows, length in itertools.product(args.rows, args.lengths):
+    for rows, label, length in cases:
         case = make_case(rows, length, kv_heads=args.kv_heads, head_dim=args.head_dim, page_size=args.page_size,
                          pages_per_table=pages_per_table, planes=args.planes)
         pool = jax.ShapeDtypeStruct((args.layers, args.kv_heads, case["num_pages"], args.page_size, args.head_dim),
                                     jnp.bfloat16)
+        if label != length:
+            print(f"rows {rows:3d} serving lengths: mean {np.mean(length):.0f}, max {max(length)}", flush=True)
         for launch in [{}, *sweep(args)]:
             try:
                 us = time_config(case, pool, args.layers, args.reps, args.iters, args.quick, **launch)
                 err = check_config(case, pool, args.quick, **launch)
             except Exception as e:  # noqa: BLE001 - a config Triton refuses: report and go on
-                print(f"rows {rows:3d} keys {length:5d} {launch or 'default'}: failed ({type(e).__name__}: {e})"[:300])
+                print(f"rows {rows:3d} keys {label!s:>7} {launch or 'default'}: failed ({type(e).__name__}: {e})"[:300])
                 continue
-            results.append(dict(rows=rows, length=length, config=launch or "default", us=us, max_abs_diff=err))
-            print(f"rows {rows:3d} keys {length:5d} {str(launch or 'default'):78s} {us:8.2f} us  "
+            results.append(dict(rows=rows, length=label, config=launch or "default", us=us, max_abs_diff=err,
+                                **({} if label == length else dict(row_lengths=length))))
+            print(f"rows {rows:3d} keys {label!s:>7} {str(launch or 'default'):78s} {us:8.2f} us  "
                   f"diff {err:.1e}", flush=True)
     if args.out:
         with open(args.out, "w") as f:

@@ -21,6 +21,14 @@ WINDOW_TRIPS = ("auto", "early_stop", "fixed")
 # K of decode windows when ExecutionConfig.decode_window is None and windows can run. On an
 # H200 (Ouro-1.4B shapes) K=16 beat step-by-step at 1, 8 and 32 streams (docs/performance.md).
 DEFAULT_DECODE_WINDOW = 16
+# ExecutionConfig.mixed_prefill_tokens=None (auto): this T, in windows of at least
+# AUTO_MIXED_MIN_ROWS rows (smaller ones keep standby entries). On an H200 (Ouro-1.4B shapes,
+# ShareGPT closed loop, alternating on one machine) T=128 against off: +1.6% at 32 streams and
+# +2.0% at 64, mean TTFT +20 ms; at 8 streams within a run's noise in two sessions; its
+# executables made start-up 65 s cold / 17.5 s warm in every bucket (docs/performance.md,
+# thirtieth session). ShareGPT's prompts are short (p50 24 tokens): most fit 128.
+AUTO_MIXED_PREFILL_TOKENS = 128
+AUTO_MIXED_MIN_ROWS = 32
 
 
 class EngineConfigError(ValueError):
@@ -226,8 +234,12 @@ class ExecutionConfig:
     whose whole prompts fit this many tokens run their R loops inside the next window's first
     R passes, with the decoding rows (one GEMM over both), instead of a prefill step of their
     own; their first token then comes with that window's outputs (capped at the largest
-    prefill batch: no admission holds more). 0 (default): off. Needs
-    fixed-trip decode windows, the last_exited layout and a model without boundary stages.
+    prefill batch: no admission holds more). 0 (default): off. Needs fixed-trip decode
+    windows (K > R), the last_exited layout, a model without boundary stages and no
+    decode_window_rows. None (auto): AUTO_MIXED_PREFILL_TOKENS in windows of at least
+    AUTO_MIXED_MIN_ROWS rows where all of that holds (smaller windows keep standby entries),
+    else off; it trades time to first token, which then waits for a window, for fewer
+    prefill steps.
     """
     attn_impl: str = "auto"
     attn_num_splits: int | Mapping[int, int] | None = None
@@ -241,7 +253,7 @@ class ExecutionConfig:
     compile_ahead: bool = True
     compilation_cache_dir: str | None = dataclasses.field(default_factory=lambda: str(default_cache_dir()))
     show_progress: bool = True
-    mixed_prefill_tokens: int = 0
+    mixed_prefill_tokens: int | None = 0
 
     def __post_init__(self) -> None:
         if self.attn_impl not in ATTN_IMPLS:
@@ -262,8 +274,10 @@ class ExecutionConfig:
         if self.window_trip not in WINDOW_TRIPS:
             _bad("ExecutionConfig", "window_trip", self.window_trip, f"choose one of {WINDOW_TRIPS}")
         m = self.mixed_prefill_tokens
-        if not isinstance(m, int) or isinstance(m, bool) or not (m == 0 or (32 <= m <= 8192 and m & (m - 1) == 0)):
-            _bad("ExecutionConfig", "mixed_prefill_tokens", m, "must be 0 (off) or a power of two in [32, 8192]")
+        if m is not None and (not isinstance(m, int) or isinstance(m, bool)
+                              or not (m == 0 or (32 <= m <= 8192 and m & (m - 1) == 0))):
+            _bad("ExecutionConfig", "mixed_prefill_tokens", m,
+                 "must be 0 (off), None (auto) or a power of two in [32, 8192]")
         for name, value in dict(self.xla_options).items():
             if not (isinstance(name, str) and name.startswith("xla_")):
                 _bad("ExecutionConfig", "xla_options", name, "names are XLA debug options such as 'xla_gpu_...'")
@@ -293,17 +307,17 @@ COMBINATION_RULES: list[tuple[str, Callable[..., bool], str]] = [
      lambda c, s, e, x: x.async_scheduling and e.mode in ("ouro", "latent_diff"),
      "use ExitConfig.mode='ouro_delayed' (or random_lookahead) or ExecutionConfig.async_scheduling=False"),
     ("mixed prefill runs inside decode windows",
-     lambda c, s, e, x: x.mixed_prefill_tokens > 0 and x.decode_window == 0,
+     lambda c, s, e, x: (x.mixed_prefill_tokens or 0) > 0 and x.decode_window == 0,
      "leave ExecutionConfig.decode_window unset (or > 0) or set mixed_prefill_tokens=0"),
     ("mixed prefill needs fixed-trip windows and the last_exited KV layout",
-     lambda c, s, e, x: x.mixed_prefill_tokens > 0 and (x.window_trip == "early_stop" or c.kv_layout != "last_exited"),
+     lambda c, s, e, x: (x.mixed_prefill_tokens or 0) > 0 and (x.window_trip == "early_stop" or c.kv_layout != "last_exited"),
      "use ExecutionConfig.window_trip='auto' or 'fixed' and CacheConfig.kv_layout='last_exited', "
      "or mixed_prefill_tokens=0"),
     ("decode_window_rows limits decode windows",
      lambda c, s, e, x: x.decode_window_rows is not None and x.decode_window == 0,
      "leave ExecutionConfig.decode_window unset (or > 0) or decode_window_rows=None"),
     ("decode_window_rows places requests on the device, which mixed prefill's prompt rows cannot share",
-     lambda c, s, e, x: x.decode_window_rows is not None and x.mixed_prefill_tokens > 0,
+     lambda c, s, e, x: x.decode_window_rows is not None and (x.mixed_prefill_tokens or 0) > 0,
      "set ExecutionConfig.decode_window_rows=None or mixed_prefill_tokens=0"),
     ("the Pallas kernel needs page_size >= 8",
      lambda c, s, e, x: x.attn_impl == "pallas" and c.page_size < 8,

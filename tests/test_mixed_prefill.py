@@ -9,7 +9,7 @@ import pytest
 
 from checkpoints.random_init import random_checkpoint
 from engine_helpers import (assert_all_pages_free, check_equal, closed_loop, compile_events, make_engine,
-                            record_calls, reference_for)
+                            record_calls, reference_for, run_workload)
 from engine_trace_helpers import TOKENS
 from test_engine_kernels import SMALL
 from rltjax.engine_config import CacheConfig, EngineConfigError, ExecutionConfig, ExitConfig, SchedulerConfig
@@ -135,7 +135,7 @@ def test_a_failed_mixed_launch_errors_only_the_new_requests():
 
 
 @pytest.mark.parametrize("settings, message", [
-    (dict(mixed_prefill_tokens=48), r"mixed_prefill_tokens=48: must be 0 \(off\) or a power of two"),
+    (dict(mixed_prefill_tokens=48), r"mixed_prefill_tokens=48: must be 0 \(off\), None \(auto\) or a power"),
     (dict(mixed_prefill_tokens=32, decode_window=0), r"mixed prefill runs inside decode windows"),
     (dict(mixed_prefill_tokens=32, decode_window=6), r"fixed-trip windows"),     # early_stop here
     (dict(mixed_prefill_tokens=32, decode_window=4, window_trip="fixed"), r"decode_window=4 leaves no pass"),
@@ -147,6 +147,60 @@ def test_a_failed_mixed_launch_errors_only_the_new_requests():
 def test_unsupported_settings_are_refused(settings, message):
     with pytest.raises(EngineConfigError, match=message):
         make_engine(**settings)
+
+
+@pytest.mark.parametrize("settings, runs", [
+    (dict(decode_window=6, window_trip="fixed"), True),
+    (dict(decode_window=6), False),                                           # early_stop windows
+    (dict(decode_window=4, window_trip="fixed"), False),                      # K = R: no pass after the prompts
+    (dict(decode_window=0), False),
+    (dict(decode_window=6, window_trip="fixed", kv_layout="shared"), False),
+    (dict(decode_window=6, window_trip="fixed", decode_window_rows=8, max_num_seqs=12), False),   # standby rows
+    (dict(decode_window=6, window_trip="fixed", name="huginn-tiny", exit_mode="latent_diff",
+          hf_overrides={"state_init": "zero"}), False),                       # boundary stages
+])
+def test_auto_mixed_prefill_runs_where_windows_can_take_prompts(settings, runs, monkeypatch):
+    """mixed_prefill_tokens=None: AUTO_MIXED_PREFILL_TOKENS (capped at the largest prefill
+    batch) in windows of AUTO_MIXED_MIN_ROWS rows or more where mixed prefill can run, no error
+    where it cannot; the other windows take standby entries."""
+    from rltjax.engine import window_config
+    from rltjax.engine_config import AUTO_MIXED_PREFILL_TOKENS
+    monkeypatch.setattr(window_config, "AUTO_MIXED_MIN_ROWS", 16)     # the tiny engines' buckets: 8, 16
+    engine = make_engine(mixed_prefill_tokens=None, **{"max_num_seqs": 16, **settings})
+    runner = engine.runner
+    if runs:
+        assert runner.mixed_prefill_tokens == min(AUTO_MIXED_PREFILL_TOKENS, runner.token_buckets[-1]) > 0
+        assert runner.mixed_buckets == (16,) and runner.window_buckets == [8, 16]
+        assert runner.standby_for(8) and not runner.standby_for(16)
+        assert (runner.prompt_tokens_for(8), runner.prompt_tokens_for(16)) == (0, runner.mixed_prefill_tokens)
+    else:
+        assert runner.mixed_buckets == () and runner.prompt_tokens_for(16) == 0
+        assert runner.uses_standby == (engine.window_passes > 0)
+
+
+def test_auto_mixed_prefill_rides_large_windows_and_standby_the_small(monkeypatch):
+    """Auto mode with mixed prefill from 16 rows: a few requests run in 8-row windows, taking
+    standby entries; a burst moves them to 16-row windows, whose admissions carry prompts.
+    Every output equals the oracle's; nothing compiles after warm-up; no page leaks."""
+    from rltjax.engine import window_config
+    monkeypatch.setattr(window_config, "AUTO_MIXED_MIN_ROWS", 16)
+    engine = make_engine(exit_mode="ouro_delayed", decode_window=6, window_trip="fixed", mixed_prefill_tokens=None,
+                         max_num_seqs=16, prefill_chunk_size=16, max_num_batched_tokens=48, num_pages=256,
+                         compile_ahead=True)
+    events = []
+    record_calls(engine, ["standby_put", "window_merge"], events)
+    requests = workload(30, seed=7)
+    arrivals = [(0 if i < 3 else 12 if i < 6 else 30, rid, prompt, params)
+                for i, (rid, prompt, params) in enumerate(requests)]
+    with compile_events() as compiles:     # warm-up compiled each bucket's way of taking requests
+        outs = run_workload(engine, arrivals)
+    assert compiles == []
+    ref = reference_for("last_exited", "ouro_delayed")
+    for rid, prompt, params in requests:
+        check_equal(outs[rid], ref.generate(prompt, params, request_id=rid))
+    assert "standby_put" in events and "window_merge" in events, events
+    assert engine.steps_by_kind.get("mixed_prefill", 0) >= 1, engine.steps_by_kind
+    assert_all_pages_free(engine)
 
 
 def test_window_tokens_are_capped_and_a_fresh_row_counts_its_prompt_passes():

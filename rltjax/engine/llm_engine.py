@@ -63,7 +63,8 @@ class LLMEngine:
         self.num_planes = cache_config.num_planes(R)
         self.exit_policy = ExitPolicy(exit_config.mode, self.cfg.has_exit_gate, signal_kind(model))
         windows = window_settings(execution_config, scheduler_config, self.exit_policy.mode, arch=self.cfg.arch,
-                                  num_loops=R, has_boundary=boundary_kv_layers(model) > 0, max_model_len=max_model_len)
+                                  num_loops=R, has_boundary=boundary_kv_layers(model) > 0, max_model_len=max_model_len,
+                                  kv_layout=cache_config.kv_layout)
         self.window_passes = windows.num_passes
         self.runner = ModelRunner(model, params, kv, max_num_seqs=scheduler_config.max_num_seqs,
                                   max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
@@ -81,6 +82,7 @@ class LLMEngine:
                                   max_prefill_chunk=max_prefill_chunk(scheduler_config, max_model_len,
                                                                       not self.layered),
                                   mixed_prefill_tokens=windows.mixed_prefill_tokens,
+                                  mixed_min_rows=windows.mixed_min_rows,
                                   window_rows=execution_config.decode_window_rows)
         if (self.runner.prefill_alignment > 1) != prefill_kernel:
             raise RuntimeError("the prefill budget was picked for another prefill attention path (this is a bug)")
@@ -253,7 +255,7 @@ class LLMEngine:
         fresh = [req for req, _, _ in plan.chunks]
         prompt = None
         left_out = sum(r.status is Status.PREFILLING for r in self.scheduler.running) > len(fresh)
-        if not left_out and fits_window(plan.chunks, self.runner.mixed_prefill_tokens,
+        if not left_out and fits_window(plan.chunks, self.windows.prompt_tokens(),
                                         self.runner.prefill_alignment, self.windows.room()):
             prompt = self.batches.prefill(plan.chunks)
             self._count("mixed_prefill")

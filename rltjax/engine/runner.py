@@ -86,7 +86,7 @@ class ModelRunner(WindowCalls):
                  boundary_kv: PagedKV | None = None, xla_options: tuple = (),
                  prefill_write_planes: int | None = None, raw_signal: bool = False, interpret: bool = False,
                  chunked_prefill: bool = True, window_spec: dict | None = None, window_trace_width: int = 1,
-                 max_prefill_chunk: int | None = None, mixed_prefill_tokens: int = 0,
+                 max_prefill_chunk: int | None = None, mixed_prefill_tokens: int = 0, mixed_min_rows: int = 1,
                  window_rows: int | None = None):
         """boundary_kv: the boundary pool, exactly when the model has boundary stages.
         prefill_write_planes: core planes a prompt row writes (R, or the loop cap when the
@@ -103,9 +103,10 @@ class ModelRunner(WindowCalls):
         buckets with max_num_seqs. mixed_prefill_tokens: > 0, windows may carry whole prompts of
         up to this many tokens (alignment padding included) in their first R passes
         (``mixed_prefill.WindowPrompt``); one executable per row bucket and sampler. Capped at
-        the largest prefill bucket (no admission holds more). window_rows: the largest row
-        bucket a window runs (a power of two; None: every request's); without mixed prefill,
-        windows take their requests as standby entries (``standby``) and the requests beyond
+        the largest prefill bucket (no admission holds more). mixed_min_rows: only windows of
+        at least this many rows carry prompts (``mixed_buckets``). window_rows: the largest row
+        bucket a window runs (a power of two; None: every request's); windows that carry no
+        prompts take their requests as standby entries (``standby``) and the requests beyond
         the rows wait there, prefilled, for the next free row."""
         self.model = model
         # Prefill and decode windows loop on the device (fori_loop over loops, while_loop over
@@ -161,9 +162,11 @@ class ModelRunner(WindowCalls):
         self.token_buckets = buckets_up_to(most_tokens, MIN_TOKEN_BUCKET)
         # no prefill batch is larger than the top token bucket: nor is a window's prompt part
         self.mixed_prefill_tokens = min(mixed_prefill_tokens, self.token_buckets[-1])
+        self.mixed_buckets = tuple(b for b in self.window_buckets if b >= mixed_min_rows) if (
+            window_spec is not None and self.mixed_prefill_tokens) else ()
         self.num_planes = num_planes
         # windows without a prompt part place their requests on the device (standby entries)
-        self.uses_standby = window_spec is not None and not self.mixed_prefill_tokens
+        self.uses_standby = any(self.standby_for(b) for b in self.window_buckets)
         self.standby = None
         if self.uses_standby:
             self.standby = jax.device_put(idle_window_rows(max_num_seqs + 1, num_planes, window_trace_width), device)
@@ -171,6 +174,15 @@ class ModelRunner(WindowCalls):
         # swap then runs every pass, else once a window (in every pass it cost the fixed-depth
         # bench_cdb run 0.9% on an H200)
         self.swap_every_pass = self.uses_standby and self.window_buckets[-1] < max_num_seqs
+
+    def standby_for(self, bucket: int) -> bool:
+        """Whether windows of this row bucket take their requests as standby entries (the
+        buckets that carry no prompts: ``mixed_buckets``)."""
+        return self.window_spec is not None and bucket not in self.mixed_buckets
+
+    def prompt_tokens_for(self, bucket: int) -> int:
+        """Prompt tokens a window of this row bucket can carry (0: none)."""
+        return self.mixed_prefill_tokens if bucket in self.mixed_buckets else 0
 
     def window_bucket(self, n: int) -> int:
         """The row bucket of a window over n requests (at most the largest window bucket)."""

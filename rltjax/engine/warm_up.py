@@ -96,11 +96,8 @@ def bucket_jobs(runner) -> list[tuple[str, int]]:
         jobs += [(f"window/{sampler}", b) for b in reversed(runner.window_buckets) for sampler in WINDOW_SAMPLERS]
         if runner.uses_standby:
             jobs += [("standby_put", runner.max_num_seqs + 1)]
-        else:
-            jobs += [("window_merge", b) for b in runner.window_buckets]
-        if runner.mixed_prefill_tokens:
-            jobs += [(f"window_mixed/{sampler}", b) for b in reversed(runner.window_buckets)
-                     for sampler in WINDOW_SAMPLERS]
+        jobs += [("window_merge", b) for b in runner.window_buckets if not runner.standby_for(b)]
+        jobs += [(f"window_mixed/{sampler}", b) for b in reversed(runner.mixed_buckets) for sampler in WINDOW_SAMPLERS]
     jobs += [("prefill", t) for t in reversed(runner.token_buckets)]
     jobs += [("loop", b) for b in runner.row_buckets] + [("head", b) for b in runner.row_buckets]
     if runner.has_boundary:

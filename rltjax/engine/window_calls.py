@@ -71,19 +71,23 @@ class WindowCalls:
             # (uncommitted host rows compiled a second variant at the first continued window,
             # tens of seconds inside a run on the H200)
             rows = jax.device_put(rows, self.device)
+        standby = self.standby if self.standby_for(rows.slots.shape[0]) else None
+        if prompt is not None and standby is not None:
+            raise ValueError(f"a window of {rows.slots.shape[0]} rows takes standby entries, not prompts "
+                             f"(mixed prefill runs in {self.mixed_buckets}; this is a bug)")
         mixed = {} if prompt is None else dict(prompt=jax.device_put(prompt, self.device),
                                                prefill_backend=self.prefill_backend)
         if owners is None:
             owners = np.full(self.max_num_seqs + 1, -1, np.int32)
         owners = jax.device_put(np.asarray(owners, np.int32), self.device)
-        self.kv, self.slot_state, self.bkv, self.slot_inject, after, out, standby = self.steps.window(
+        self.kv, self.slot_state, self.bkv, self.slot_inject, after, out, new_standby = self.steps.window(
             self.params, self.kv, self.slot_state, rows, block_tables, self.lookahead_w, self.bkv,
-            self.slot_inject, boundary_tables, self.slot_tokens, standby=self.standby, owners=owners,
+            self.slot_inject, boundary_tables, self.slot_tokens, standby=standby, owners=owners,
             model=self.model, backend=self.backend, num_top=self.num_top if sampler == "truncate" else 0,
             sampler=sampler, dummy_slot=self.dummy_slot, swap_every_pass=self.swap_every_pass, **mixed,
             **self.window_spec)
-        if self.uses_standby:
-            self.standby = standby
+        if standby is not None:
+            self.standby = new_standby
         for leaf in jax.tree.leaves((RowsRead.of(after), out)):
             leaf.copy_to_host_async()
         return after, out

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from rltjax.engine_config import DEFAULT_DECODE_WINDOW, EngineConfigError
+from rltjax.engine_config import (AUTO_MIXED_MIN_ROWS, AUTO_MIXED_PREFILL_TOKENS, DEFAULT_DECODE_WINDOW,
+                                  EngineConfigError)
 
 WINDOW_MODES = ("ouro", "ouro_delayed", "random_lookahead", "fixed", "trace", "latent_diff")
 
@@ -15,6 +16,7 @@ class WindowSettings:
     fixed_trip: bool
     trace_width: int             # width of WindowRows.trace
     mixed_prefill_tokens: int    # 0: off
+    mixed_min_rows: int          # windows of fewer rows carry no prompts (they keep standby entries)
 
     def spec(self, exit_mode: str, layered: bool) -> dict | None:
         """The windows' static settings for ``ModelRunner(window_spec=...)``; None without windows."""
@@ -24,11 +26,16 @@ class WindowSettings:
 
 
 def window_settings(execution_config, scheduler_config, exit_mode: str, *, arch: str, num_loops: int,
-                    has_boundary: bool, max_model_len: int) -> WindowSettings:
+                    has_boundary: bool, max_model_len: int, kv_layout: str) -> WindowSettings:
     passes = resolve_window_passes(execution_config.decode_window, scheduler_config, exit_mode, arch)
     fixed = resolve_window_trip(execution_config.window_trip, has_boundary)
+    tokens, min_rows = execution_config.mixed_prefill_tokens, 1
+    if tokens is None:      # auto: where it can run (COMBINATION_RULES refuse only an explicit T)
+        runs = (kv_layout == "last_exited" and execution_config.decode_window_rows is None
+                and not mixed_prefill_blocker(passes, fixed, has_boundary, num_loops, arch))
+        tokens, min_rows = (AUTO_MIXED_PREFILL_TOKENS, AUTO_MIXED_MIN_ROWS) if runs else (0, 1)
     return WindowSettings(passes, fixed, trace_width(exit_mode, max_model_len), resolve_mixed_prefill(
-        execution_config.mixed_prefill_tokens, passes, fixed, has_boundary, num_loops, arch))
+        tokens, passes, fixed, has_boundary, num_loops, arch), min_rows)
 
 
 def resolve_window_passes(asked: int | None, scheduler_config, exit_mode: str, arch: str) -> int:
@@ -61,14 +68,20 @@ def resolve_window_trip(asked: str, has_boundary: bool) -> bool:
 
 def resolve_mixed_prefill(tokens: int, window_passes: int, fixed_trip: bool, has_boundary: bool, num_loops: int,
                           arch: str) -> int:
-    """ExecutionConfig.mixed_prefill_tokens checked against the engine's windows and model."""
+    """ExecutionConfig.mixed_prefill_tokens (None resolved already) checked against the
+    engine's windows and model."""
     if not tokens:
         return 0
-    why = ("decode windows do not run here (ExecutionConfig.decode_window resolved to 0)" if not window_passes
-           else f"{arch} has boundary stages (its prelude / coda KV)" if has_boundary
-           else "the windows stop early (window_trip early_stop)" if not fixed_trip
-           else f"decode_window={window_passes} leaves no pass after the prompts' R={num_loops} loops"
-           if window_passes <= num_loops else None)
-    if why:
+    if why := mixed_prefill_blocker(window_passes, fixed_trip, has_boundary, num_loops, arch):
         raise EngineConfigError(f"ExecutionConfig.mixed_prefill_tokens={tokens}: {why}; set it to 0")
     return tokens
+
+
+def mixed_prefill_blocker(window_passes: int, fixed_trip: bool, has_boundary: bool, num_loops: int,
+                          arch: str) -> str | None:
+    """Why these windows and this model cannot run mixed prefill (None when they can)."""
+    return ("decode windows do not run here (ExecutionConfig.decode_window resolved to 0)" if not window_passes
+            else f"{arch} has boundary stages (its prelude / coda KV)" if has_boundary
+            else "the windows stop early (window_trip early_stop)" if not fixed_trip
+            else f"decode_window={window_passes} leaves no pass after the prompts' R={num_loops} loops"
+            if window_passes <= num_loops else None)

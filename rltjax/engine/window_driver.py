@@ -40,7 +40,7 @@ class WindowDriver:
         self.token_stop_ids = token_stop_ids
         self.accept_token = accept_token
         self.steps_by_kind = steps_by_kind
-        self.standby = runner.uses_standby
+        self.standby = runner.uses_standby   # the in-flight window's way of taking requests (set at each fresh launch)
         # launched, not yet read: (the host's row list, rows after, outputs). With standby the
         # continued windows share one list, which each read updates with the rows' swaps.
         self._inflight: tuple[list[Request | None], Any, Any] | None = None
@@ -65,8 +65,9 @@ class WindowDriver:
             return self._apply(previous, after, out)
         self._on_device, self._waiting = {}, set()
         self._sampler = self.runner.window_sampler([r.params for r in rows])
+        bucket = self.runner.window_bucket(len(rows))
+        self.standby = self.runner.standby_for(bucket)    # continued windows keep the bucket
         if self.standby:     # every row free: the device places the requests, oldest first
-            bucket = self.runner.window_bucket(len(rows))
             self._put_standby(rows, first, bucket, reset=True)
             state = idle_window_rows(bucket, self.num_planes, self.runner.window_trace_width)
             self._inflight = ([None] * bucket,) + self._launch(state)
@@ -86,6 +87,11 @@ class WindowDriver:
                 return self.runner.max_num_seqs
             return len(rows) - len(self._live())
         return sum(r.finished for r in rows) + after.slots.shape[0] - len(rows)
+
+    def prompt_tokens(self) -> int:
+        """Prompt tokens a window continued from the in-flight one can carry (mixed prefill;
+        0: none, e.g. a window of fewer rows than ``runner.mixed_buckets`` hold)."""
+        return self.runner.prompt_tokens_for(self._inflight[1].slots.shape[0])
 
     def run_admitting(self, fresh: list[Request], prompt_args: tuple | None = None) -> Callable[[], list[Request]]:
         """Continue the in-flight window's rows from the device with the fresh requests (their

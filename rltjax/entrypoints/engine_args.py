@@ -10,6 +10,16 @@ from rltjax.engine_config import (ATTN_IMPLS, DEFAULT_PREFILL_CHUNK, DEFAULT_PRE
                                   default_cache_dir)
 
 
+def mixed_prefill_tokens(text: str) -> int | None:
+    """--mixed-prefill-tokens: an integer, or "auto" (None: ExecutionConfig's auto mode)."""
+    if text == "auto":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
+
+
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
@@ -77,10 +87,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "(early_stop), or run exactly K passes with a head every pass (fixed: "
                         "nothing for the GPU to wait on the host for between passes); auto: fixed, "
                         "except early_stop for models with boundary stages (Huginn)")
-    g.add_argument("--mixed-prefill-tokens", type=int, default=0, metavar="T",
+    g.add_argument("--mixed-prefill-tokens", type=mixed_prefill_tokens, default=0, metavar="T",
                    help="prompts admitted while a window runs, up to T tokens in all (a power of two), run "
                         "their loops inside the next window's first passes with the decoding rows instead of "
-                        "a prefill step (0: off)")
+                        "a prefill step (0: off; auto: 128 in windows of 32+ rows where windows can take them)")
     g.add_argument("--async-scheduling", action="store_true",
                    help="launch each loop pass before reading the previous pass's exit signals "
                         "(exit modes ouro_delayed, random_lookahead, fixed)")

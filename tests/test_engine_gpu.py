@@ -110,3 +110,26 @@ def test_standby_entries_match_reference_on_gpu(window_trip):
         check_against_oracle(cfg, params, exit_config, arrivals, outputs)
     assert any((s > 0).any() for s in swaps), "no row took a standby entry inside a window"
     assert_all_pages_free(engine)
+
+
+def test_auto_mixed_prefill_matches_reference_on_gpu(monkeypatch):
+    """``mixed_prefill_tokens=None`` with mixed windows from 16 rows (32 in the engine): a few
+    requests in 8-row windows take standby entries, a burst moves them to 16-row windows whose
+    admissions carry prompts. Outputs equal the oracle's."""
+    from rltjax.engine import window_config
+    monkeypatch.setattr(window_config, "AUTO_MIXED_MIN_ROWS", 16)
+    cfg = preset_config("ouro-1.4b", SMALL)
+    params = random_checkpoint(cfg, seed=3, dtype="float32")
+    exit_config = ExitConfig(mode="ouro_delayed")
+    arrivals = [(0 if i < 3 else 12 if i < 6 else 30, rid, prompt, sp)
+                for i, (_, rid, prompt, sp) in enumerate(workload(cfg, 24, seed=3))]
+    with jax.default_matmul_precision("highest"):
+        engine = gpu_engine(cfg, params, exit_config, max_num_seqs=16, decode_window=6, window_trip="fixed",
+                            mixed_prefill_tokens=None)
+        assert engine.runner.mixed_buckets == (16,) and engine.runner.standby_for(8)
+        calls, put = [], engine.runner.standby_put
+        engine.runner.standby_put = lambda *a: calls.append(1) or put(*a)
+        outputs = run_workload(engine, arrivals)
+        check_against_oracle(cfg, params, exit_config, arrivals, outputs)
+    assert calls and engine.steps_by_kind.get("mixed_prefill", 0) > 0, engine.steps_by_kind
+    assert_all_pages_free(engine)

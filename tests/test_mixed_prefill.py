@@ -158,6 +158,7 @@ def test_unsupported_settings_are_refused(settings, message):
     (dict(decode_window=6, window_trip="fixed", decode_window_rows=8, max_num_seqs=12), False),   # standby rows
     (dict(decode_window=6, window_trip="fixed", name="huginn-tiny", exit_mode="latent_diff",
           hf_overrides={"state_init": "zero"}), False),                       # boundary stages
+    (dict(decode_window=6, window_trip="fixed", max_num_seqs=8), False),      # no window of 16 rows
 ])
 def test_auto_mixed_prefill_runs_where_windows_can_take_prompts(settings, runs, monkeypatch):
     """mixed_prefill_tokens=None: AUTO_MIXED_PREFILL_TOKENS (capped at the largest prefill
@@ -174,7 +175,7 @@ def test_auto_mixed_prefill_runs_where_windows_can_take_prompts(settings, runs, 
         assert runner.standby_for(8) and not runner.standby_for(16)
         assert (runner.prompt_tokens_for(8), runner.prompt_tokens_for(16)) == (0, runner.mixed_prefill_tokens)
     else:
-        assert runner.mixed_buckets == () and runner.prompt_tokens_for(16) == 0
+        assert runner.mixed_buckets == () and runner.mixed_prefill_tokens == runner.prompt_tokens_for(16) == 0
         assert runner.uses_standby == (engine.window_passes > 0)
 
 

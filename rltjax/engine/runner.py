@@ -102,8 +102,8 @@ class ModelRunner(WindowCalls):
         one request (``scheduler.max_prefill_chunk``; None: the token budget) bounds the prefill
         buckets with max_num_seqs. mixed_prefill_tokens: > 0, windows may carry whole prompts of
         up to this many tokens (alignment padding included) in their first R passes
-        (``mixed_prefill.WindowPrompt``); one executable per row bucket and sampler. Capped at
-        the largest prefill bucket (no admission holds more). mixed_min_rows: only windows of
+        (``mixed_prefill.WindowPrompt``); one executable per mixed bucket and sampler. Capped at
+        the largest prefill bucket (no admission holds more); 0 when no bucket carries prompts. mixed_min_rows: only windows of
         at least this many rows carry prompts (``mixed_buckets``). window_rows: the largest row
         bucket a window runs (a power of two; None: every request's); windows that carry no
         prompts take their requests as standby entries (``standby``) and the requests beyond
@@ -164,6 +164,8 @@ class ModelRunner(WindowCalls):
         self.mixed_prefill_tokens = min(mixed_prefill_tokens, self.token_buckets[-1])
         self.mixed_buckets = tuple(b for b in self.window_buckets if b >= mixed_min_rows) if (
             window_spec is not None and self.mixed_prefill_tokens) else ()
+        if not self.mixed_buckets:
+            self.mixed_prefill_tokens = 0
         self.num_planes = num_planes
         # windows without a prompt part place their requests on the device (standby entries)
         self.uses_standby = any(self.standby_for(b) for b in self.window_buckets)

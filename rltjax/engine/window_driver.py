@@ -6,11 +6,13 @@ admission is possible and not all of them surely finish inside the window in fli
 next window is launched from the device's row state before the host reads the last one
 (rows whose request the host finished meanwhile stop there: ``owners``). When only an
 admission stops that, ``run_admitting`` continues the window with the fresh requests.
-Without mixed prefill the requests go to the device as standby entries (``standby``):
-free rows take them at the start of any pass, so a row freed inside a window is refilled
-in the next pass, and the outputs say which request each row's columns belong to. With
-mixed prefill the host places the fresh requests in the rows of finished requests or the
-bucket's padding. Reading replays the outputs through the engine's per-token acceptance
+In windows of a row bucket that carries no prompts (``ModelRunner.standby_for``: every
+bucket without mixed prefill) the requests go to the device as standby entries
+(``standby``): free rows take them at the start of any pass, so a row freed inside a window
+is refilled in the next pass, and the outputs say which request each row's columns belong
+to. In the buckets of mixed prefill (``mixed_buckets``) the host places the fresh requests
+in the rows of finished requests or the bucket's padding. A fresh launch picks the way by
+its bucket; continued windows keep both. Reading replays the outputs through the engine's per-token acceptance
 (stop checks, finish) and takes each request's exit state back, so a step-by-step step
 can follow at any point.
 """

@@ -35,8 +35,8 @@ from rltjax.engine.runner import ModelRunner, attention_uses_kernel
 from rltjax.engine.scheduler import Scheduler, max_prefill_chunk
 from rltjax.engine.sequence import Request, RequestRejectedError, Status, prompt_token_ids
 from rltjax.engine.warm_up import WarmUp, warm_up
-from rltjax.engine_config import (CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig,
-                                  check_combination, validate_trace_depths)
+from rltjax.config_rules import check_combination
+from rltjax.engine_config import CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig, validate_trace_depths
 from rltjax.models.base import boundary_kv_layers, loop_limit, signal_kind
 from rltjax.reference.exits import lookahead_weights
 from rltjax.sampling_params import SamplingParams, SamplingParamsError

@@ -30,7 +30,7 @@ def window_settings(execution_config, scheduler_config, exit_mode: str, *, arch:
     passes = resolve_window_passes(execution_config.decode_window, scheduler_config, exit_mode, arch)
     fixed = resolve_window_trip(execution_config.window_trip, has_boundary)
     tokens, min_rows = execution_config.mixed_prefill_tokens, 1
-    if tokens is None:      # auto: where it can run (COMBINATION_RULES refuse only an explicit T)
+    if tokens is None:      # auto: where it can run (config_rules refuse only an explicit T)
         runs = (kv_layout == "last_exited" and execution_config.decode_window_rows is None
                 and not mixed_prefill_blocker(passes, fixed, has_boundary, num_loops, arch))
         tokens, min_rows = (AUTO_MIXED_PREFILL_TOKENS, AUTO_MIXED_MIN_ROWS) if runs else (0, 1)

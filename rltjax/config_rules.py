@@ -36,7 +36,8 @@ COMBINATION_RULES: list[tuple[str, Callable[..., bool], str]] = [
      lambda c, s, e, x: (x.mixed_prefill_tokens or 0) > 0 and x.decode_window == 0,
      "leave ExecutionConfig.decode_window unset (or > 0) or set mixed_prefill_tokens=0"),
     ("mixed prefill needs fixed-trip windows and the last_exited KV layout",
-     lambda c, s, e, x: (x.mixed_prefill_tokens or 0) > 0 and (x.window_trip == "early_stop" or c.kv_layout != "last_exited"),
+     lambda c, s, e, x: (x.mixed_prefill_tokens or 0) > 0 and (x.window_trip == "early_stop"
+                                                              or c.kv_layout != "last_exited"),
      "use ExecutionConfig.window_trip='auto' or 'fixed' and CacheConfig.kv_layout='last_exited', "
      "or mixed_prefill_tokens=0"),
     ("decode_window_rows limits decode windows",

@@ -103,9 +103,10 @@ class ModelRunner(WindowCalls):
         buckets with max_num_seqs. mixed_prefill_tokens: > 0, windows may carry whole prompts of
         up to this many tokens (alignment padding included) in their first R passes
         (``mixed_prefill.WindowPrompt``); one executable per mixed bucket and sampler. Capped at
-        the largest prefill bucket (no admission holds more); 0 when no bucket carries prompts. mixed_min_rows: only windows of
-        at least this many rows carry prompts (``mixed_buckets``). window_rows: the largest row
-        bucket a window runs (a power of two; None: every request's); windows that carry no
+        the largest prefill bucket (no admission holds more); 0 when no bucket carries prompts.
+        mixed_min_rows: only windows of at least this many rows carry prompts
+        (``mixed_buckets``). window_rows: the largest row bucket a window runs (a power of
+        two; None: every request's); windows that carry no
         prompts take their requests as standby entries (``standby``) and the requests beyond
         the rows wait there, prefilled, for the next free row."""
         self.model = model

@@ -71,10 +71,8 @@ class WindowCalls:
             # (uncommitted host rows compiled a second variant at the first continued window,
             # tens of seconds inside a run on the H200)
             rows = jax.device_put(rows, self.device)
+        # this bucket's way of taking requests (decode_window refuses standby entries with a prompt)
         standby = self.standby if self.standby_for(rows.slots.shape[0]) else None
-        if prompt is not None and standby is not None:
-            raise ValueError(f"a window of {rows.slots.shape[0]} rows takes standby entries, not prompts "
-                             f"(mixed prefill runs in {self.mixed_buckets}; this is a bug)")
         mixed = {} if prompt is None else dict(prompt=jax.device_put(prompt, self.device),
                                                prefill_backend=self.prefill_backend)
         if owners is None:

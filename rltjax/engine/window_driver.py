@@ -12,7 +12,8 @@ bucket without mixed prefill) the requests go to the device as standby entries
 is refilled in the next pass, and the outputs say which request each row's columns belong
 to. In the buckets of mixed prefill (``mixed_buckets``) the host places the fresh requests
 in the rows of finished requests or the bucket's padding. A fresh launch picks the way by
-its bucket; continued windows keep both. Reading replays the outputs through the engine's per-token acceptance
+its bucket; continued windows keep both. Reading replays the outputs through the engine's
+per-token acceptance
 (stop checks, finish) and takes each request's exit state back, so a step-by-step step
 can follow at any point.
 """

@@ -90,8 +90,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mixed-prefill-tokens", type=mixed_prefill_tokens, default=0, metavar="T",
                    help="prompts admitted while a window runs, up to T tokens in all (a power of two), run "
                         "their loops inside the next window's first passes with the decoding rows instead of "
-                        "a prefill step (0: off; auto: 128, capped at the largest prefill batch, in windows of 32+ rows where "
-                        "windows can take them)")
+                        "a prefill step (0: off; auto: 128, capped at the largest prefill batch, in windows "
+                        "of 32+ rows where windows can take them)")
     g.add_argument("--async-scheduling", action="store_true",
                    help="launch each loop pass before reading the previous pass's exit signals "
                         "(exit modes ouro_delayed, random_lookahead, fixed)")

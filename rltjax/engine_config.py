@@ -228,6 +228,10 @@ class ExecutionConfig:
     are added to it. Empty elsewhere: XLA's defaults.
     compile_ahead: compile every bucket at start-up (else on first use).
     compilation_cache_dir: XLA's persistent compilation cache (None disables it).
+    executable_cache: with compile_ahead and a compilation_cache_dir, the start-up also keeps
+    each compiled step in its ``executables`` folder, keyed on the engine's code, the device,
+    the configuration and the step's argument shapes (``engine.executable_store``); a later
+    start with the same key loads it without tracing or lowering Python (the warm start).
     mixed_prefill_tokens: > 0 (a power of two): requests admitted while a decode window runs
     whose whole prompts fit this many tokens run their R loops inside the next window's first
     R passes, with the decoding rows (one GEMM over both), instead of a prefill step of their
@@ -250,6 +254,7 @@ class ExecutionConfig:
     xla_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     compile_ahead: bool = True
     compilation_cache_dir: str | None = dataclasses.field(default_factory=lambda: str(default_cache_dir()))
+    executable_cache: bool = True
     show_progress: bool = True
     mixed_prefill_tokens: int | None = 0
 

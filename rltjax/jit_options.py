@@ -50,7 +50,16 @@ def engine_options(options: tuple[tuple[str, Any], ...], platform: str) -> tuple
 @functools.cache
 def _rebuilt(jitted, options: tuple) -> Callable:
     fn, jit_kwargs = _DECLARED[jitted]
-    return jax.jit(fn, **jit_kwargs, compiler_options=dict(options))
+    jit_kwargs = dict(jit_kwargs, compiler_options=dict(options))
+    rebuilt = jax.jit(fn, **jit_kwargs)
+    _DECLARED[rebuilt] = (fn, jit_kwargs)
+    return rebuilt
+
+
+def jit_kwargs_of(jitted) -> dict:
+    """The jit keyword arguments an ``engine_jit`` step (or its ``with_options`` rebuild) was
+    made with, XLA compiler options included ({} for any other function)."""
+    return dict(_DECLARED.get(jitted, (None, {}))[1])
 
 
 def check_options(options: tuple[tuple[str, Any], ...]) -> None:

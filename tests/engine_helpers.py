@@ -17,12 +17,14 @@ def make_engine(*, kv_layout="last_exited", page_size=4, mode="refill", max_num_
                 max_admission_bypasses=8, admission_scan_limit=32, name="ouro-tiny", tokenizer=False,
                 max_prefill_batches_before_decode=1, lookahead_seed=0, hf_overrides=None, max_loops=None,
                 decode_window=0, async_scheduling=False, xla_options=None, window_trip="early_stop",
-                mixed_prefill_tokens=0, attn_impl="auto", interpret=False, decode_window_rows=None):
+                mixed_prefill_tokens=0, attn_impl="auto", interpret=False, decode_window_rows=None,
+                compilation_cache_dir=None):
     """hf_overrides: config overrides (a dict), e.g. {"state_init": "zero"} for Huginn;
     max_loops: CacheConfig.max_loops (the engine's loop cap; None = R); decode_window: K passes
     per device-side window (0: step by step); window_trip: how a window's loop runs;
     mixed_prefill_tokens: prompts admitted into windows (0: off); decode_window_rows: the
-    most rows a window runs (the rest of max_num_seqs wait as standby entries)."""
+    most rows a window runs (the rest of max_num_seqs wait as standby entries);
+    compilation_cache_dir: XLA's cache and the engine's executable store (None: neither)."""
     ckpt = load_fixture(name, "float32", tuple(sorted((hf_overrides or {}).items())))
     return build_engine(
         None, params=ckpt.params, cfg=ckpt.cfg,
@@ -36,7 +38,7 @@ def make_engine(*, kv_layout="last_exited", page_size=4, mode="refill", max_num_
             max_prefill_batches_before_decode=max_prefill_batches_before_decode),
         exit_config=ExitConfig(mode=exit_mode, depths_by_request=depths_by_request,
                                lookahead_seed=lookahead_seed),
-        execution_config=ExecutionConfig(compile_ahead=compile_ahead, compilation_cache_dir=None,
+        execution_config=ExecutionConfig(compile_ahead=compile_ahead, compilation_cache_dir=compilation_cache_dir,
                                          show_progress=False, decode_window=decode_window, window_trip=window_trip,
                                          async_scheduling=async_scheduling, xla_options=xla_options or {},
                                          mixed_prefill_tokens=mixed_prefill_tokens, attn_impl=attn_impl,

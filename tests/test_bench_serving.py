@@ -298,6 +298,8 @@ def test_in_process_script(tmp_path):
     st = result["startup"]
     assert st["cache_entries"] > 0 and st["cold"]["compile_ahead"] and st["cold"]["compile_s"] > 0
     assert st["warm"]["compile_s"] < st["cold"]["compile_s"]       # executables came from the cache
+    # every step stored by the cold start, and loaded by the warm one without tracing it
+    assert st["cold"]["saved_to_store"] == st["cold"]["executables"] == st["warm"]["loaded_from_store"] > 0
     assert sum(1 for _ in (tmp_path / "xla").iterdir()) >= st["cache_entries"]   # kept for later runs
     assert result["main_build"]["engine"]["max_num_seqs"] == 2
     assert [r["num_requests"] for r in result["runs"]] == [3, 4]      # per-C counts: prefixes of one draw

@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import secrets
 import time
+from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -34,6 +35,7 @@ from rltjax.engine.outputs import RequestOutput
 from rltjax.engine.runner import ModelRunner, attention_uses_kernel
 from rltjax.engine.scheduler import Scheduler, max_prefill_chunk
 from rltjax.engine.sequence import Request, RequestRejectedError, Status, prompt_token_ids
+from rltjax.engine.executable_store import ExecutableStore
 from rltjax.engine.warm_up import WarmUp, warm_up
 from rltjax.config_rules import check_combination
 from rltjax.engine_config import CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig, validate_trace_depths
@@ -110,8 +112,11 @@ class LLMEngine:
             steps_by_kind=self.steps_by_kind)
         if execution_config.compile_ahead:
             # the same (device) table arrays the steps pass: jit keys its cache on where inputs live
+            cache_dir = execution_config.compilation_cache_dir
+            store = (ExecutableStore(Path(cache_dir) / "executables")
+                     if execution_config.executable_cache and cache_dir else None)
             self.warm_up = warm_up(self.runner, self.batches.block_tables(), self.batches.boundary_tables(),
-                                   show_progress=execution_config.show_progress)
+                                   show_progress=execution_config.show_progress, store=store)
             self.compile_seconds = self.warm_up.seconds
 
     @property

@@ -15,6 +15,11 @@ passes over the same all-padding calls:
    counts what it did compile (``WarmUp.compiled_late``) so a miss cannot go unseen.
 
 All-padding inputs touch only the scratch page and the dummy slot.
+
+With an ``ExecutableStore`` the record pass first looks each call up there, by a key
+made from the call's arguments without tracing; a step found is loaded, not traced,
+lowered or compiled, and each one compiled is saved. After the warm-up the runner calls
+the compiled steps directly (``executable_store.DispatchedStep``).
 """
 from __future__ import annotations
 
@@ -30,6 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from rltjax.benchmarks.compile_watch import CompileWatch
+from rltjax.engine.executable_store import (DispatchedStep, ExecutableStore, StepTable, call_signature,
+                                            compile_fresh, program_key, split_static)
 from rltjax.engine.window_calls import WINDOW_SAMPLERS
 from rltjax.engine.host_rows import idle_window_rows
 
@@ -45,27 +52,34 @@ class WarmUp(NamedTuple):
     # executable kind ("window", "prefill", ...): with a warm cache that is most of it
     phase_seconds: dict[str, float] = {}
     lower_seconds_by_kind: dict[str, float] = {}
+    loaded: int = 0        # of the executables, found in the ExecutableStore (not traced)
+    stored: int = 0        # of the executables, compiled and saved to the ExecutableStore
 
 
 def warm_up(runner, block_tables: np.ndarray, boundary_block_tables: np.ndarray | None = None, *,
-            show_progress: bool = True, threads: int = COMPILE_THREADS) -> WarmUp:
-    """Compile every executable ``runner`` can call (in ``threads`` parallel compiles), then
-    run each once."""
+            show_progress: bool = True, threads: int = COMPILE_THREADS,
+            store: ExecutableStore | None = None) -> WarmUp:
+    """Compile (or load from ``store``) every executable ``runner`` can call, in ``threads``
+    parallel compiles; then run each once."""
     t0 = time.perf_counter()
     jobs = bucket_jobs(runner)
     real_steps, state = runner.steps, (runner.kv, runner.slot_state, runner.bkv, runner.slot_inject,
                                        runner.slot_tokens, runner.standby)
+    real_steps = type(real_steps)(*(getattr(step, "step", step) for step in real_steps))  # a second warm-up
+    tables = [StepTable() for _ in real_steps]
     futures = []
     lower_by_kind = defaultdict(float)
+    loaded_before, saved_before = (store.loaded, store.saved) if store else (0, 0)
     with ThreadPoolExecutor(max_workers=threads) as pool:
-        runner.steps = type(real_steps)(*(_recording(step, pool, futures) for step in real_steps))
+        runner.steps = type(real_steps)(*(_recording(step, table, pool, futures, store)
+                                          for step, table in zip(real_steps, tables)))
         try:
             for kind, n in jobs:
                 t_job = time.perf_counter()
                 run_job(runner, kind, n, block_tables, boundary_block_tables)
                 lower_by_kind[kind.split("/")[0]] += time.perf_counter() - t_job
         finally:
-            runner.steps = real_steps
+            runner.steps = type(real_steps)(*(DispatchedStep(step, table) for step, table in zip(real_steps, tables)))
             runner.kv, runner.slot_state, runner.bkv, runner.slot_inject, runner.slot_tokens, runner.standby = state
         t_lowered = time.perf_counter()
         for done, future in enumerate(as_completed(futures), 1):
@@ -83,8 +97,9 @@ def warm_up(runner, block_tables: np.ndarray, boundary_block_tables: np.ndarray 
         print(f"\r[rltjax] compiled {len(futures)} executables in {elapsed:.1f}s" + " " * 20, file=sys.stderr)
     phases = dict(trace_and_lower=t_lowered - t0, compile_wait=t_compiled - t_lowered,
                   run=elapsed - (t_compiled - t0))
-    return WarmUp(elapsed, len(futures), late.count, {k: round(v, 3) for k, v in phases.items()},
-                  {k: round(v, 3) for k, v in lower_by_kind.items()})
+    loaded, stored = (store.loaded - loaded_before, store.saved - saved_before) if store else (0, 0)
+    return WarmUp(elapsed, len(futures) + loaded, late.count, {k: round(v, 3) for k, v in phases.items()},
+                  {k: round(v, 3) for k, v in lower_by_kind.items()}, loaded, stored)
 
 
 def bucket_jobs(runner) -> list[tuple[str, int]]:
@@ -141,11 +156,34 @@ def run_job(runner, kind: str, n: int, block_tables, boundary_block_tables) -> N
         raise ValueError(f"unknown executable kind {kind!r}")
 
 
-def _recording(step, pool: ThreadPoolExecutor, futures: list):
-    """``step`` traced and lowered here, compiled in ``pool``; returns stand-in outputs."""
+def _recording(step, table: StepTable, pool: ThreadPoolExecutor, futures: list, store: ExecutableStore | None):
+    """``step`` loaded from ``store``, or traced and lowered here and compiled in ``pool``
+    (then saved to ``store``); registered in ``table``; returns stand-in outputs."""
     def call(*args, **kwargs):
+        split = split_static(step, args, kwargs)
+        if split is None:       # a static argument passed by position: jit's own path
+            lowered = step.lower(*args, **kwargs)
+            futures.append(pool.submit(lowered.compile))
+            return _stand_ins(lowered.out_info, args)
+        static, dynamic = split
+        signature, program = call_signature(static, args, dynamic), program_key(step, static, args, dynamic)
+        if program in table.out_info:      # called again in this pass (e.g. a launch, then its read)
+            return _stand_ins(table.out_info[program], args)
+        file_key = store.file_key(program) if store else None
+        compiled = store.load(file_key) if file_key else None
+        if compiled is not None:
+            table.add(signature, program, compiled)
+            table.out_info[program] = compiled.out_info
+            return _stand_ins(compiled.out_info, args)
         lowered = step.lower(*args, **kwargs)
-        futures.append(pool.submit(lowered.compile))
+        table.out_info[program] = lowered.out_info
+
+        def compile_and_keep():
+            compiled, fresh = compile_fresh(lowered)
+            table.add(signature, program, compiled)
+            if file_key and fresh:
+                store.save(file_key, compiled)
+        futures.append(pool.submit(compile_and_keep))
         return _stand_ins(lowered.out_info, args)
     return call
 

@@ -99,6 +99,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="compile batch shapes on first use instead of at start-up")
     g.add_argument("--compilation-cache-dir", default=str(default_cache_dir()),
                    help="XLA persistent compilation cache ('' disables it)")
+    g.add_argument("--no-executable-cache", action="store_true",
+                   help="do not keep compiled steps in the cache directory's 'executables' folder (a warm "
+                        "start then traces and lowers every step again before XLA's cache finds it)")
 
 
 def parse_attn_splits(text: str):
@@ -162,6 +165,7 @@ def configs_from_args(args: argparse.Namespace) -> dict:
                                          matmul_impl=args.matmul_impl,
                                          xla_options=parse_xla_options(args.xla_option),
                                          compile_ahead=not args.no_compile_ahead,
+                                         executable_cache=not args.no_executable_cache,
                                          decode_window=args.decode_window, window_trip=args.window_trip,
                                          decode_window_rows=args.decode_window_rows,
                                          async_scheduling=args.async_scheduling,

@@ -1,0 +1,231 @@
+"""Compiled engine steps kept on disk, found without tracing: a warm start's shortcut.
+
+JAX's persistent compilation cache is keyed on the lowered program, so a warm start
+still traces and lowers every bucket's step in Python before it finds the executable;
+on an H200 that was 13 of the 18 s a warm start took with mixed-prefill windows
+(thirty-first session, docs/performance.md). This store keeps each compiled step
+(``jax.experimental.serialize_executable``) under a key computed *before* tracing,
+from everything tracing reads:
+
+- the engine's code: every module of the ``rltjax`` and ``kernels`` packages, jax's and
+  jaxlib's versions, the device (platform, its version, kind), ``XLA_FLAGS`` and JAX's
+  configuration (``ENGINE_FINGERPRINT``, computed once a process);
+- the step: its function, its jit options (XLA compiler options included) and the reprs
+  of its static arguments (frozen dataclasses, so their fields: the model config, the
+  window's settings);
+- each dynamic argument's tree structure, shape, dtype, weak type and sharding.
+
+A static argument whose repr shows a memory address cannot be keyed across processes:
+that step is compiled as usual and not stored. Only an executable XLA has just compiled is
+stored (``compile_fresh``): one that came from XLA's own persistent cache, or from jit's
+in-memory cache after it ran, serialized into a file that loaded and then failed on the CPU
+("Function ... not found"). A file that fails to load is removed and its step compiled again. ``StepTable`` holds the compiled steps of one engine, and
+``DispatchedStep`` calls them directly (jit's own path would trace again on a first call).
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import os
+import pickle
+import sys
+import threading
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+
+from rltjax.jit_options import jit_kwargs_of
+
+STORE_FORMAT = 1          # bump when what a file holds changes
+
+
+def engine_fingerprint() -> str:
+    """sha256 of what every engine step's trace depends on besides its arguments."""
+    import jaxlib
+    h = hashlib.sha256(f"format {STORE_FORMAT} jax {jax.__version__} jaxlib {jaxlib.__version__}\n".encode())
+    import kernels
+    import rltjax
+    for package in (rltjax, kernels):
+        root = Path(package.__file__).resolve().parent
+        for path in sorted(p for p in root.rglob("*.py") if "__pycache__" not in p.parts):
+            h.update(f"{package.__name__}/{path.relative_to(root).as_posix()}\0".encode() + path.read_bytes())
+    device = jax.devices()[0]
+    h.update(f"{device.platform} {device.client.platform_version} {device.device_kind}\n".encode())
+    h.update(f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')}\n".encode())
+    for name, value in sorted(jax.config.values.items()):
+        if "cache" not in name and "log" not in name:    # where things are kept or reported
+            h.update(f"{name}={value!r}\n".encode())
+    return h.hexdigest()
+
+
+# jax.monitoring's events (jax/_src/dispatch.py, compiler.py): a backend compile's duration is
+# recorded around XLA's compile or a persistent-cache read, and a cache hit is counted on its own
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+_counting = threading.local()
+
+
+def _on_duration(event: str, duration: float, **kwargs) -> None:
+    if event == _COMPILE_EVENT and getattr(_counting, "on", False):
+        _counting.compiles += 1
+
+
+def _on_event(event: str, **kwargs) -> None:
+    if event == _CACHE_HIT_EVENT and getattr(_counting, "on", False):
+        _counting.cache_hits += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_duration)
+jax.monitoring.register_event_listener(_on_event)
+
+
+def compile_fresh(lowered) -> tuple[Any, bool]:
+    """(``lowered.compile()``, whether XLA compiled it just now: not from its persistent cache
+    or jit's in-memory one)."""
+    _counting.on, _counting.compiles, _counting.cache_hits = True, 0, 0
+    try:
+        compiled = lowered.compile()
+    finally:
+        _counting.on = False
+    return compiled, _counting.compiles > 0 and _counting.cache_hits == 0
+
+
+def _leaf_spec(leaf) -> str:
+    if isinstance(leaf, jax.Array):
+        return f"{leaf.shape}{leaf.dtype}{'w' if leaf.weak_type else ''}@{leaf.sharding}"
+    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):            # numpy: a host value
+        return f"{tuple(leaf.shape)}{leaf.dtype}@host"
+    return f"{type(leaf).__name__}:{leaf!r}"                            # a Python scalar
+
+
+def split_static(step: Callable, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """(sorted static (name, value) pairs passed, the dynamic keyword arguments); None when
+    a static argument may have come by position (``DispatchedStep`` then defers to jit)."""
+    names, first_position = _static_names(step)
+    if len(args) > first_position:
+        return None
+    return (tuple((n, kwargs[n]) for n in names if n in kwargs),
+            {k: v for k, v in kwargs.items() if k not in names})
+
+
+@functools.cache
+def _static_names(step: Callable) -> tuple[tuple[str, ...], int]:
+    """(a step's sorted static argument names, the first position one of them can take)."""
+    names = tuple(sorted(jit_kwargs_of(step).get("static_argnames", ())))
+    params = list(inspect.signature(getattr(step, "__wrapped__", step)).parameters.values())
+    positions = [i for i, p in enumerate(params) if p.name in names and p.kind is p.POSITIONAL_OR_KEYWORD]
+    return names, min(positions, default=sys.maxsize)     # keyword-only: never by position
+
+
+def call_signature(static: tuple, args: tuple, dynamic: dict) -> tuple:
+    """What tells two calls of one step apart in a StepTable: its static values and the
+    shapes and dtypes of every dynamic argument but the first (the weights, fixed for an
+    engine; a compiled step still checks every argument, so a mismatch raises)."""
+    leaves, tree = jax.tree.flatten((args[1:], dynamic))
+    return static, tree, tuple((getattr(x, "shape", None), getattr(x, "dtype", type(x))) for x in leaves)
+
+
+def program_key(step: Callable, static: tuple, args: tuple, dynamic: dict) -> str:
+    """What names this call's program within a process: the step, its jit options, its
+    static values' reprs and every dynamic argument's structure, shape, dtype, weak type
+    and sharding."""
+    fn = getattr(step, "__wrapped__", step)
+    leaves, tree = jax.tree.flatten((args, dynamic))
+    return "\n".join([f"{fn.__module__}.{fn.__qualname__}", repr(sorted(jit_kwargs_of(step).items())),
+                      repr(static), str(tree)] + [_leaf_spec(x) for x in leaves])
+
+
+class ExecutableStore:
+    """Compiled steps in ``directory`` (created on the first save)."""
+
+    def __init__(self, directory: str | os.PathLike):
+        self.directory = Path(directory)
+        self.fingerprint = engine_fingerprint()
+        self.loaded = self.saved = self.failed = 0
+
+    def file_key(self, program: str) -> str | None:
+        """The file name of a ``program_key``'s compiled step; None when it names an object
+        by its address, which another process would not share."""
+        if " at 0x" in program:
+            return None
+        return hashlib.sha256(f"{self.fingerprint}\n{program}".encode()).hexdigest()[:40]
+
+    def load(self, key: str):
+        """The compiled step saved under ``key``, or None (a file that fails to load is removed)."""
+        path = self.directory / key
+        if not path.is_file():
+            return None
+        from jax.experimental.serialize_executable import deserialize_and_load
+        try:
+            blob, in_tree, out_tree = pickle.loads(path.read_bytes())
+            compiled = deserialize_and_load(blob, in_tree, out_tree)
+        except Exception as exc:  # noqa: BLE001 - a torn or foreign file: compile instead
+            warnings.warn(f"rltjax: dropping the stored step {path} ({type(exc).__name__}: {exc})", stacklevel=2)
+            path.unlink(missing_ok=True)
+            self.failed += 1
+            return None
+        self.loaded += 1
+        return compiled
+
+    def save(self, key: str, compiled) -> None:
+        """Write ``compiled`` under ``key`` (atomically; a step that cannot be serialized is skipped)."""
+        from jax.experimental.serialize_executable import serialize
+        try:
+            data = pickle.dumps(serialize(compiled))
+            self.directory.mkdir(parents=True, exist_ok=True)
+            tmp = self.directory / f".{key}.{os.getpid()}.tmp"
+            tmp.write_bytes(data)
+            os.replace(tmp, self.directory / key)
+        except Exception as exc:  # noqa: BLE001 - storing is an optimisation, never an error
+            print(f"[rltjax] not storing a compiled step ({type(exc).__name__}: {exc}); the next start "
+                  "compiles it again", file=sys.stderr)
+            self.failed += 1
+            return
+        self.saved += 1
+
+
+class StepTable:
+    """The compiled steps of one engine's step function, by ``call_signature``."""
+
+    def __init__(self):
+        self.compiled: dict[tuple, Any] = {}
+        self.ambiguous: set[tuple] = set()
+        self.out_info: dict[str, Any] = {}     # by program_key: its outputs' shapes (the warm-up's stand-ins)
+
+    def add(self, signature: tuple, program: str, compiled) -> None:
+        """Register ``compiled``; two different programs under one signature are both dropped
+        (their calls go through jit), never one called with the other's arguments."""
+        if signature in self.ambiguous:
+            return
+        old = self.compiled.get(signature)
+        if old is not None and old[0] != program:
+            del self.compiled[signature]
+            self.ambiguous.add(signature)
+            return
+        self.compiled[signature] = (program, compiled)
+
+
+class DispatchedStep:
+    """A jitted step that calls its warm-up's compiled executables directly, and jit for
+    any call they do not cover."""
+
+    def __init__(self, step: Callable, table: StepTable):
+        self.step = step
+        self.table = table
+        self.jit_calls = 0      # calls no compiled step covered (after a full warm-up: none)
+
+    def __call__(self, *args, **kwargs):
+        split = split_static(self.step, args, kwargs)
+        if split is not None:
+            static, dynamic = split
+            entry = self.table.compiled.get(call_signature(static, args, dynamic))
+            if entry is not None:
+                return entry[1](*args, **dynamic)
+        self.jit_calls += 1
+        return self.step(*args, **kwargs)
+
+    def lower(self, *args, **kwargs):
+        return self.step.lower(*args, **kwargs)

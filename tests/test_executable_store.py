@@ -1,0 +1,146 @@
+"""The executable store: a second engine start loads every step the first one compiled,
+without tracing, and serves the same tokens; keys change with what tracing reads; a bad
+file is recompiled, never trusted."""
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rltjax.entrypoints.llm as llm_entry
+from engine_helpers import assert_all_pages_free, make_engine, reference_for
+from engine_trace_helpers import TOKENS, check_against_reference, drive, greedy
+from rltjax.engine.executable_store import (DispatchedStep, ExecutableStore, StepTable, call_signature,
+                                            compile_fresh, engine_fingerprint, program_key, split_static)
+from rltjax.jit_options import engine_jit
+from rltjax.sampling_params import SamplingParams
+
+ARRIVALS = [(0, "a", TOKENS[:5], greedy(6)), (0, "b", TOKENS[10:23], greedy(4)),
+            (2, "c", TOKENS[30:38], SamplingParams(max_tokens=5, temperature=0.8, top_p=0.9, seed=11,
+                                                   ignore_eos=True, logprobs=2)),
+            (5, "d", TOKENS[40:43], greedy(7))]
+
+
+@pytest.fixture
+def store_dir(tmp_path, monkeypatch):
+    """A cache directory for the engine's store only: XLA's own persistent cache is a
+    process-wide setting, left alone here."""
+    monkeypatch.setattr(llm_entry, "setup_compilation_cache", lambda path: None)
+    jax.clear_caches()       # the first engine here compiles afresh (only fresh compiles are stored)
+    return tmp_path
+
+
+def _engine(cache_dir):
+    return make_engine(compile_ahead=True, decode_window=3, window_trip="fixed", max_num_seqs=2,
+                       compilation_cache_dir=str(cache_dir))
+
+
+def _traced_steps(monkeypatch) -> list:
+    """Records every step the warm-up traces (jit's ``lower``)."""
+    seen = []
+    real = jax.stages.Traced.lower
+
+    def lower(self, *args, **kwargs):
+        seen.append(self)
+        return real(self, *args, **kwargs)
+    monkeypatch.setattr(jax.stages.Traced, "lower", lower)
+    return seen
+
+
+def test_second_start_loads_every_step_and_serves_the_same_tokens(store_dir, monkeypatch):
+    first = _engine(store_dir)
+    assert first.warm_up.stored == first.warm_up.executables > 0 and first.warm_up.loaded == 0
+    traced = _traced_steps(monkeypatch)
+    second = _engine(store_dir)
+    assert traced == []                                         # nothing traced or lowered
+    jax.jit(lambda v: v + 1).lower(1.0)                         # positive control: the spy sees a lowering
+    assert len(traced) == 1
+    assert second.warm_up.loaded == first.warm_up.executables and second.warm_up.stored == 0
+    ref = reference_for("last_exited")
+    outputs = [drive(engine, ARRIVALS)[0] for engine in (first, second)]
+    check_against_reference(outputs[1], ARRIVALS, ref)
+    for rid in outputs[0]:
+        assert (outputs[1][rid].token_ids, outputs[1][rid].exit_depths, outputs[1][rid].logprobs) == (
+            outputs[0][rid].token_ids, outputs[0][rid].exit_depths, outputs[0][rid].logprobs)
+    assert all(step.jit_calls == 0 for step in second.runner.steps)     # every call hit a loaded step
+    assert_all_pages_free(second)
+
+
+def test_changed_settings_do_not_load(store_dir, monkeypatch):
+    first = _engine(store_dir)
+    with monkeypatch.context() as env:
+        env.setenv("XLA_FLAGS", "--xla_dump_hlo_pass_re=nothing")   # part of the engine's fingerprint
+        other = _engine(store_dir)
+    assert first.warm_up.stored == first.warm_up.executables and other.warm_up.loaded == 0
+    assert other.warm_up.stored == 0       # jit's in-memory executables (they ran): never stored
+    again = _engine(store_dir)                        # the first settings again: the first start's files
+    assert again.warm_up.loaded == first.warm_up.stored
+
+
+def test_a_damaged_file_is_compiled_again(store_dir):
+    first = _engine(store_dir)
+    files = sorted((store_dir / "executables").iterdir())
+    assert len(files) == first.warm_up.stored
+    files[0].write_bytes(b"not an executable")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        second = _engine(store_dir)
+    assert any("dropping the stored step" in str(w.message) for w in caught)
+    assert second.warm_up.loaded == first.warm_up.stored - 1 == first.warm_up.executables - 1
+    check_against_reference(drive(second, ARRIVALS)[0], ARRIVALS, reference_for("last_exited"))
+
+
+@engine_jit(static_argnames=("scale",), donate_argnames=("x",))
+def _scaled(w, x, *, scale: float):
+    return x * scale + w.sum()
+
+
+def test_only_a_fresh_compile_counts_as_fresh():
+    lowered = jax.jit(lambda v: v * 7 - 1).lower(jnp.zeros(6))
+    compiled, fresh = compile_fresh(lowered)
+    assert fresh and compiled(jnp.ones(6))[0] == 6.0
+    assert compile_fresh(lowered)[1] is False       # jit's in-memory executable, not compiled again
+
+
+def test_keys_follow_static_values_shapes_and_fingerprint(monkeypatch, tmp_path):
+    w, x = jnp.ones(3), jnp.zeros(4)
+    key = lambda *a, **k: program_key(_scaled, *split_static(_scaled, a, k)[:1], a, split_static(_scaled, a, k)[1])  # noqa: E731
+    base = key(w, x, scale=2.0)
+    assert base == key(w, jnp.ones(4), scale=2.0)                       # values do not matter
+    assert len({base, key(w, x, scale=3.0), key(w, jnp.zeros(5), scale=2.0),
+                key(w, jnp.zeros(4, jnp.int32), scale=2.0), key(w, np.zeros(4, np.float32), scale=2.0)}) == 5
+    store = ExecutableStore(tmp_path)
+    assert store.file_key(base) != store.file_key(key(w, x, scale=3.0))
+    assert store.file_key(base + " <object at 0x7f00>") is None       # keyed by identity: not stored
+    with jax.default_matmul_precision("highest"):                     # JAX's configuration is read
+        assert engine_fingerprint() != store.fingerprint
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=false")
+    assert engine_fingerprint() != store.fingerprint
+
+
+def test_dispatch_calls_the_compiled_step_and_defers_what_it_cannot_tell_apart():
+    w, x = jnp.ones(3), jnp.zeros(4)
+    static, dynamic = split_static(_scaled, (w, x), dict(scale=2.0))
+    table = StepTable()
+    compiled = _scaled.lower(w, x, scale=2.0).compile()
+    table.add(call_signature(static, (w, x), dynamic), program_key(_scaled, static, (w, x), dynamic), compiled)
+    step = DispatchedStep(_scaled, table)
+    np.testing.assert_allclose(step(w, jnp.ones(4), scale=2.0), np.full(4, 5.0))
+    assert step.jit_calls == 0
+    np.testing.assert_allclose(step(w, jnp.ones(4), scale=3.0), np.full(4, 6.0))   # another program: jit
+    assert step.jit_calls == 1
+    # two programs under one signature (only the weights' shape differs): both go to jit
+    w5 = jnp.ones(5)
+    table.add(call_signature(static, (w5, x), dynamic), program_key(_scaled, static, (w5, x), dynamic),
+              _scaled.lower(w5, x, scale=2.0).compile())
+    np.testing.assert_allclose(step(w5, jnp.ones(4), scale=2.0), np.full(4, 7.0))
+    assert step.jit_calls == 2 and not table.compiled
+    assert split_static(_positional, (w, x, 2.0), {}) is None       # a static argument by position
+
+
+@engine_jit(static_argnames=("scale",))
+def _positional(w, x, scale):
+    return x * scale + w.sum()

@@ -236,12 +236,12 @@ class ExecutionConfig:
     whose whole prompts fit this many tokens run their R loops inside the next window's first
     R passes, with the decoding rows (one GEMM over both), instead of a prefill step of their
     own; their first token then comes with that window's outputs (capped at the largest
-    prefill batch: no admission holds more). 0 (default): off. Needs fixed-trip decode
-    windows (K > R), the last_exited layout, a model without boundary stages and no
-    decode_window_rows. None (auto): AUTO_MIXED_PREFILL_TOKENS in windows of at least
-    AUTO_MIXED_MIN_ROWS rows where all of that holds (smaller windows keep standby entries),
-    else off; it trades time to first token, which then waits for a window, for fewer
-    prefill steps.
+    prefill batch: no admission holds more). 0: off. Needs fixed-trip decode windows
+    (K > R), the last_exited layout, a model without boundary stages and no
+    decode_window_rows. None (auto, the default): AUTO_MIXED_PREFILL_TOKENS in windows of at
+    least AUTO_MIXED_MIN_ROWS rows where all of that holds (smaller windows keep standby
+    entries), else off; it trades time to first token, which then waits for a window, for
+    fewer prefill steps.
     """
     attn_impl: str = "auto"
     attn_num_splits: int | Mapping[int, int] | None = None
@@ -256,7 +256,7 @@ class ExecutionConfig:
     compilation_cache_dir: str | None = dataclasses.field(default_factory=lambda: str(default_cache_dir()))
     executable_cache: bool = True
     show_progress: bool = True
-    mixed_prefill_tokens: int | None = 0
+    mixed_prefill_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.attn_impl not in ATTN_IMPLS:

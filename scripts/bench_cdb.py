@@ -67,10 +67,10 @@ def parse(argv):
     p.add_argument("--depth-probs", type=float, nargs="+", default=[0.25, 0.25, 0.25, 0.25],
                    help="probability of depth 1..R for each decode token")
     p.add_argument("--decode-window", type=int, default=16, help="K passes per window")
-    p.add_argument("--mixed-prefill-tokens", type=mixed_prefill_tokens, default=0, metavar="T",
+    p.add_argument("--mixed-prefill-tokens", type=mixed_prefill_tokens, default=None, metavar="T",
                    help="window executor: admitted prompts of up to T tokens run inside the windows' first "
-                        "passes (ExecutionConfig.mixed_prefill_tokens; 0: off; auto: the engine's auto mode, "
-                        "off with --standby)")
+                        "passes (ExecutionConfig.mixed_prefill_tokens; 0: off; auto, the default: the engine's "
+                        "auto mode, off with --standby)")
     p.add_argument("--standby", type=int, default=0, metavar="S",
                    help="window executor: S more requests admitted beyond the --concurrency rows, prefilled "
                         "and waiting on the device for the next row to free up (max_num_seqs = C + S, "

@@ -103,7 +103,7 @@ def test_execution_flags_reach_the_engine_config():
                                                         "xla_cpu_enable_fast_math": False}
     with pytest.raises(ValueError, match="expected NAME=VALUE"):
         configs_from_args(p.parse_args(["--xla-option", "xla_gpu_graph_min_graph_size"]))
-    assert default.mixed_prefill_tokens == 0
+    assert default.mixed_prefill_tokens is None          # auto
     for flag, tokens in (("auto", None), ("128", 128), ("0", 0)):
         ex = configs_from_args(p.parse_args(["--mixed-prefill-tokens", flag]))["execution_config"]
         assert ex.mixed_prefill_tokens == tokens

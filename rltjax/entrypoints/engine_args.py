@@ -87,10 +87,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "(early_stop), or run exactly K passes with a head every pass (fixed: "
                         "nothing for the GPU to wait on the host for between passes); auto: fixed, "
                         "except early_stop for models with boundary stages (Huginn)")
-    g.add_argument("--mixed-prefill-tokens", type=mixed_prefill_tokens, default=0, metavar="T",
+    g.add_argument("--mixed-prefill-tokens", type=mixed_prefill_tokens, default=None, metavar="T",
                    help="prompts admitted while a window runs, up to T tokens in all (a power of two), run "
                         "their loops inside the next window's first passes with the decoding rows instead of "
-                        "a prefill step (0: off; auto: 128, capped at the largest prefill batch, in windows "
+                        "a prefill step (0: off; auto, the default: 128, capped at the largest prefill batch, in windows "
                         "of 32+ rows where windows can take them)")
     g.add_argument("--async-scheduling", action="store_true",
                    help="launch each loop pass before reading the previous pass's exit signals "

@@ -145,6 +145,7 @@ class ExecutableStore:
         self.directory = Path(directory)
         self.fingerprint = engine_fingerprint()
         self.loaded = self.saved = self.failed = 0
+        self._lock = threading.Lock()           # loads and saves run on the warm-up's threads
 
     def file_key(self, program: str) -> str | None:
         """The file name of a ``program_key``'s compiled step; None when it names an object
@@ -153,38 +154,57 @@ class ExecutableStore:
             return None
         return hashlib.sha256(f"{self.fingerprint}\n{program}".encode()).hexdigest()[:40]
 
-    def load(self, key: str):
-        """The compiled step saved under ``key``, or None (a file that fails to load is removed)."""
+    def read(self, key: str) -> tuple[Any, tuple] | None:
+        """(the step's output shapes, its serialized executable) saved under ``key``, or None.
+        Reading is cheap; ``load`` (XLA's deserialization, about 0.4 s a step on an H200) can
+        then run on another thread. A file that fails to read is removed."""
         path = self.directory / key
         if not path.is_file():
             return None
+        try:
+            out_specs, *payload = pickle.loads(path.read_bytes())
+        except Exception as exc:  # noqa: BLE001 - a torn or foreign file: compile instead
+            self._drop(path, exc)
+            return None
+        return out_specs, tuple(payload)
+
+    def load(self, key: str, payload: tuple):
+        """The compiled step from ``read``'s payload, or None (its file is then removed and the
+        step compiled on its first call)."""
         from jax.experimental.serialize_executable import deserialize_and_load
         try:
-            blob, in_tree, out_tree = pickle.loads(path.read_bytes())
-            compiled = deserialize_and_load(blob, in_tree, out_tree)
-        except Exception as exc:  # noqa: BLE001 - a torn or foreign file: compile instead
-            warnings.warn(f"rltjax: dropping the stored step {path} ({type(exc).__name__}: {exc})", stacklevel=2)
-            path.unlink(missing_ok=True)
-            self.failed += 1
+            compiled = deserialize_and_load(*payload)
+        except Exception as exc:  # noqa: BLE001
+            self._drop(self.directory / key, exc)
             return None
-        self.loaded += 1
+        with self._lock:
+            self.loaded += 1
         return compiled
 
     def save(self, key: str, compiled) -> None:
         """Write ``compiled`` under ``key`` (atomically; a step that cannot be serialized is skipped)."""
         from jax.experimental.serialize_executable import serialize
         try:
-            data = pickle.dumps(serialize(compiled))
+            out_specs = jax.tree.map(lambda i: jax.ShapeDtypeStruct(i.shape, i.dtype), compiled.out_info)
+            data = pickle.dumps((out_specs, *serialize(compiled)))
             self.directory.mkdir(parents=True, exist_ok=True)
-            tmp = self.directory / f".{key}.{os.getpid()}.tmp"
+            tmp = self.directory / f".{key}.{os.getpid()}.{threading.get_ident()}.tmp"
             tmp.write_bytes(data)
             os.replace(tmp, self.directory / key)
         except Exception as exc:  # noqa: BLE001 - storing is an optimisation, never an error
             print(f"[rltjax] not storing a compiled step ({type(exc).__name__}: {exc}); the next start "
                   "compiles it again", file=sys.stderr)
-            self.failed += 1
+            with self._lock:
+                self.failed += 1
             return
-        self.saved += 1
+        with self._lock:
+            self.saved += 1
+
+    def _drop(self, path: Path, exc: Exception) -> None:
+        warnings.warn(f"rltjax: dropping the stored step {path} ({type(exc).__name__}: {exc})", stacklevel=3)
+        path.unlink(missing_ok=True)
+        with self._lock:
+            self.failed += 1
 
 
 class StepTable:

@@ -17,8 +17,9 @@ passes over the same all-padding calls:
 All-padding inputs touch only the scratch page and the dummy slot.
 
 With an ``ExecutableStore`` the record pass first looks each call up there, by a key
-made from the call's arguments without tracing; a step found is loaded, not traced,
-lowered or compiled, and each one compiled is saved. After the warm-up the runner calls
+made from the call's arguments without tracing; a step found is not traced, lowered or
+compiled: its stored output shapes give the stand-ins, and the pool deserializes it.
+Each step XLA compiles afresh is saved. After the warm-up the runner calls
 the compiled steps directly (``executable_store.DispatchedStep``).
 """
 from __future__ import annotations
@@ -85,7 +86,7 @@ def warm_up(runner, block_tables: np.ndarray, boundary_block_tables: np.ndarray 
         for done, future in enumerate(as_completed(futures), 1):
             future.result()
             if show_progress:
-                print(f"\r[rltjax] compiling {len(futures)} executables on {threads} threads ({done} done)",
+                print(f"\r[rltjax] compiling or loading {len(futures)} executables on {threads} threads ({done} done)",
                       end="", file=sys.stderr, flush=True)
     t_compiled = time.perf_counter()
     with CompileWatch() as late:
@@ -93,12 +94,14 @@ def warm_up(runner, block_tables: np.ndarray, boundary_block_tables: np.ndarray 
             run_job(runner, kind, n, block_tables, boundary_block_tables)
         jax.block_until_ready(runner.kv)
     elapsed = time.perf_counter() - t0
+    loaded, stored = (store.loaded - loaded_before, store.saved - saved_before) if store else (0, 0)
     if show_progress:
-        print(f"\r[rltjax] compiled {len(futures)} executables in {elapsed:.1f}s" + " " * 20, file=sys.stderr)
+        print(f"\r[rltjax] {len(futures)} executables ready in {elapsed:.1f}s ({loaded} loaded from "
+              f"{store.directory}, {stored} stored)" if store else
+              f"\r[rltjax] compiled {len(futures)} executables in {elapsed:.1f}s" + " " * 20, file=sys.stderr)
     phases = dict(trace_and_lower=t_lowered - t0, compile_wait=t_compiled - t_lowered,
                   run=elapsed - (t_compiled - t0))
-    loaded, stored = (store.loaded - loaded_before, store.saved - saved_before) if store else (0, 0)
-    return WarmUp(elapsed, len(futures) + loaded, late.count, {k: round(v, 3) for k, v in phases.items()},
+    return WarmUp(elapsed, len(futures), late.count, {k: round(v, 3) for k, v in phases.items()},
                   {k: round(v, 3) for k, v in lower_by_kind.items()}, loaded, stored)
 
 
@@ -170,11 +173,17 @@ def _recording(step, table: StepTable, pool: ThreadPoolExecutor, futures: list, 
         if program in table.out_info:      # called again in this pass (e.g. a launch, then its read)
             return _stand_ins(table.out_info[program], args)
         file_key = store.file_key(program) if store else None
-        compiled = store.load(file_key) if file_key else None
-        if compiled is not None:
-            table.add(signature, program, compiled)
-            table.out_info[program] = compiled.out_info
-            return _stand_ins(compiled.out_info, args)
+        stored = store.read(file_key) if file_key else None
+        if stored is not None:          # XLA's deserialization on the pool, like a compile
+            out_specs, payload = stored
+
+            def load_and_keep():
+                compiled = store.load(file_key, payload)
+                if compiled is not None:        # else the run pass compiles it (compiled_late)
+                    table.add(signature, program, compiled)
+            futures.append(pool.submit(load_and_keep))
+            table.out_info[program] = out_specs
+            return _stand_ins(out_specs, args)
         lowered = step.lower(*args, **kwargs)
         table.out_info[program] = lowered.out_info
 

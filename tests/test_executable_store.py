@@ -34,7 +34,9 @@ def store_dir(tmp_path, monkeypatch):
 
 
 def _engine(cache_dir):
-    return make_engine(compile_ahead=True, decode_window=3, window_trip="fixed", max_num_seqs=2,
+    # a fixed pool: sized by free memory (a GPU), a second engine's pool would differ in shape,
+    # and so would its programs
+    return make_engine(compile_ahead=True, decode_window=3, window_trip="fixed", max_num_seqs=2, num_pages=129,
                        compilation_cache_dir=str(cache_dir))
 
 

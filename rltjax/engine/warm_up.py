@@ -107,15 +107,15 @@ def warm_up(runner, block_tables: np.ndarray, boundary_block_tables: np.ndarray 
 
 def bucket_jobs(runner) -> list[tuple[str, int]]:
     """(kind, bucket) of every executable the runner's engine can call, the longest compiles
-    first (decode windows, then prefill, largest buckets first): the pool then does not end
-    on one long compile started last."""
+    first (mixed-prefill windows, decode windows, then prefill, largest buckets first): the
+    pool then does not end on one long compile started last."""
     jobs = []
     if runner.window_spec:
+        jobs += [(f"window_mixed/{sampler}", b) for b in reversed(runner.mixed_buckets) for sampler in WINDOW_SAMPLERS]
         jobs += [(f"window/{sampler}", b) for b in reversed(runner.window_buckets) for sampler in WINDOW_SAMPLERS]
         if runner.uses_standby:
             jobs += [("standby_put", runner.max_num_seqs + 1)]
         jobs += [("window_merge", b) for b in runner.window_buckets if not runner.standby_for(b)]
-        jobs += [(f"window_mixed/{sampler}", b) for b in reversed(runner.mixed_buckets) for sampler in WINDOW_SAMPLERS]
     jobs += [("prefill", t) for t in reversed(runner.token_buckets)]
     jobs += [("loop", b) for b in runner.row_buckets] + [("head", b) for b in runner.row_buckets]
     if runner.has_boundary:

@@ -56,6 +56,16 @@ def traced_steps():
     jax.monitoring.unregister_event_duration_listener(listener)
 
 
+def _check_same(outputs, first_outputs):
+    """The same programs give the same tokens, depths and logprobs, bit for bit; on the CPU
+    both equal the dense oracle too (the GPU's tolerances against it are test_engine_gpu's)."""
+    for rid, out in first_outputs.items():
+        assert (outputs[rid].token_ids, outputs[rid].exit_depths, outputs[rid].logprobs) == (
+            out.token_ids, out.exit_depths, out.logprobs)
+    if jax.default_backend() == "cpu":
+        check_against_reference(outputs, ARRIVALS, reference_for("last_exited"))
+
+
 def test_second_start_loads_every_step_and_serves_the_same_tokens(store_dir, traced_steps):
     first = _engine(store_dir)
     assert first.warm_up.stored == first.warm_up.executables > 0 and first.warm_up.loaded == 0
@@ -64,12 +74,8 @@ def test_second_start_loads_every_step_and_serves_the_same_tokens(store_dir, tra
     second = _engine(store_dir)
     assert not STEP_NAMES & set(traced_steps)                        # the second traced no step
     assert second.warm_up.loaded == first.warm_up.executables and second.warm_up.stored == 0
-    ref = reference_for("last_exited")
     outputs = [drive(engine, ARRIVALS)[0] for engine in (first, second)]
-    check_against_reference(outputs[1], ARRIVALS, ref)
-    for rid in outputs[0]:
-        assert (outputs[1][rid].token_ids, outputs[1][rid].exit_depths, outputs[1][rid].logprobs) == (
-            outputs[0][rid].token_ids, outputs[0][rid].exit_depths, outputs[0][rid].logprobs)
+    _check_same(outputs[1], outputs[0])
     assert all(step.jit_calls == 0 for step in second.runner.steps)     # every call hit a loaded step
     assert_all_pages_free(second)
 
@@ -96,7 +102,7 @@ def test_a_damaged_file_is_compiled_again(store_dir):
     dropped = [w for w in caught if "dropping the stored step" in str(w.message)]
     assert len(dropped) == 2, [str(w.message) for w in caught]
     assert second.warm_up.loaded == first.warm_up.executables - 2
-    check_against_reference(drive(second, ARRIVALS)[0], ARRIVALS, reference_for("last_exited"))
+    _check_same(drive(second, ARRIVALS)[0], drive(first, ARRIVALS)[0])
 
 
 @engine_jit(static_argnames=("scale",), donate_argnames=("x",))

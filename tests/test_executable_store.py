@@ -3,7 +3,12 @@ without tracing, and serves the same tokens; keys change with what tracing reads
 file is recompiled, never trusted."""
 from __future__ import annotations
 
+import json
+import shutil
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -127,6 +132,9 @@ def test_keys_follow_static_values_shapes_and_fingerprint(monkeypatch, tmp_path)
     store = ExecutableStore(tmp_path)
     assert store.file_key(base) != store.file_key(key(w, x, scale=3.0))
     assert store.file_key(base + " <object at 0x7f00>") is None       # keyed by identity: not stored
+    weak = split_static(_scaled, (w, 2.0), dict(scale=2.0))               # a weakly typed x: another program
+    strong = split_static(_scaled, (w, jnp.float32(2.0)), dict(scale=2.0))
+    assert call_signature(weak[0], (w, 2.0), weak[1]) != call_signature(strong[0], (w, jnp.float32(2.0)), strong[1])
     with jax.default_matmul_precision("highest"):                     # JAX's configuration is read
         assert engine_fingerprint() != store.fingerprint
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=false")
@@ -156,3 +164,21 @@ def test_dispatch_calls_the_compiled_step_and_defers_what_it_cannot_tell_apart()
 @engine_jit(static_argnames=("scale",))
 def _positional(w, x, scale):
     return x * scale + w.sum()
+
+
+def _start(cache_dir) -> tuple[dict, str]:
+    """One engine start in a child process (XLA's persistent cache on, in ``cache_dir``)."""
+    res = subprocess.run([sys.executable, "-m", "rltjax.benchmarks.startup", "--quick", "--max-num-seqs", "2",
+                          "--max-model-len", "64", "--compilation-cache-dir", str(cache_dir)],
+                         capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent.parent)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return json.loads(res.stdout.strip().splitlines()[-1]), res.stderr
+
+
+def test_steps_served_by_xla_cache_are_not_stored_and_the_start_says_so(tmp_path):
+    first, _ = _start(tmp_path)
+    assert first["saved_to_store"] == first["executables"] > 0
+    shutil.rmtree(tmp_path / "executables")
+    second, log = _start(tmp_path)          # XLA's cache has every step: none is compiled afresh
+    assert second["loaded_from_store"] == 0 and second["saved_to_store"] == 0
+    assert f"{second['executables']} compiled steps came from XLA's persistent cache" in log

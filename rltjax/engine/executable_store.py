@@ -7,9 +7,9 @@ on an H200 that was 13 of the 18 s a warm start took with mixed-prefill windows
 (``jax.experimental.serialize_executable``) under a key computed *before* tracing,
 from everything tracing reads:
 
-- the engine's code: every module of the ``rltjax`` and ``kernels`` packages, jax's and
-  jaxlib's versions, the device (platform, its version, kind), ``XLA_FLAGS`` and JAX's
-  configuration (``ENGINE_FINGERPRINT``, computed once a process);
+- the engine's code: every module of the ``rltjax`` and ``kernels`` packages, jax's,
+  jaxlib's, numpy's and Python's versions, the device (platform, its version, kind),
+  ``XLA_FLAGS`` and JAX's configuration (``engine_fingerprint``, once a store);
 - the step: its function, its jit options (XLA compiler options included) and the reprs
   of its static arguments (frozen dataclasses, so their fields: the model config, the
   window's settings);
@@ -19,8 +19,9 @@ A static argument whose repr shows a memory address cannot be keyed across proce
 that step is compiled as usual and not stored. Only an executable XLA has just compiled is
 stored (``compile_fresh``): one that came from XLA's own persistent cache, or from jit's
 in-memory cache after it ran, serialized into a file that loaded and then failed on the CPU
-("Function ... not found"). A file that fails to load is removed and its step compiled again. ``StepTable`` holds the compiled steps of one engine, and
-``DispatchedStep`` calls them directly (jit's own path would trace again on a first call).
+("Function ... not found"). A file that fails to load is removed and its step compiled
+again. ``StepTable`` holds the compiled steps of one engine, and ``DispatchedStep`` calls
+them directly (jit's own path would trace again on a first call).
 """
 from __future__ import annotations
 
@@ -42,12 +43,24 @@ from rltjax.jit_options import jit_kwargs_of
 STORE_FORMAT = 1          # bump when what a file holds changes
 
 
+# JAX settings that say where executables are kept and what is reported, not what a step
+# computes; every other setting is in the key
+_UNKEYED_CONFIG = frozenset({
+    "jax_compilation_cache_dir", "jax_enable_compilation_cache", "jax_compilation_cache_max_size",
+    "jax_persistent_cache_min_compile_time_secs", "jax_persistent_cache_min_entry_size_bytes",
+    "jax_raise_persistent_cache_errors", "jax_explain_cache_misses", "jax_log_compiles",
+    "jax_logging_level", "jax_debug_log_modules", "jax_compiler_detailed_logging_min_ops"})
+
+
 def engine_fingerprint() -> str:
     """sha256 of what every engine step's trace depends on besides its arguments."""
     import jaxlib
-    h = hashlib.sha256(f"format {STORE_FORMAT} jax {jax.__version__} jaxlib {jaxlib.__version__}\n".encode())
+    import numpy
+
     import kernels
     import rltjax
+    h = hashlib.sha256(f"format {STORE_FORMAT} jax {jax.__version__} jaxlib {jaxlib.__version__} numpy "
+                       f"{numpy.__version__} python {sys.version}\n".encode())
     for package in (rltjax, kernels):
         root = Path(package.__file__).resolve().parent
         for path in sorted(p for p in root.rglob("*.py") if "__pycache__" not in p.parts):
@@ -56,7 +69,7 @@ def engine_fingerprint() -> str:
     h.update(f"{device.platform} {device.client.platform_version} {device.device_kind}\n".encode())
     h.update(f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')}\n".encode())
     for name, value in sorted(jax.config.values.items()):
-        if "cache" not in name and "log" not in name:    # where things are kept or reported
+        if name not in _UNKEYED_CONFIG:
             h.update(f"{name}={value!r}\n".encode())
     return h.hexdigest()
 
@@ -105,7 +118,7 @@ def split_static(step: Callable, args: tuple, kwargs: dict) -> tuple[tuple, dict
     """(sorted static (name, value) pairs passed, the dynamic keyword arguments); None when
     a static argument may have come by position (``DispatchedStep`` then defers to jit)."""
     names, first_position = _static_names(step)
-    if len(args) > first_position:
+    if len(args) > first_position or jit_kwargs_of(step).get("static_argnums"):
         return None
     return (tuple((n, kwargs[n]) for n in names if n in kwargs),
             {k: v for k, v in kwargs.items() if k not in names})
@@ -122,10 +135,14 @@ def _static_names(step: Callable) -> tuple[tuple[str, ...], int]:
 
 def call_signature(static: tuple, args: tuple, dynamic: dict) -> tuple:
     """What tells two calls of one step apart in a StepTable: its static values and the
-    shapes and dtypes of every dynamic argument but the first (the weights, fixed for an
-    engine; a compiled step still checks every argument, so a mismatch raises)."""
+    shapes, dtypes and weak types of every dynamic argument but the first (for most steps
+    the weights, fixed for an engine; a compiled step checks the shape and dtype of every
+    argument, so a first argument that differs raises)."""
     leaves, tree = jax.tree.flatten((args[1:], dynamic))
-    return static, tree, tuple((getattr(x, "shape", None), getattr(x, "dtype", type(x))) for x in leaves)
+    # weak_type too: a compiled step's argument check ignores it, and a weakly typed scalar
+    # changes the program's result types
+    return static, tree, tuple((getattr(x, "shape", None), getattr(x, "dtype", type(x)),
+                                getattr(x, "weak_type", False)) for x in leaves)
 
 
 def program_key(step: Callable, static: tuple, args: tuple, dynamic: dict) -> str:
@@ -145,7 +162,17 @@ class ExecutableStore:
         self.directory = Path(directory)
         self.fingerprint = engine_fingerprint()
         self.loaded = self.saved = self.failed = 0
+        self.not_fresh = 0      # compiled steps that came from XLA's cache: not stored
         self._lock = threading.Lock()           # loads and saves run on the warm-up's threads
+
+    @classmethod
+    def open(cls, directory: str | os.PathLike) -> "ExecutableStore | None":
+        """A store in ``directory``, or None (with a note) when its key cannot be made."""
+        try:
+            return cls(directory)
+        except Exception as exc:  # noqa: BLE001 - the engine starts without the store
+            print(f"[rltjax] no executable store in {directory} ({type(exc).__name__}: {exc})", file=sys.stderr)
+            return None
 
     def file_key(self, program: str) -> str | None:
         """The file name of a ``program_key``'s compiled step; None when it names an object
@@ -159,9 +186,9 @@ class ExecutableStore:
         Reading is cheap; ``load`` (XLA's deserialization, about 0.4 s a step on an H200) can
         then run on another thread. A file that fails to read is removed."""
         path = self.directory / key
-        if not path.is_file():
-            return None
         try:
+            if not path.is_file():
+                return None
             out_specs, *payload = pickle.loads(path.read_bytes())
         except Exception as exc:  # noqa: BLE001 - a torn or foreign file: compile instead
             self._drop(path, exc)
@@ -189,8 +216,11 @@ class ExecutableStore:
             data = pickle.dumps((out_specs, *serialize(compiled)))
             self.directory.mkdir(parents=True, exist_ok=True)
             tmp = self.directory / f".{key}.{os.getpid()}.{threading.get_ident()}.tmp"
-            tmp.write_bytes(data)
-            os.replace(tmp, self.directory / key)
+            try:
+                tmp.write_bytes(data)
+                os.replace(tmp, self.directory / key)
+            finally:
+                tmp.unlink(missing_ok=True)
         except Exception as exc:  # noqa: BLE001 - storing is an optimisation, never an error
             print(f"[rltjax] not storing a compiled step ({type(exc).__name__}: {exc}); the next start "
                   "compiles it again", file=sys.stderr)
@@ -200,9 +230,17 @@ class ExecutableStore:
         with self._lock:
             self.saved += 1
 
+    def count_not_fresh(self) -> None:
+        """Note a step compiled from XLA's cache (not stored)."""
+        with self._lock:
+            self.not_fresh += 1
+
     def _drop(self, path: Path, exc: Exception) -> None:
         warnings.warn(f"rltjax: dropping the stored step {path} ({type(exc).__name__}: {exc})", stacklevel=3)
-        path.unlink(missing_ok=True)
+        try:
+            path.unlink(missing_ok=True)
+        except OSError:             # a read-only store: the step is compiled all the same
+            pass
         with self._lock:
             self.failed += 1
 
@@ -214,18 +252,20 @@ class StepTable:
         self.compiled: dict[tuple, Any] = {}
         self.ambiguous: set[tuple] = set()
         self.out_info: dict[str, Any] = {}     # by program_key: its outputs' shapes (the warm-up's stand-ins)
+        self._lock = threading.Lock()           # add runs on the warm-up's compile threads
 
     def add(self, signature: tuple, program: str, compiled) -> None:
         """Register ``compiled``; two different programs under one signature are both dropped
         (their calls go through jit), never one called with the other's arguments."""
-        if signature in self.ambiguous:
-            return
-        old = self.compiled.get(signature)
-        if old is not None and old[0] != program:
-            del self.compiled[signature]
-            self.ambiguous.add(signature)
-            return
-        self.compiled[signature] = (program, compiled)
+        with self._lock:
+            if signature in self.ambiguous:
+                return
+            old = self.compiled.get(signature)
+            if old is not None and old[0] != program:
+                del self.compiled[signature]
+                self.ambiguous.add(signature)
+                return
+            self.compiled[signature] = (program, compiled)
 
 
 class DispatchedStep:

@@ -113,7 +113,7 @@ class LLMEngine:
         if execution_config.compile_ahead:
             # the same (device) table arrays the steps pass: jit keys its cache on where inputs live
             cache_dir = execution_config.compilation_cache_dir
-            store = (ExecutableStore(Path(cache_dir) / "executables")
+            store = (ExecutableStore.open(Path(cache_dir) / "executables")
                      if execution_config.executable_cache and cache_dir else None)
             self.warm_up = warm_up(self.runner, self.batches.block_tables(), self.batches.boundary_tables(),
                                    show_progress=execution_config.show_progress, store=store)

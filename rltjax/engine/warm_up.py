@@ -99,6 +99,11 @@ def warm_up(runner, block_tables: np.ndarray, boundary_block_tables: np.ndarray 
         print(f"\r[rltjax] {len(futures)} executables ready in {elapsed:.1f}s ({loaded} loaded from "
               f"{store.directory}, {stored} stored)" if store else
               f"\r[rltjax] compiled {len(futures)} executables in {elapsed:.1f}s" + " " * 20, file=sys.stderr)
+    if store and store.not_fresh:
+        print(f"[rltjax] {store.not_fresh} compiled steps came from XLA's persistent cache (or this process's "
+              f"jit cache) and were not stored in {store.directory} (only fresh compiles are); later starts "
+              "trace them again until XLA compiles them afresh (e.g. with an emptied cache directory)",
+              file=sys.stderr)
     phases = dict(trace_and_lower=t_lowered - t0, compile_wait=t_compiled - t_lowered,
                   run=elapsed - (t_compiled - t0))
     return WarmUp(elapsed, len(futures), late.count, {k: round(v, 3) for k, v in phases.items()},
@@ -192,6 +197,8 @@ def _recording(step, table: StepTable, pool: ThreadPoolExecutor, futures: list, 
             table.add(signature, program, compiled)
             if file_key and fresh:
                 store.save(file_key, compiled)
+            elif file_key:
+                store.count_not_fresh()
         futures.append(pool.submit(compile_and_keep))
         return _stand_ins(lowered.out_info, args)
     return call

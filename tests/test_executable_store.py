@@ -4,6 +4,7 @@ file is recompiled, never trusted."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -179,6 +180,9 @@ def test_steps_served_by_xla_cache_are_not_stored_and_the_start_says_so(tmp_path
     first, _ = _start(tmp_path)
     assert first["saved_to_store"] == first["executables"] > 0
     shutil.rmtree(tmp_path / "executables")
-    second, log = _start(tmp_path)          # XLA's cache has every step: none is compiled afresh
-    assert second["loaded_from_store"] == 0 and second["saved_to_store"] == 0
-    assert f"{second['executables']} compiled steps came from XLA's persistent cache" in log
+    # XLA's cache holds every step that took over jax_persistent_cache_min_compile_time_secs
+    # (0.5 s) to compile: those come from it and are not stored; the quicker ones compile afresh
+    second, log = _start(tmp_path)
+    served = re.search(r"(\d+) compiled steps came from XLA's persistent cache", log)
+    assert second["loaded_from_store"] == 0 and served is not None, log[-2000:]
+    assert int(served.group(1)) + second["saved_to_store"] == second["executables"]

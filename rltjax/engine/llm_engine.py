@@ -15,7 +15,6 @@ with ``ExecutionConfig.async_scheduling``, one pass late.
 from __future__ import annotations
 
 import itertools
-import secrets
 import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -34,14 +33,15 @@ from rltjax.engine.output_processor import OutputProcessor
 from rltjax.engine.outputs import RequestOutput
 from rltjax.engine.runner import ModelRunner, attention_uses_kernel
 from rltjax.engine.scheduler import Scheduler, max_prefill_chunk
-from rltjax.engine.sequence import Request, RequestRejectedError, Status, prompt_token_ids
+from rltjax.engine.request_intake import new_request
+from rltjax.engine.sequence import Request, RequestRejectedError, Status
 from rltjax.engine.executable_store import ExecutableStore
 from rltjax.engine.warm_up import WarmUp, warm_up
 from rltjax.config_rules import check_combination
-from rltjax.engine_config import CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig, validate_trace_depths
+from rltjax.engine_config import CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig
 from rltjax.models.base import boundary_kv_layers, loop_limit, signal_kind
 from rltjax.reference.exits import lookahead_weights
-from rltjax.sampling_params import SamplingParams, SamplingParamsError
+from rltjax.sampling_params import SamplingParams
 
 
 class LLMEngine:
@@ -132,35 +132,12 @@ class LLMEngine:
     # -- requests -------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | Sequence[int] | Mapping[str, Any],
                     params: SamplingParams | None = None) -> None:
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise RequestRejectedError(f"request {request_id!r}: params must be a SamplingParams")
         request_id = str(request_id)
         if request_id in self.requests:
             raise RequestRejectedError(f"request_id {request_id!r} is already in use")
-        text, ids = prompt_token_ids(request_id, prompt, self.tokenizer, self.cfg.vocab_size)
-        try:
-            # unset max_loops means R; a request may ask for more up to the model's limit and
-            # this engine's cap (CacheConfig.max_loops, which sized the KV planes)
-            min_loops, max_loops = params.resolved_loops(
-                self.cfg.num_loops if params.max_loops is None else self.loop_limit)
-            if max_loops > self.loop_cap:
-                raise SamplingParamsError(
-                    f"SamplingParams.max_loops={max_loops}: exceeds this engine's loop cap "
-                    f"CacheConfig.max_loops={self.loop_cap} (the model allows up to {self.loop_limit}; "
-                    f"raise CacheConfig.max_loops to serve deeper requests)")
-            params.token_vocab_check(self.cfg.vocab_size)
-            trace = None
-            if self.exit_config.mode == "trace":
-                trace = validate_trace_depths(
-                    (self.exit_config.depths_by_request or {}).get(request_id, ()), num_loops=self.cfg.num_loops,
-                    min_loops=min_loops, max_loops=max_loops, max_tokens=params.max_tokens,
-                    request_id=request_id)
-        except (SamplingParamsError, ValueError) as exc:
-            raise RequestRejectedError(f"request {request_id!r}: {exc}") from exc
-        seed = params.seed if params.seed is not None else secrets.randbits(63)
-        req = Request(request_id, ids, params, seed, next(self._arrivals), min_loops, max_loops,
-                      prompt=text, trace_depths=trace)
+        req = new_request(request_id, prompt, params, tokenizer=self.tokenizer, cfg=self.cfg,
+                          loop_limit=self.loop_limit, loop_cap=self.loop_cap, exit_config=self.exit_config,
+                          arrivals=self._arrivals)
         why = self.scheduler.never_fits(req)
         if why:
             raise RequestRejectedError(f"request {request_id!r} can never run: {why}")

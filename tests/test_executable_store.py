@@ -125,7 +125,10 @@ def test_only_a_fresh_compile_counts_as_fresh():
 
 def test_keys_follow_static_values_shapes_and_fingerprint(monkeypatch, tmp_path):
     w, x = jnp.ones(3), jnp.zeros(4)
-    key = lambda *a, **k: program_key(_scaled, *split_static(_scaled, a, k)[:1], a, split_static(_scaled, a, k)[1])  # noqa: E731
+
+    def key(*a, **k):
+        static, dynamic = split_static(_scaled, a, k)
+        return program_key(_scaled, static, a, dynamic)
     base = key(w, x, scale=2.0)
     assert base == key(w, jnp.ones(4), scale=2.0)                       # values do not matter
     assert len({base, key(w, x, scale=3.0), key(w, jnp.zeros(5), scale=2.0),
@@ -160,6 +163,7 @@ def test_dispatch_calls_the_compiled_step_and_defers_what_it_cannot_tell_apart()
     np.testing.assert_allclose(step(w5, jnp.ones(4), scale=2.0), np.full(4, 7.0))
     assert step.jit_calls == 2 and not table.compiled
     assert split_static(_positional, (w, x, 2.0), {}) is None       # a static argument by position
+    assert split_static(_by_number, (w, x), {}) is None and split_static(_positional, (w, x), {}) is not None
 
 
 @engine_jit(static_argnames=("scale",))
@@ -186,3 +190,8 @@ def test_steps_served_by_xla_cache_are_not_stored_and_the_start_says_so(tmp_path
     served = re.search(r"(\d+) compiled steps came from XLA's persistent cache", log)
     assert second["loaded_from_store"] == 0 and served is not None, log[-2000:]
     assert int(served.group(1)) + second["saved_to_store"] == second["executables"]
+
+
+@engine_jit(static_argnums=(2,))
+def _by_number(w, x, scale=1.0):
+    return x * scale + w.sum()

@@ -118,7 +118,7 @@ def split_static(step: Callable, args: tuple, kwargs: dict) -> tuple[tuple, dict
     """(sorted static (name, value) pairs passed, the dynamic keyword arguments); None when
     a static argument may have come by position (``DispatchedStep`` then defers to jit)."""
     names, first_position = _static_names(step)
-    if len(args) > first_position or jit_kwargs_of(step).get("static_argnums"):
+    if len(args) > first_position:
         return None
     return (tuple((n, kwargs[n]) for n in names if n in kwargs),
             {k: v for k, v in kwargs.items() if k not in names})
@@ -130,6 +130,8 @@ def _static_names(step: Callable) -> tuple[tuple[str, ...], int]:
     names = tuple(sorted(jit_kwargs_of(step).get("static_argnames", ())))
     params = list(inspect.signature(getattr(step, "__wrapped__", step)).parameters.values())
     positions = [i for i, p in enumerate(params) if p.name in names and p.kind is p.POSITIONAL_OR_KEYWORD]
+    if jit_kwargs_of(step).get("static_argnums"):
+        return names, -1                # static by position: every call goes to jit
     return names, min(positions, default=sys.maxsize)     # keyword-only: never by position
 
 

@@ -80,13 +80,15 @@ def warm_up(runner, block_tables: np.ndarray, boundary_block_tables: np.ndarray 
                 run_job(runner, kind, n, block_tables, boundary_block_tables)
                 lower_by_kind[kind.split("/")[0]] += time.perf_counter() - t_job
         finally:
-            runner.steps = type(real_steps)(*(DispatchedStep(step, table) for step, table in zip(real_steps, tables)))
+            runner.steps = type(real_steps)(*(DispatchedStep(step, table)
+                                              for step, table in zip(real_steps, tables)))
             runner.kv, runner.slot_state, runner.bkv, runner.slot_inject, runner.slot_tokens, runner.standby = state
         t_lowered = time.perf_counter()
         for done, future in enumerate(as_completed(futures), 1):
             future.result()
             if show_progress:
-                print(f"\r[rltjax] compiling or loading {len(futures)} executables on {threads} threads ({done} done)",
+                print(f"\r[rltjax] compiling or loading {len(futures)} executables on {threads} threads "
+                      f"({done} done)",
                       end="", file=sys.stderr, flush=True)
     t_compiled = time.perf_counter()
     with CompileWatch() as late:

@@ -16,9 +16,14 @@ SCHEDULER_MODES = ("refill", "no_refill")
 ATTN_IMPLS = ("auto", "xla", "pallas")
 MATMUL_IMPLS = ("auto", "xla", "pallas")
 WINDOW_TRIPS = ("auto", "early_stop", "fixed")
-# K of decode windows when ExecutionConfig.decode_window is None and windows can run. On an
-# H200 (Ouro-1.4B shapes) K=16 beat step-by-step at 1, 8 and 32 streams (docs/performance.md).
-DEFAULT_DECODE_WINDOW = 16
+# K of decode windows when ExecutionConfig.decode_window is None and windows can run. A row
+# whose request finishes inside window w is refilled after w + 1 (the host reads each window
+# one window late), about 1.5 K idle passes a finish, so a shorter window keeps rows fuller;
+# each window boundary costs a little. On an H200 (Ouro-1.4B shapes, ShareGPT closed loop,
+# alternating on one machine) K=8 against 16: +0.6% at 8 streams (K=4: +0.3%), +0.3% at 32,
+# and a third less time to first token (docs/performance.md, thirty-second session). K=16
+# beat step-by-step at 1, 8 and 32 streams in earlier sessions.
+DEFAULT_DECODE_WINDOW = 8
 # ExecutionConfig.mixed_prefill_tokens=None (auto): this T, in windows of at least
 # AUTO_MIXED_MIN_ROWS rows (smaller ones keep standby entries). On an H200 (Ouro-1.4B shapes,
 # ShareGPT closed loop, alternating on one machine) T=128 against off: +1.6% at 32 streams and

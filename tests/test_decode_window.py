@@ -218,7 +218,7 @@ def test_window_combinations_rejected(kwargs, match):
 
 
 @pytest.mark.parametrize("kwargs, expected", [
-    (dict(), 16),                                   # None: DEFAULT_DECODE_WINDOW where windows can run
+    (dict(), "default"),                            # None: DEFAULT_DECODE_WINDOW where windows can run
     (dict(mode="no_refill"), 0),                    # ... and off where they cannot, without an error
     (dict(min_coda_batch_size=2), 0),
     (dict(decode_window=0), 0),
@@ -228,7 +228,7 @@ def test_window_default_resolution(kwargs, expected):
     from rltjax.engine_config import DEFAULT_DECODE_WINDOW
     kwargs = {"decode_window": None, **kwargs}
     engine = make_engine(**kwargs)
-    assert engine.window_passes == (DEFAULT_DECODE_WINDOW if expected == 16 else expected)
+    assert engine.window_passes == (DEFAULT_DECODE_WINDOW if expected == "default" else expected)
     assert (engine.windows is None) == (engine.window_passes == 0)
 
 

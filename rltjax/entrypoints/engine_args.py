@@ -77,7 +77,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "engine always disables XLA's rematerialization pass)")
     g.add_argument("--decode-window", type=int, default=None, metavar="K",
                    help="decode as device-side windows of up to K loop passes (0: one pass per step; "
-                        "default: 16 where windows can run)")
+                        "default: 8 where windows can run)")
     g.add_argument("--decode-window-rows", type=int, default=None, metavar="N",
                    help="the most rows a decode window runs (a power of two >= 8): requests admitted beyond "
                         "them (up to --max-num-seqs) wait prefilled on the device and take the row of the next "

@@ -4,6 +4,7 @@ file is recompiled, never trusted."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -172,10 +173,13 @@ def _positional(w, x, scale):
 
 
 def _start(cache_dir) -> tuple[dict, str]:
-    """One engine start in a child process (XLA's persistent cache on, in ``cache_dir``)."""
+    """One engine start in a child process (XLA's persistent cache on, in ``cache_dir``), on
+    the CPU: on a GPU this process may already hold most of its memory (JAX preallocates), and
+    the store's bookkeeping checked here is the same on every device."""
     res = subprocess.run([sys.executable, "-m", "rltjax.benchmarks.startup", "--quick", "--max-num-seqs", "2",
                           "--max-model-len", "64", "--compilation-cache-dir", str(cache_dir)],
-                         capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent.parent)
+                         capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent.parent,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert res.returncode == 0, res.stderr[-2000:]
     return json.loads(res.stdout.strip().splitlines()[-1]), res.stderr
 

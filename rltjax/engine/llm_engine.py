@@ -31,8 +31,9 @@ from rltjax.engine.loop_passes import LoopPasses
 from rltjax.engine.mixed_prefill import fits_window
 from rltjax.engine.output_processor import OutputProcessor
 from rltjax.engine.outputs import RequestOutput
-from rltjax.engine.runner import ModelRunner, attention_uses_kernel
-from rltjax.engine.scheduler import Scheduler, max_prefill_chunk
+from rltjax.engine.runner import attention_uses_kernel
+from rltjax.engine.runner_build import build_runner
+from rltjax.engine.scheduler import Scheduler
 from rltjax.engine.request_intake import new_request
 from rltjax.engine.sequence import Request, RequestRejectedError, Status
 from rltjax.engine.executable_store import ExecutableStore
@@ -40,7 +41,6 @@ from rltjax.engine.warm_up import WarmUp, warm_up
 from rltjax.config_rules import check_combination
 from rltjax.engine_config import CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig
 from rltjax.models.base import boundary_kv_layers, loop_limit, signal_kind
-from rltjax.reference.exits import lookahead_weights
 from rltjax.sampling_params import SamplingParams
 
 
@@ -68,24 +68,10 @@ class LLMEngine:
                                   num_loops=R, has_boundary=boundary_kv_layers(model) > 0, max_model_len=max_model_len,
                                   kv_layout=cache_config.kv_layout)
         self.window_passes = windows.num_passes
-        self.runner = ModelRunner(model, params, kv, max_num_seqs=scheduler_config.max_num_seqs,
-                                  max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
-                                  attn_impl=execution_config.attn_impl, attn_num_splits=execution_config.attn_num_splits,
-                                  matmul_impl=execution_config.matmul_impl,
-                                  xla_options=tuple(sorted(dict(execution_config.xla_options).items())),
-                                  lookahead_w=lookahead_weights(exit_config.lookahead_seed, self.cfg.hidden_size,
-                                                                self.cfg.initializer_range),
-                                  num_planes=self.num_planes,
-                                  boundary_kv=boundary_kv, prefill_write_planes=max(R, self.num_planes),
-                                  raw_signal=self.exit_policy.raw_signal, interpret=execution_config.interpret,
-                                  chunked_prefill=self.layered,
-                                  window_spec=windows.spec(self.exit_policy.mode, self.layered),
-                                  window_trace_width=windows.trace_width,
-                                  max_prefill_chunk=max_prefill_chunk(scheduler_config, max_model_len,
-                                                                      not self.layered),
-                                  mixed_prefill_tokens=windows.mixed_prefill_tokens,
-                                  mixed_min_rows=windows.mixed_min_rows,
-                                  window_rows=execution_config.decode_window_rows)
+        self.runner = build_runner(model, params, kv, scheduler_config=scheduler_config, exit_config=exit_config,
+                                   execution_config=execution_config, exit_policy=self.exit_policy, windows=windows,
+                                   num_planes=self.num_planes, layered=self.layered, max_model_len=max_model_len,
+                                   boundary_kv=boundary_kv)
         if (self.runner.prefill_alignment > 1) != prefill_kernel:
             raise RuntimeError("the prefill budget was picked for another prefill attention path (this is a bug)")
         self.scheduler = Scheduler(scheduler_config, num_pages=kv.num_pages, page_size=cache_config.page_size,

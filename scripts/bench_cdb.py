@@ -45,6 +45,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import numpy as np  # noqa: E402
 
 from rltjax.entrypoints.bench import QUICK_OVERRIDES  # noqa: E402
+from rltjax.engine_config import DEFAULT_DECODE_WINDOW  # noqa: E402
 from rltjax.entrypoints.engine_args import mixed_prefill_tokens  # noqa: E402
 
 
@@ -66,7 +67,8 @@ def parse(argv):
     p.add_argument("--output-len", type=int, default=512)
     p.add_argument("--depth-probs", type=float, nargs="+", default=[0.25, 0.25, 0.25, 0.25],
                    help="probability of depth 1..R for each decode token")
-    p.add_argument("--decode-window", type=int, default=16, help="K passes per window")
+    p.add_argument("--decode-window", type=int, default=DEFAULT_DECODE_WINDOW,
+                   help=f"K passes per window (default: the engine's, {DEFAULT_DECODE_WINDOW})")
     p.add_argument("--mixed-prefill-tokens", type=mixed_prefill_tokens, default=None, metavar="T",
                    help="window executor: admitted prompts of up to T tokens run inside the windows' first "
                         "passes (ExecutionConfig.mixed_prefill_tokens; 0: off; auto, the default: the engine's "

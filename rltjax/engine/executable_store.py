@@ -39,6 +39,7 @@ from typing import Any, Callable
 import jax
 
 from rltjax.jit_options import jit_kwargs_of
+from rltjax.source_files import hash_files, python_sources
 
 STORE_FORMAT = 1          # bump when what a file holds changes
 
@@ -62,9 +63,8 @@ def engine_fingerprint() -> str:
     h = hashlib.sha256(f"format {STORE_FORMAT} jax {jax.__version__} jaxlib {jaxlib.__version__} numpy "
                        f"{numpy.__version__} python {sys.version}\n".encode())
     for package in (rltjax, kernels):
-        root = Path(package.__file__).resolve().parent
-        for path in sorted(p for p in root.rglob("*.py") if "__pycache__" not in p.parts):
-            h.update(f"{package.__name__}/{path.relative_to(root).as_posix()}\0".encode() + path.read_bytes())
+        root = Path(package.__file__).resolve().parents[1]
+        hash_files(h, root, python_sources(root, (package.__name__,)))
     device = jax.devices()[0]
     h.update(f"{device.platform} {device.client.platform_version} {device.device_kind}\n".encode())
     h.update(f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')}\n".encode())

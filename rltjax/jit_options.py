@@ -34,16 +34,29 @@ def engine_jit(**jit_kwargs):
 # memory here, so the engine turns it off.
 GPU_DEFAULT_OPTIONS = (("xla_disable_hlo_passes", "rematerialization"),)
 
+# Where every decode projection runs on the engine's own kernels (Ouro's shapes), XLA's GEMMs
+# are the prefill's and the larger heads'; autotuning Triton tilings for each of their shapes
+# was most of a cold start's compile. With cuBLAS alone, on one H200 (thirty-third session):
+# start-up at max_num_seqs 64 54.7 -> 45.8 s cold, ShareGPT at 32 streams 3,732.6 -> 3,738.8
+# tok/s, bench_throughput at 1 / 8 streams 213.9 / 1,493.1 -> 214.1 / 1,496.7. Models whose
+# decode GEMMs stay on XLA (Nanbeige's, Huginn's wider K) keep XLA's choice: not measured.
+KERNEL_DECODE_OPTIONS = (("xla_gpu_enable_triton_gemm", False),)
 
-def engine_options(options: tuple[tuple[str, Any], ...], platform: str) -> tuple[tuple[str, Any], ...]:
+
+def engine_options(options: tuple[tuple[str, Any], ...], platform: str,
+                   decode_on_kernels: bool = False) -> tuple[tuple[str, Any], ...]:
     """The XLA options an engine's steps compile with on ``platform``: the caller's, and on a
     GPU the passes of ``GPU_DEFAULT_OPTIONS`` disabled too (joined with any the caller
-    disables) -> sorted pairs."""
+    disables) and, where ``decode_on_kernels``, ``KERNEL_DECODE_OPTIONS`` unless the caller
+    sets them -> sorted pairs."""
     merged = dict(options)
     if platform == "gpu":
         for name, passes in GPU_DEFAULT_OPTIONS:     # comma-separated pass names
             items = f"{passes},{merged.get(name, '')}".split(",")
             merged[name] = ",".join(dict.fromkeys(i.strip() for i in items if i.strip()))
+        if decode_on_kernels:
+            for name, value in KERNEL_DECODE_OPTIONS:
+                merged.setdefault(name, value)
     return tuple(sorted(merged.items()))
 
 

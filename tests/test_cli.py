@@ -150,16 +150,24 @@ def test_xla_options_are_checked(options, match):
         ExecutionConfig(xla_options=options)
 
 
-def test_gpu_engines_compile_without_the_remat_pass():
-    """A GPU engine's steps get GPU_DEFAULT_OPTIONS (which XLA accepts: compiled with them
-    here), other platforms only the caller's options; a caller's own passes to disable are
-    added to the default, other names of the caller's win."""
-    from rltjax.jit_options import GPU_DEFAULT_OPTIONS, check_options, engine_options
-    check_options(GPU_DEFAULT_OPTIONS)
+def test_gpu_engines_compile_with_the_gpu_default_options():
+    """A GPU engine's steps get GPU_DEFAULT_OPTIONS, and KERNEL_DECODE_OPTIONS where its decode
+    projections run on the kernels (XLA accepts both: compiled with them here); other platforms
+    only the caller's options. A caller's own passes to disable are added to the default; for
+    other names the caller's value wins."""
+    from rltjax.jit_options import GPU_DEFAULT_OPTIONS, KERNEL_DECODE_OPTIONS, check_options, engine_options
+    check_options(GPU_DEFAULT_OPTIONS + KERNEL_DECODE_OPTIONS)
     assert dict(GPU_DEFAULT_OPTIONS) == {"xla_disable_hlo_passes": "rematerialization"}
+    assert dict(KERNEL_DECODE_OPTIONS) == {"xla_gpu_enable_triton_gemm": False}
     mine = (("xla_gpu_autotune_level", 0),)
-    assert engine_options(mine, "cpu") == mine
+    assert engine_options(mine, "cpu") == engine_options(mine, "cpu", decode_on_kernels=True) == mine
     assert engine_options(mine, "gpu") == (("xla_disable_hlo_passes", "rematerialization"),
                                            ("xla_gpu_autotune_level", 0))
+    assert engine_options(mine, "gpu", decode_on_kernels=True) == (
+        ("xla_disable_hlo_passes", "rematerialization"), ("xla_gpu_autotune_level", 0),
+        ("xla_gpu_enable_triton_gemm", False))
+    # the caller can turn XLA's Triton GEMMs back on
+    on = dict(engine_options((("xla_gpu_enable_triton_gemm", True),), "gpu", decode_on_kernels=True))
+    assert on["xla_gpu_enable_triton_gemm"] is True
     joined = dict(engine_options((("xla_disable_hlo_passes", "algsimp, rematerialization"),), "gpu"))
     assert joined == {"xla_disable_hlo_passes": "rematerialization,algsimp"}

@@ -294,3 +294,17 @@ def test_auto_shapes_per_preset():
     assert auto_head_shapes(preset_config("ouro-1.4b")) == ((2048, 49152),)
     for name in ("nanbeige4.2-3b", "huginn-0125"):
         assert auto_matmul_shapes(preset_config(name)) == () and auto_head_shapes(preset_config(name)) == ()
+
+
+def test_decode_projections_on_kernels_per_preset():
+    """Only Ouro's shapes, with attention on the Pallas kernels and matmul_impl auto or pallas,
+    run every decode projection on the kernels (and so compile with KERNEL_DECODE_OPTIONS)."""
+    from rltjax.engine.runner import decode_projections_on_kernels
+    from rltjax.presets import preset_config
+    for name in ("ouro-1.4b", "ouro-2.6b"):
+        cfg = preset_config(name)
+        assert decode_projections_on_kernels(cfg, True, "auto") and decode_projections_on_kernels(cfg, True, "pallas")
+        assert not decode_projections_on_kernels(cfg, True, "xla")
+        assert not decode_projections_on_kernels(cfg, False, "auto")
+    for name in ("nanbeige4.2-3b", "huginn-0125"):
+        assert not decode_projections_on_kernels(preset_config(name), True, "auto")

@@ -79,6 +79,14 @@ def auto_head_shapes(cfg) -> tuple[tuple[int, int], ...]:
     return ((cfg.hidden_size, cfg.vocab_size),) if cfg.hidden_size <= SINGLE_PASS_MAX_K else ()
 
 
+def decode_projections_on_kernels(cfg, attention_on_kernel: bool, matmul_impl: str) -> bool:
+    """Whether every decode projection (q|k|v, o, the MLP, the heads of few rows) runs on the
+    engine's kernels rather than XLA's dot (Ouro's shapes under matmul_impl auto or pallas,
+    where attention runs on the Pallas kernels): ``jit_options.KERNEL_DECODE_OPTIONS`` then apply."""
+    return (attention_on_kernel and matmul_impl != "xla" and len(auto_matmul_shapes(cfg)) == 2
+            and bool(auto_head_shapes(cfg)))
+
+
 class ModelRunner(WindowCalls):
     def __init__(self, model, params, kv: PagedKV, *, max_num_seqs: int, max_num_batched_tokens: int,
                  attn_impl: str, lookahead_w: np.ndarray, num_planes: int, matmul_impl: str = "auto",
@@ -124,10 +132,11 @@ class ModelRunner(WindowCalls):
             raise ValueError(f"{self.cfg.arch}: boundary_kv must be given exactly when the model has boundary "
                              f"stages ({boundary_kv_layers(model)} boundary KV layers)")
         self.bkv = boundary_kv
-        # xla_options: (name, value) pairs; a GPU adds its defaults (``jit_options.engine_options``)
-        self.steps = DeviceSteps.build(engine_options(xla_options, jax.default_backend()))
         # loop, head, embed steps and windows: one row per request (the fused decode write holds)
         uses_kernel = attention_uses_kernel(attn_impl, self.cfg, kv)
+        # xla_options: (name, value) pairs; a GPU adds its defaults (``jit_options.engine_options``)
+        self.steps = DeviceSteps.build(engine_options(xla_options, jax.default_backend(),
+                                                      decode_projections_on_kernels(self.cfg, uses_kernel, matmul_impl)))
         self.backend = PagedKVBackend(attn_impl=attn_impl, interpret=interpret, matmul_impl=matmul_impl,
                                       decode_rows=True, num_splits=attn_num_splits,
                                       kernel_shapes=auto_matmul_shapes(self.cfg) if uses_kernel else (),

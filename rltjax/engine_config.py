@@ -24,14 +24,16 @@ WINDOW_TRIPS = ("auto", "early_stop", "fixed")
 # and a third less time to first token (docs/performance.md, thirty-second session). K=16
 # beat step-by-step at 1, 8 and 32 streams in earlier sessions.
 DEFAULT_DECODE_WINDOW = 8
-# ExecutionConfig.mixed_prefill_tokens=None (auto): this T, in windows of at least
-# AUTO_MIXED_MIN_ROWS rows (smaller ones keep standby entries). On an H200 (Ouro-1.4B shapes,
-# ShareGPT closed loop, alternating on one machine) T=128 against off: +1.6% at 32 streams and
-# +2.0% at 64, mean TTFT +20 ms; at 8 streams within a run's noise in two sessions; its
-# executables made start-up 65 s cold / 17.5 s warm in every bucket (docs/performance.md,
-# thirtieth session). ShareGPT's prompts are short (p50 24 tokens): most fit 128.
-AUTO_MIXED_PREFILL_TOKENS = 128
-AUTO_MIXED_MIN_ROWS = 32
+# ExecutionConfig.mixed_prefill_tokens=None (auto): (rows, T) steps, ascending: windows of at
+# least `rows` rows carry prompts of up to T tokens (the last step a window's rows reach);
+# smaller ones keep standby entries. On an H200 (Ouro-1.4B shapes, ShareGPT closed loop,
+# alternating on one machine) T=128 against off: +1.6% at 32 streams and +2.0% at 64, mean
+# TTFT +20 ms; at 8 streams within a run's noise in two sessions; its executables made
+# start-up 65 s cold / 17.5 s warm in every bucket (docs/performance.md, thirtieth session).
+# ShareGPT's prompts are short (p50 24 tokens): most fit 128. T=32 at 8 rows gave +0.9% at 8
+# streams, but in every bucket -0.6% at 64 and a 70 s cold start (thirty-second and
+# thirty-third sessions): not a step until its start-up is measured.
+AUTO_MIXED_PREFILL = ((32, 128),)
 
 
 class EngineConfigError(ValueError):
@@ -246,10 +248,10 @@ class ExecutionConfig:
     own; their first token then comes with that window's outputs (capped at the largest
     prefill batch: no admission holds more). 0: off. Needs fixed-trip decode windows
     (K > R), the last_exited layout, a model without boundary stages and no
-    decode_window_rows. None (auto, the default): AUTO_MIXED_PREFILL_TOKENS in windows of at
-    least AUTO_MIXED_MIN_ROWS rows where all of that holds (smaller windows keep standby
-    entries), else off; it trades time to first token, which then waits for a window, for
-    fewer prefill steps.
+    decode_window_rows. None (auto, the default): AUTO_MIXED_PREFILL's T per window size
+    where all of that holds (T = 128 in windows of 32 rows or more; smaller windows keep
+    standby entries), else off; it trades time to first token, which then waits for a window,
+    for fewer prefill steps.
     """
     attn_impl: str = "auto"
     attn_num_splits: int | Mapping[int, int] | None = None

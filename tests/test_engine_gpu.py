@@ -117,7 +117,7 @@ def test_auto_mixed_prefill_matches_reference_on_gpu(monkeypatch):
     requests in 8-row windows take standby entries, a burst moves them to 16-row windows whose
     admissions carry prompts. Outputs equal the oracle's."""
     from rltjax.engine import window_config
-    monkeypatch.setattr(window_config, "AUTO_MIXED_MIN_ROWS", 16)
+    monkeypatch.setattr(window_config, "AUTO_MIXED_PREFILL", ((16, 128),))
     cfg = preset_config("ouro-1.4b", SMALL)
     params = random_checkpoint(cfg, seed=3, dtype="float32")
     exit_config = ExitConfig(mode="ouro_delayed")

@@ -161,22 +161,67 @@ def test_unsupported_settings_are_refused(settings, message):
     (dict(decode_window=6, window_trip="fixed", max_num_seqs=8), False),      # no window of 16 rows
 ])
 def test_auto_mixed_prefill_runs_where_windows_can_take_prompts(settings, runs, monkeypatch):
-    """mixed_prefill_tokens=None: AUTO_MIXED_PREFILL_TOKENS (capped at the largest prefill
-    batch) in windows of AUTO_MIXED_MIN_ROWS rows or more where mixed prefill can run, no error
-    where it cannot; the other windows take standby entries."""
+    """mixed_prefill_tokens=None: AUTO_MIXED_PREFILL's T (capped at the largest prefill batch)
+    in windows that reach its first step where mixed prefill can run, no error where it
+    cannot; the other windows take standby entries."""
     from rltjax.engine import window_config
-    from rltjax.engine_config import AUTO_MIXED_PREFILL_TOKENS
-    monkeypatch.setattr(window_config, "AUTO_MIXED_MIN_ROWS", 16)     # the tiny engines' buckets: 8, 16
+    monkeypatch.setattr(window_config, "AUTO_MIXED_PREFILL", ((16, 128),))   # the tiny engines' buckets: 8, 16
     engine = make_engine(mixed_prefill_tokens=None, **{"max_num_seqs": 16, **settings})
     runner = engine.runner
     if runs:
-        assert runner.mixed_prefill_tokens == min(AUTO_MIXED_PREFILL_TOKENS, runner.token_buckets[-1]) > 0
         assert runner.mixed_buckets == (16,) and runner.window_buckets == [8, 16]
         assert runner.standby_for(8) and not runner.standby_for(16)
-        assert (runner.prompt_tokens_for(8), runner.prompt_tokens_for(16)) == (0, runner.mixed_prefill_tokens)
+        assert (runner.prompt_tokens_for(8), runner.prompt_tokens_for(16)) == (0, min(128, runner.token_buckets[-1]))
     else:
-        assert runner.mixed_buckets == () and runner.mixed_prefill_tokens == runner.prompt_tokens_for(16) == 0
+        assert runner.mixed_buckets == () and runner.prompt_tokens_for(8) == runner.prompt_tokens_for(16) == 0
         assert runner.uses_standby == (engine.window_passes > 0)
+
+
+def test_prompt_tokens_follow_the_steps_per_row_bucket():
+    """(rows, T) steps: each bucket carries the T of the last step it reaches, capped at the
+    largest prefill batch; buckets below the first step carry none."""
+    from rltjax.engine.window_config import prompt_tokens_by_bucket
+    buckets = [8, 16, 32, 64]
+    assert prompt_tokens_by_bucket(((32, 128),), buckets, 2048) == {32: 128, 64: 128}
+    assert prompt_tokens_by_bucket(((32, 128), (8, 32)), buckets, 2048) == {8: 32, 16: 32, 32: 128, 64: 128}
+    assert prompt_tokens_by_bucket(((1, 256),), buckets, 64) == {8: 64, 16: 64, 32: 64, 64: 64}
+    assert prompt_tokens_by_bucket(((16, 32), (32, 0)), buckets, 2048) == {16: 32}   # T = 0: off from 32
+    assert prompt_tokens_by_bucket((), buckets, 2048) == {}
+
+
+def test_a_t_per_bucket_runs_each_bucket_at_its_own_prompt_width(monkeypatch):
+    """Auto steps with T = 32 at 8 rows and 64 at 16: each mixed bucket compiles its own prompt
+    width, admissions ride both, every output equals the oracle's, nothing compiles after
+    warm-up and no page leaks."""
+    from rltjax.engine import window_config
+    monkeypatch.setattr(window_config, "AUTO_MIXED_PREFILL", ((8, 32), (16, 64)))
+    engine = make_engine(exit_mode="ouro_delayed", decode_window=6, window_trip="fixed", mixed_prefill_tokens=None,
+                         max_num_seqs=16, prefill_chunk_size=16, max_num_batched_tokens=64, num_pages=256,
+                         compile_ahead=True)
+    runner = engine.runner
+    assert runner.mixed_buckets == (8, 16) and not runner.uses_standby
+    assert (runner.prompt_tokens_for(8), runner.prompt_tokens_for(16)) == (32, 64)
+    widths = []
+    launch = runner.window_launch
+    def spy(rows, *args, **kwargs):
+        prompt = args[3] if len(args) > 3 else kwargs.get("prompt")
+        if prompt is not None:
+            widths.append((rows.slots.shape[0], prompt.tokens.shape[0]))
+        return launch(rows, *args, **kwargs)
+    runner.window_launch = spy
+    requests = workload(30, seed=11)
+    # single arrivals while 8-row windows run, then a burst into 16-row ones
+    arrivals = [(0 if i < 3 else 9 + 3 * i if i < 6 else 40, rid, prompt, params)
+                for i, (rid, prompt, params) in enumerate(requests)]
+    with compile_events() as compiles:
+        outs = run_workload(engine, arrivals)
+    assert compiles == []
+    assert {w for _, w in widths} == {32, 64}          # admissions rode windows of both buckets
+    assert all(runner.prompt_tokens_for(rows) == w for rows, w in widths)
+    ref = reference_for("last_exited", "ouro_delayed")
+    for rid, prompt, params in requests:
+        check_equal(outs[rid], ref.generate(prompt, params, request_id=rid))
+    assert_all_pages_free(engine)
 
 
 def test_auto_mixed_prefill_rides_large_windows_and_standby_the_small(monkeypatch):
@@ -184,7 +229,7 @@ def test_auto_mixed_prefill_rides_large_windows_and_standby_the_small(monkeypatc
     standby entries; a burst moves them to 16-row windows, whose admissions carry prompts.
     Every output equals the oracle's; nothing compiles after warm-up; no page leaks."""
     from rltjax.engine import window_config
-    monkeypatch.setattr(window_config, "AUTO_MIXED_MIN_ROWS", 16)
+    monkeypatch.setattr(window_config, "AUTO_MIXED_PREFILL", ((16, 128),))
     engine = make_engine(exit_mode="ouro_delayed", decode_window=6, window_trip="fixed", mixed_prefill_tokens=None,
                          max_num_seqs=16, prefill_chunk_size=16, max_num_batched_tokens=48, num_pages=256,
                          compile_ahead=True)
@@ -211,7 +256,7 @@ def test_window_tokens_are_capped_and_a_fresh_row_counts_its_prompt_passes():
     from rltjax.engine.window_driver import finishes_within
     engine = make_engine(decode_window=6, window_trip="fixed", mixed_prefill_tokens=8192, max_num_batched_tokens=48,
                          prefill_chunk_size=16)
-    assert engine.runner.mixed_prefill_tokens == engine.runner.token_buckets[-1] == 64
+    assert engine.runner.prompt_tokens_for(engine.runner.window_buckets[-1]) == engine.runner.token_buckets[-1] == 64
     fresh = Request("f", [1, 2, 3], SamplingParams(max_tokens=3, max_loops=2), 0, 0, 1, 2)
     fresh.start_token()
     assert not finishes_within(fresh, 6, 4)          # 4 prompt passes, then one 2-pass token: 2 of 3

@@ -28,6 +28,7 @@ from rltjax.engine.runner_io import BoundaryRows, PendingSignals
 from rltjax.engine.scheduler import prefill_batch_bound
 from rltjax.engine.host_rows import idle_window_rows
 from rltjax.engine.window_calls import WindowCalls
+from rltjax.engine.window_config import prompt_tokens_by_bucket
 from rltjax.jit_options import engine_options
 from rltjax.models.base import boundary_kv_layers
 from rltjax.models.layers import split_layer_stacks
@@ -94,7 +95,7 @@ class ModelRunner(WindowCalls):
                  boundary_kv: PagedKV | None = None, xla_options: tuple = (),
                  prefill_write_planes: int | None = None, raw_signal: bool = False, interpret: bool = False,
                  chunked_prefill: bool = True, window_spec: dict | None = None, window_trace_width: int = 1,
-                 max_prefill_chunk: int | None = None, mixed_prefill_tokens: int = 0, mixed_min_rows: int = 1,
+                 max_prefill_chunk: int | None = None, mixed_prefill: tuple[tuple[int, int], ...] = (),
                  window_rows: int | None = None):
         """boundary_kv: the boundary pool, exactly when the model has boundary stages.
         prefill_write_planes: core planes a prompt row writes (R, or the loop cap when the
@@ -108,12 +109,12 @@ class ModelRunner(WindowCalls):
         None when the engine runs none. window_trace_width: width of a window's depth-trace rows
         (``window_config.trace_width``). max_prefill_chunk: the longest chunk the scheduler gives
         one request (``scheduler.max_prefill_chunk``; None: the token budget) bounds the prefill
-        buckets with max_num_seqs. mixed_prefill_tokens: > 0, windows may carry whole prompts of
-        up to this many tokens (alignment padding included) in their first R passes
-        (``mixed_prefill.WindowPrompt``); one executable per mixed bucket and sampler. Capped at
-        the largest prefill bucket (no admission holds more); 0 when no bucket carries prompts.
-        mixed_min_rows: only windows of at least this many rows carry prompts
-        (``mixed_buckets``). window_rows: the largest row bucket a window runs (a power of
+        buckets with max_num_seqs. mixed_prefill: (rows, T) steps, ascending: windows of at
+        least `rows` rows may carry whole prompts of up to T tokens (alignment padding
+        included; the last step a bucket reaches) in their first R passes
+        (``mixed_prefill.WindowPrompt``); one executable per mixed bucket and sampler. Each T is
+        capped at the largest prefill bucket (no admission holds more); windows below the first
+        step carry none (``mixed_buckets``, ``prompt_tokens_for``). window_rows: the largest row bucket a window runs (a power of
         two; None: every request's); windows that carry no
         prompts take their requests as standby entries (``standby``) and the requests beyond
         the rows wait there, prefilled, for the next free row."""
@@ -171,11 +172,9 @@ class ModelRunner(WindowCalls):
                                           max_prefill_chunk or max_num_batched_tokens, self.prefill_alignment)
         self.token_buckets = buckets_up_to(most_tokens, MIN_TOKEN_BUCKET)
         # no prefill batch is larger than the top token bucket: nor is a window's prompt part
-        self.mixed_prefill_tokens = min(mixed_prefill_tokens, self.token_buckets[-1])
-        self.mixed_buckets = tuple(b for b in self.window_buckets if b >= mixed_min_rows) if (
-            window_spec is not None and self.mixed_prefill_tokens) else ()
-        if not self.mixed_buckets:
-            self.mixed_prefill_tokens = 0
+        self._prompt_tokens = {} if window_spec is None else prompt_tokens_by_bucket(
+            mixed_prefill, self.window_buckets, self.token_buckets[-1])
+        self.mixed_buckets = tuple(sorted(self._prompt_tokens))
         self.num_planes = num_planes
         # windows without a prompt part place their requests on the device (standby entries)
         self.uses_standby = any(self.standby_for(b) for b in self.window_buckets)
@@ -194,7 +193,7 @@ class ModelRunner(WindowCalls):
 
     def prompt_tokens_for(self, bucket: int) -> int:
         """Prompt tokens a window of this row bucket can carry (0: none)."""
-        return self.mixed_prefill_tokens if bucket in self.mixed_buckets else 0
+        return self._prompt_tokens.get(bucket, 0)
 
     def window_bucket(self, n: int) -> int:
         """The row bucket of a window over n requests (at most the largest window bucket)."""

@@ -28,5 +28,5 @@ def build_runner(model, params, kv: PagedKV, *, scheduler_config: SchedulerConfi
         raw_signal=exit_policy.raw_signal, interpret=execution_config.interpret, chunked_prefill=layered,
         window_spec=windows.spec(exit_policy.mode, layered), window_trace_width=windows.trace_width,
         max_prefill_chunk=max_prefill_chunk(scheduler_config, max_model_len, not layered),
-        mixed_prefill_tokens=windows.mixed_prefill_tokens, mixed_min_rows=windows.mixed_min_rows,
+        mixed_prefill=windows.mixed_prefill,
         window_rows=execution_config.decode_window_rows)

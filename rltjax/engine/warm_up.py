@@ -145,7 +145,7 @@ def run_job(runner, kind: str, n: int, block_tables, boundary_block_tables) -> N
         runner.window(idle_window_rows(n, runner.num_planes, runner.window_trace_width), block_tables,
                       boundary_block_tables, sampler=kind.split("/")[1])
     elif kind.startswith("window_mixed/"):
-        t = runner.mixed_prefill_tokens
+        t = runner.prompt_tokens_for(n)
         prompt = runner.window_prompt((zeros(t), zeros(t) - 1, np.zeros((runner.prefill_write_planes, t), np.int32),
                                        zeros(t), np.zeros((runner.cfg.num_loops, t), np.int32),
                                        np.full(t, runner.dummy_slot, np.int32)), np.zeros(n, bool))

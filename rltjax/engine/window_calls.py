@@ -34,12 +34,14 @@ class WindowCalls:
         return self.window_read(*self.window_launch(rows, block_tables, boundary_tables, sampler), len(rows.slots))
 
     def window_prompt(self, prefill_args: tuple, rows: np.ndarray) -> WindowPrompt:
-        """A window's prompts from ``BatchBuilder.prefill``'s arguments, padded to
-        ``mixed_prefill_tokens``; rows: [row bucket] bool, the rows waiting for them."""
+        """A window's prompts from ``BatchBuilder.prefill``'s arguments, padded to the prompt
+        tokens its row bucket carries (``prompt_tokens_for``); rows: [row bucket] bool, the rows
+        waiting for them."""
         tokens, positions, write_page, write_offset, row_tables, out_slots = prefill_args[:6]
-        pad = self.mixed_prefill_tokens - len(tokens)
-        if pad < 0:
-            raise ValueError(f"{len(tokens)} prompt tokens for a window that carries {self.mixed_prefill_tokens} "
+        carried = self.prompt_tokens_for(len(rows))
+        pad = carried - len(tokens)
+        if pad < 0 or not carried:
+            raise ValueError(f"{len(tokens)} prompt tokens for a window of {len(rows)} rows, which carries {carried} "
                              f"(this is a bug)")
         return WindowPrompt(np.pad(tokens, (0, pad)), np.pad(positions, (0, pad), constant_values=-1),
                             np.pad(write_page, ((0, 0), (0, pad))), np.pad(write_offset, (0, pad)),

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from rltjax.engine_config import (AUTO_MIXED_MIN_ROWS, AUTO_MIXED_PREFILL_TOKENS, DEFAULT_DECODE_WINDOW,
-                                  EngineConfigError)
+from rltjax.engine_config import AUTO_MIXED_PREFILL, DEFAULT_DECODE_WINDOW, EngineConfigError
 
 WINDOW_MODES = ("ouro", "ouro_delayed", "random_lookahead", "fixed", "trace", "latent_diff")
 
@@ -15,8 +14,10 @@ class WindowSettings:
     num_passes: int              # K (0: no windows)
     fixed_trip: bool
     trace_width: int             # width of WindowRows.trace
-    mixed_prefill_tokens: int    # 0: off
-    mixed_min_rows: int          # windows of fewer rows carry no prompts (they keep standby entries)
+    # mixed prefill: (rows, T) steps, ascending; a window of at least `rows` rows carries prompts
+    # of up to T tokens (the last step it reaches); () or windows below the first step: none
+    # (they keep standby entries)
+    mixed_prefill: tuple[tuple[int, int], ...]
 
     def spec(self, exit_mode: str, layered: bool) -> dict | None:
         """The windows' static settings for ``ModelRunner(window_spec=...)``; None without windows."""
@@ -29,13 +30,15 @@ def window_settings(execution_config, scheduler_config, exit_mode: str, *, arch:
                     has_boundary: bool, max_model_len: int, kv_layout: str) -> WindowSettings:
     passes = resolve_window_passes(execution_config.decode_window, scheduler_config, exit_mode, arch)
     fixed = resolve_window_trip(execution_config.window_trip, has_boundary)
-    tokens, min_rows = execution_config.mixed_prefill_tokens, 1
+    tokens = execution_config.mixed_prefill_tokens
     if tokens is None:      # auto: where it can run (config_rules refuse only an explicit T)
         runs = (kv_layout == "last_exited" and execution_config.decode_window_rows is None
                 and not mixed_prefill_blocker(passes, fixed, has_boundary, num_loops, arch))
-        tokens, min_rows = (AUTO_MIXED_PREFILL_TOKENS, AUTO_MIXED_MIN_ROWS) if runs else (0, 1)
+        steps = AUTO_MIXED_PREFILL if runs else ()
+    else:                   # an explicit T: every window
+        steps = ((1, tokens),) if tokens else ()
     return WindowSettings(passes, fixed, trace_width(exit_mode, max_model_len), resolve_mixed_prefill(
-        tokens, passes, fixed, has_boundary, num_loops, arch), min_rows)
+        steps, passes, fixed, has_boundary, num_loops, arch))
 
 
 def resolve_window_passes(asked: int | None, scheduler_config, exit_mode: str, arch: str) -> int:
@@ -66,15 +69,28 @@ def resolve_window_trip(asked: str, has_boundary: bool) -> bool:
     return asked == "fixed" or (asked == "auto" and not has_boundary)
 
 
-def resolve_mixed_prefill(tokens: int, window_passes: int, fixed_trip: bool, has_boundary: bool, num_loops: int,
-                          arch: str) -> int:
-    """ExecutionConfig.mixed_prefill_tokens (None resolved already) checked against the
-    engine's windows and model."""
-    if not tokens:
-        return 0
+def resolve_mixed_prefill(steps: tuple[tuple[int, int], ...], window_passes: int, fixed_trip: bool,
+                          has_boundary: bool, num_loops: int, arch: str) -> tuple[tuple[int, int], ...]:
+    """ExecutionConfig.mixed_prefill_tokens as (rows, T) steps (None resolved already),
+    checked against the engine's windows and model."""
+    if not steps:
+        return ()
     if why := mixed_prefill_blocker(window_passes, fixed_trip, has_boundary, num_loops, arch):
+        tokens = "/".join(str(t) for _, t in steps)     # auto never raises: an explicit T here
         raise EngineConfigError(f"ExecutionConfig.mixed_prefill_tokens={tokens}: {why}; set it to 0")
-    return tokens
+    return tuple(sorted(steps))
+
+
+def prompt_tokens_by_bucket(steps: tuple[tuple[int, int], ...], buckets, most_tokens: int) -> dict[int, int]:
+    """{row bucket: prompt tokens its windows carry} for mixed prefill's (rows, T) steps: the
+    T of the last step a bucket reaches, capped at ``most_tokens`` (the largest prefill
+    batch); buckets below the first step are left out."""
+    carried = {}
+    for bucket in buckets:
+        reached = [t for rows, t in sorted(steps) if bucket >= rows]
+        if reached and reached[-1]:
+            carried[bucket] = min(reached[-1], most_tokens)
+    return carried
 
 
 def mixed_prefill_blocker(window_passes: int, fixed_trip: bool, has_boundary: bool, num_loops: int,

@@ -114,8 +114,8 @@ class ModelRunner(WindowCalls):
         included; the last step a bucket reaches) in their first R passes
         (``mixed_prefill.WindowPrompt``); one executable per mixed bucket and sampler. Each T is
         capped at the largest prefill bucket (no admission holds more); windows below the first
-        step carry none (``mixed_buckets``, ``prompt_tokens_for``). window_rows: the largest row bucket a window runs (a power of
-        two; None: every request's); windows that carry no
+        step carry none (``mixed_buckets``, ``prompt_tokens_for``). window_rows: the largest row
+        bucket a window runs (a power of two; None: every request's); windows that carry no
         prompts take their requests as standby entries (``standby``) and the requests beyond
         the rows wait there, prefilled, for the next free row."""
         self.model = model

@@ -232,8 +232,8 @@ class ExecutionConfig:
     unknown name fails at the first compile with XLA's message. On a GPU the engine adds
     ``xla_disable_hlo_passes=rematerialization`` (``jit_options.GPU_DEFAULT_OPTIONS``: XLA's
     remat pass miscomputed decode windows over a full-size KV pool); passes a caller disables
-    are added to it. Where every decode projection runs on the engine's kernels (Ouro's
-    shapes) it also adds ``xla_gpu_enable_triton_gemm=False`` unless the caller sets it
+    are added to it. Where the decode projections run on the engine's kernels (Ouro's shapes
+    on the Pallas kernels, max_num_seqs <= 64) it also adds ``xla_gpu_enable_triton_gemm=False`` unless the caller sets it
     (``KERNEL_DECODE_OPTIONS``: cuBLAS for the prefill's GEMMs, a shorter cold start at equal
     speed). Empty elsewhere: XLA's defaults.
     compile_ahead: compile every bucket at start-up (else on first use).

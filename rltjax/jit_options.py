@@ -34,12 +34,13 @@ def engine_jit(**jit_kwargs):
 # memory here, so the engine turns it off.
 GPU_DEFAULT_OPTIONS = (("xla_disable_hlo_passes", "rematerialization"),)
 
-# Where every decode projection runs on the engine's own kernels (Ouro's shapes), XLA's GEMMs
-# are the prefill's and the larger heads'; autotuning Triton tilings for each of their shapes
-# was most of a cold start's compile. With cuBLAS alone, on one H200 (thirty-third session):
-# start-up at max_num_seqs 64 54.7 -> 45.8 s cold, ShareGPT at 32 streams 3,732.6 -> 3,738.8
-# tok/s, bench_throughput at 1 / 8 streams 213.9 / 1,493.1 -> 214.1 / 1,496.7. Models whose
-# decode GEMMs stay on XLA (Nanbeige's, Huginn's wider K) keep XLA's choice: not measured.
+# Where the decode projections run on the engine's own kernels (Ouro's shapes, up to 64 rows:
+# ``runner.decode_projections_on_kernels``), XLA's GEMMs are the prefill's and the heads' of
+# more than 8 rows; autotuning Triton tilings for each of their shapes was most of a cold
+# start's compile. With cuBLAS alone, on one H200 (thirty-third session): start-up at
+# max_num_seqs 64 54.7 -> 45.8 s cold, ShareGPT at 32 streams 3,732.6 -> 3,738.8 tok/s,
+# bench_throughput at 1 / 8 streams 213.9 / 1,493.1 -> 214.1 / 1,496.7. Elsewhere (Nanbeige's
+# and Huginn's wider K, batches past 64 rows) decode GEMMs stay on XLA's choice: not measured.
 KERNEL_DECODE_OPTIONS = (("xla_gpu_enable_triton_gemm", False),)
 
 

@@ -158,3 +158,27 @@ def test_auto_matmul_stays_on_xla_where_attention_does(small_ouro, monkeypatch):
     outputs = run_workload(engine, [(0, "r0", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0,
                                                                         ignore_eos=True))])
     assert len(outputs["r0"].token_ids) == 3 and calls == []
+
+
+@pytest.mark.parametrize("matmul_impl, max_num_seqs, cublas_only", [("auto", 2, True), ("xla", 2, False),
+                                                                   ("auto", 128, False)])
+def test_gpu_steps_compile_without_triton_gemms_where_decode_runs_on_the_kernels(small_ouro, monkeypatch,
+                                                                                 matmul_impl, max_num_seqs, cublas_only):
+    """On a GPU the runner's steps carry KERNEL_DECODE_OPTIONS exactly where its decode
+    projections run on the kernels (not under matmul_impl xla, nor past the kernels' 64 rows),
+    beside the remat pass turned off everywhere. Built only: nothing compiles."""
+    import jax
+    from rltjax.jit_options import jit_kwargs_of
+    cfg, params = small_ouro
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    engine = build_engine(
+        None, params=params, cfg=cfg, cache_config=CacheConfig(kv_layout="last_exited", page_size=8, num_pages=64),
+        scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=128, prefill_chunk_size=32),
+        exit_config=ExitConfig(mode="ouro"),
+        execution_config=ExecutionConfig(attn_impl="pallas", matmul_impl=matmul_impl, interpret=True,
+                                         compile_ahead=False, compilation_cache_dir=None, show_progress=False))
+    for step in engine.runner.steps:
+        options = jit_kwargs_of(step)["compiler_options"]
+        assert options["xla_disable_hlo_passes"] == "rematerialization"
+        assert ("xla_gpu_enable_triton_gemm" in options) == cublas_only
+        assert options.get("xla_gpu_enable_triton_gemm", False) is False

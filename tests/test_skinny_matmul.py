@@ -297,14 +297,16 @@ def test_auto_shapes_per_preset():
 
 
 def test_decode_projections_on_kernels_per_preset():
-    """Only Ouro's shapes, with attention on the Pallas kernels and matmul_impl auto or pallas,
-    run every decode projection on the kernels (and so compile with KERNEL_DECODE_OPTIONS)."""
+    """Only Ouro's shapes, with attention on the Pallas kernels, matmul_impl auto or pallas and
+    at most 64 requests, run the decode projections on the kernels (and so compile with
+    KERNEL_DECODE_OPTIONS)."""
     from rltjax.engine.runner import decode_projections_on_kernels
     from rltjax.presets import preset_config
     for name in ("ouro-1.4b", "ouro-2.6b"):
         cfg = preset_config(name)
-        assert decode_projections_on_kernels(cfg, True, "auto") and decode_projections_on_kernels(cfg, True, "pallas")
-        assert not decode_projections_on_kernels(cfg, True, "xla")
-        assert not decode_projections_on_kernels(cfg, False, "auto")
+        assert decode_projections_on_kernels(cfg, True, "auto", 64) and decode_projections_on_kernels(cfg, True, "pallas", 8)
+        assert not decode_projections_on_kernels(cfg, True, "xla", 64)
+        assert not decode_projections_on_kernels(cfg, False, "auto", 64)
+        assert not decode_projections_on_kernels(cfg, True, "auto", 128)     # 128-row batches run on XLA's dot
     for name in ("nanbeige4.2-3b", "huginn-0125"):
-        assert not decode_projections_on_kernels(preset_config(name), True, "auto")
+        assert not decode_projections_on_kernels(preset_config(name), True, "auto", 64)

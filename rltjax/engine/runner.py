@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels.paged_attention import DEFAULT_BLOCK_Q, kernel_unsupported
-from kernels.skinny_matmul import SINGLE_PASS_MAX_K
+from kernels.skinny_matmul import MAX_ROWS, SINGLE_PASS_MAX_K
 from rltjax.cache.paged_kv import PagedKV, PagedKVBackend, PagedMeta
 from rltjax.engine.device_steps import DeviceSteps
 from rltjax.engine.runner_io import BoundaryRows, PendingSignals
@@ -80,12 +80,14 @@ def auto_head_shapes(cfg) -> tuple[tuple[int, int], ...]:
     return ((cfg.hidden_size, cfg.vocab_size),) if cfg.hidden_size <= SINGLE_PASS_MAX_K else ()
 
 
-def decode_projections_on_kernels(cfg, attention_on_kernel: bool, matmul_impl: str) -> bool:
-    """Whether every decode projection (q|k|v, o, the MLP, the heads of few rows) runs on the
-    engine's kernels rather than XLA's dot (Ouro's shapes under matmul_impl auto or pallas,
-    where attention runs on the Pallas kernels): ``jit_options.KERNEL_DECODE_OPTIONS`` then apply."""
-    return (attention_on_kernel and matmul_impl != "xla" and len(auto_matmul_shapes(cfg)) == 2
-            and bool(auto_head_shapes(cfg)))
+def decode_projections_on_kernels(cfg, attention_on_kernel: bool, matmul_impl: str, max_num_seqs: int) -> bool:
+    """Whether the decode projections (q|k|v, o, the MLP; heads of up to HEAD_KERNEL_ROWS)
+    run on the engine's kernels rather than XLA's dot at every decode batch: Ouro's shapes
+    under matmul_impl auto or pallas, where attention runs on the Pallas kernels, and at most
+    the kernels' MAX_ROWS requests. ``jit_options.KERNEL_DECODE_OPTIONS`` then apply (measured
+    up to 64 rows; the larger heads stay on XLA's dot, measured at 32 rows)."""
+    return (attention_on_kernel and matmul_impl != "xla" and max_num_seqs <= MAX_ROWS
+            and len(auto_matmul_shapes(cfg)) == 2 and bool(auto_head_shapes(cfg)))
 
 
 class ModelRunner(WindowCalls):
@@ -136,8 +138,8 @@ class ModelRunner(WindowCalls):
         # loop, head, embed steps and windows: one row per request (the fused decode write holds)
         uses_kernel = attention_uses_kernel(attn_impl, self.cfg, kv)
         # xla_options: (name, value) pairs; a GPU adds its defaults (``jit_options.engine_options``)
-        self.steps = DeviceSteps.build(engine_options(xla_options, jax.default_backend(),
-                                                      decode_projections_on_kernels(self.cfg, uses_kernel, matmul_impl)))
+        on_kernels = decode_projections_on_kernels(self.cfg, uses_kernel, matmul_impl, max_num_seqs)
+        self.steps = DeviceSteps.build(engine_options(xla_options, jax.default_backend(), on_kernels))
         self.backend = PagedKVBackend(attn_impl=attn_impl, interpret=interpret, matmul_impl=matmul_impl,
                                       decode_rows=True, num_splits=attn_num_splits,
                                       kernel_shapes=auto_matmul_shapes(self.cfg) if uses_kernel else (),

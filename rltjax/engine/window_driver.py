@@ -93,7 +93,7 @@ class WindowDriver:
 
     def prompt_tokens(self) -> int:
         """Prompt tokens a window continued from the in-flight one can carry (mixed prefill;
-        0: none, e.g. a window of fewer rows than ``runner.mixed_buckets`` hold)."""
+        0: none, for a row bucket outside ``runner.mixed_buckets``)."""
         return self.runner.prompt_tokens_for(self._inflight[1].slots.shape[0])
 
     def run_admitting(self, fresh: list[Request], prompt_args: tuple | None = None) -> Callable[[], list[Request]]:

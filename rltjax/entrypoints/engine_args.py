@@ -74,8 +74,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
                    help="an XLA compiler option for every engine executable (repeatable), e.g. "
                         "xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUSTOM_CALL,WHILE,CONDITIONAL (on a GPU the "
-                        "engine always disables XLA's rematerialization pass, and for Ouro's shapes XLA's Triton "
-                        "GEMMs unless xla_gpu_enable_triton_gemm is given)")
+                        "engine always disables XLA's rematerialization pass, and XLA's Triton GEMMs where the decode "
+                        "projections run on its kernels (Ouro's shapes on the Pallas kernels, up to 64 requests) "
+                        "unless xla_gpu_enable_triton_gemm is given)")
     g.add_argument("--decode-window", type=int, default=None, metavar="K",
                    help="decode as device-side windows of up to K loop passes (0: one pass per step; "
                         "default: 8 where windows can run)")

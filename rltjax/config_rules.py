@@ -33,10 +33,10 @@ COMBINATION_RULES: list[tuple[str, Callable[..., bool], str]] = [
      lambda c, s, e, x: x.async_scheduling and e.mode in ("ouro", "latent_diff"),
      "use ExitConfig.mode='ouro_delayed' (or random_lookahead) or ExecutionConfig.async_scheduling=False"),
     ("mixed prefill runs inside decode windows",
-     lambda c, s, e, x: (x.mixed_prefill_tokens or 0) > 0 and x.decode_window == 0,
+     lambda c, s, e, x: any(t for _, t in x.mixed_prefill_steps() or ()) and x.decode_window == 0,
      "leave ExecutionConfig.decode_window unset (or > 0) or set mixed_prefill_tokens=0"),
     ("mixed prefill needs fixed-trip windows and the last_exited KV layout",
-     lambda c, s, e, x: (x.mixed_prefill_tokens or 0) > 0 and (x.window_trip == "early_stop"
+     lambda c, s, e, x: any(t for _, t in x.mixed_prefill_steps() or ()) and (x.window_trip == "early_stop"
                                                               or c.kv_layout != "last_exited"),
      "use ExecutionConfig.window_trip='auto' or 'fixed' and CacheConfig.kv_layout='last_exited', "
      "or mixed_prefill_tokens=0"),
@@ -44,7 +44,7 @@ COMBINATION_RULES: list[tuple[str, Callable[..., bool], str]] = [
      lambda c, s, e, x: x.decode_window_rows is not None and x.decode_window == 0,
      "leave ExecutionConfig.decode_window unset (or > 0) or decode_window_rows=None"),
     ("decode_window_rows places requests on the device, which mixed prefill's prompt rows cannot share",
-     lambda c, s, e, x: x.decode_window_rows is not None and (x.mixed_prefill_tokens or 0) > 0,
+     lambda c, s, e, x: x.decode_window_rows is not None and any(t for _, t in x.mixed_prefill_steps() or ()),
      "set ExecutionConfig.decode_window_rows=None or mixed_prefill_tokens=0"),
     ("the Pallas kernel needs page_size >= 8",
      lambda c, s, e, x: x.attn_impl == "pallas" and c.page_size < 8,

@@ -30,9 +30,11 @@ DEFAULT_DECODE_WINDOW = 8
 # alternating on one machine) T=128 against off: +1.6% at 32 streams and +2.0% at 64, mean
 # TTFT +20 ms; at 8 streams within a run's noise in two sessions; its executables made
 # start-up 65 s cold / 17.5 s warm in every bucket (docs/performance.md, thirtieth session).
-# ShareGPT's prompts are short (p50 24 tokens): most fit 128. T=32 at 8 rows gave +0.9% at 8
-# streams, but in every bucket -0.6% at 64 and a 70 s cold start (thirty-second and
-# thirty-third sessions): not a step until its start-up is measured.
+# ShareGPT's prompts are short (p50 24 tokens): most fit 128. T=32 at 8 rows gave +0.9% and
+# +1.1% at 8 streams, but in every bucket -0.6% at 64, and even from 8 rows only (T=128 kept
+# from 32) its 7 more executables put the cold start at 64 rows at 55-64 s against the 60 s
+# target (thirty-second to thirty-fourth sessions): a choice (mixed_prefill_tokens={8: 32,
+# 32: 128}), not the default.
 AUTO_MIXED_PREFILL = ((32, 128),)
 
 
@@ -183,6 +185,16 @@ def _attn_splits_ok(value) -> bool:
         for rows, s in value.items())
 
 
+def _mixed_prefill_ok(value) -> bool:
+    def tokens(t):
+        return isinstance(t, int) and not isinstance(t, bool) and (t == 0 or (32 <= t <= 8192 and t & (t - 1) == 0))
+    if value is None or tokens(value):
+        return True
+    return isinstance(value, Mapping) and bool(value) and all(
+        isinstance(rows, int) and not isinstance(rows, bool) and rows >= 1 and rows & (rows - 1) == 0 and tokens(t)
+        for rows, t in value.items())
+
+
 def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rltjax" / "xla"
 
@@ -242,11 +254,13 @@ class ExecutionConfig:
     each compiled step in its ``executables`` folder, keyed on the engine's code, the device,
     the configuration and the step's argument shapes (``engine.executable_store``); a later
     start with the same key loads it without tracing or lowering Python (the warm start).
-    mixed_prefill_tokens: > 0 (a power of two): requests admitted while a decode window runs
+    mixed_prefill_tokens: T > 0 (a power of two): requests admitted while a decode window runs
     whose whole prompts fit this many tokens run their R loops inside the next window's first
     R passes, with the decoding rows (one GEMM over both), instead of a prefill step of their
     own; their first token then comes with that window's outputs (capped at the largest
-    prefill batch: no admission holds more). 0: off. Needs fixed-trip decode windows
+    prefill batch: no admission holds more). 0: off. ``{rows: T}``: a T per window size, from
+    ``rows`` rows up to the next key (T = 0 there: off), e.g. ``{8: 32, 16: 0, 32: 128}``;
+    windows below the smallest key keep standby entries. Needs fixed-trip decode windows
     (K > R), the last_exited layout, a model without boundary stages and no
     decode_window_rows. None (auto, the default): AUTO_MIXED_PREFILL's T per window size
     where all of that holds (T = 128 in windows of 32 rows or more; smaller windows keep
@@ -266,7 +280,7 @@ class ExecutionConfig:
     compilation_cache_dir: str | None = dataclasses.field(default_factory=lambda: str(default_cache_dir()))
     executable_cache: bool = True
     show_progress: bool = True
-    mixed_prefill_tokens: int | None = None
+    mixed_prefill_tokens: int | Mapping[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.attn_impl not in ATTN_IMPLS:
@@ -286,16 +300,23 @@ class ExecutionConfig:
             _bad("ExecutionConfig", "decode_window_rows", r, "must be None or a power of two >= 8")
         if self.window_trip not in WINDOW_TRIPS:
             _bad("ExecutionConfig", "window_trip", self.window_trip, f"choose one of {WINDOW_TRIPS}")
-        m = self.mixed_prefill_tokens
-        if m is not None and (not isinstance(m, int) or isinstance(m, bool)
-                              or not (m == 0 or (32 <= m <= 8192 and m & (m - 1) == 0))):
-            _bad("ExecutionConfig", "mixed_prefill_tokens", m,
-                 "must be 0 (off), None (auto) or a power of two in [32, 8192]")
+        if not _mixed_prefill_ok(self.mixed_prefill_tokens):
+            _bad("ExecutionConfig", "mixed_prefill_tokens", self.mixed_prefill_tokens,
+                 "must be 0 (off), None (auto), a power of two in [32, 8192], or {rows: T} with power-of-two "
+                 "window row buckets as keys and 0 or such a T as values")
         for name, value in dict(self.xla_options).items():
             if not (isinstance(name, str) and name.startswith("xla_")):
                 _bad("ExecutionConfig", "xla_options", name, "names are XLA debug options such as 'xla_gpu_...'")
             if not isinstance(value, (str, int, float, bool)):
                 _bad("ExecutionConfig", "xla_options", f"{name}={value!r}", "values are str, int, float or bool")
+
+    def mixed_prefill_steps(self) -> tuple[tuple[int, int], ...] | None:
+        """mixed_prefill_tokens as ascending (rows, T) steps: None for auto, () for off, one
+        step from 1 row for a single T."""
+        m = self.mixed_prefill_tokens
+        if m is None or isinstance(m, Mapping):
+            return None if m is None else tuple(sorted(m.items()))
+        return ((1, m),) if m else ()
 
 
 def check_kv_layout(kv_layout: str) -> str:

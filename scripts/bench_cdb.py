@@ -69,9 +69,9 @@ def parse(argv):
                    help="probability of depth 1..R for each decode token")
     p.add_argument("--decode-window", type=int, default=DEFAULT_DECODE_WINDOW,
                    help=f"K passes per window (default: the engine's, {DEFAULT_DECODE_WINDOW})")
-    p.add_argument("--mixed-prefill-tokens", type=mixed_prefill_tokens, default=None, metavar="T",
+    p.add_argument("--mixed-prefill-tokens", type=mixed_prefill_tokens, default=None, metavar="T | ROWS:T,...",
                    help="window executor: admitted prompts of up to T tokens run inside the windows' first "
-                        "passes (ExecutionConfig.mixed_prefill_tokens; 0: off; auto, the default: the engine's "
+                        "passes (ExecutionConfig.mixed_prefill_tokens; ROWS:T,...: a T per window size; 0: off; auto, the default: the engine's "
                         "auto mode, off with --standby)")
     p.add_argument("--standby", type=int, default=0, metavar="S",
                    help="window executor: S more requests admitted beyond the --concurrency rows, prefilled "

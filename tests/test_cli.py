@@ -133,6 +133,27 @@ def test_attn_num_splits_per_row_bucket_from_the_command_line():
             p.parse_args(["--attn-num-splits", bad])
 
 
+def test_mixed_prefill_tokens_per_window_size_from_the_command_line():
+    """--mixed-prefill-tokens ROWS:T,...: a {rows: T} map that ExecutionConfig turns into
+    ascending steps; auto, a single T and off keep their meanings."""
+    import argparse
+
+    from rltjax.engine_config import EngineConfigError, ExecutionConfig
+    from rltjax.entrypoints.engine_args import add_engine_arguments, configs_from_args
+    p = argparse.ArgumentParser()
+    add_engine_arguments(p)
+    ex = configs_from_args(p.parse_args(["--mixed-prefill-tokens", "32:128,8:32,16:0"]))["execution_config"]
+    assert ex.mixed_prefill_tokens == {32: 128, 8: 32, 16: 0}
+    assert ex.mixed_prefill_steps() == ((8, 32), (16, 0), (32, 128))
+    assert [ExecutionConfig(mixed_prefill_tokens=t).mixed_prefill_steps() for t in (None, 0, 64)] == [None, (), ((1, 64),)]
+    for bad in ("8:32,8:64", "8:", "a:32", "8:32:1", "x"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--mixed-prefill-tokens", bad])
+    for bad in ({}, {12: 32}, {8: 48}, {8: 16}, {0: 32}, {True: 32}, {"8": 32}, {8: True}, [8, 32]):
+        with pytest.raises(EngineConfigError, match=r"mixed_prefill_tokens.*\{rows: T\}"):
+            ExecutionConfig(mixed_prefill_tokens=bad)
+
+
 def test_backend_picks_the_splits_of_a_row_bucket():
     from rltjax.cache.paged_kv import PagedKVBackend
     per_bucket = PagedKVBackend(num_splits={32: 1, 8: 4})

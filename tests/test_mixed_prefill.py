@@ -135,8 +135,11 @@ def test_a_failed_mixed_launch_errors_only_the_new_requests():
 
 
 @pytest.mark.parametrize("settings, message", [
-    (dict(mixed_prefill_tokens=48), r"mixed_prefill_tokens=48: must be 0 \(off\), None \(auto\) or a power"),
+    (dict(mixed_prefill_tokens=48), r"mixed_prefill_tokens=48: must be 0 \(off\), None \(auto\), a power"),
     (dict(mixed_prefill_tokens=32, decode_window=0), r"mixed prefill runs inside decode windows"),
+    (dict(mixed_prefill_tokens={16: 0, 8: 32}, decode_window=0), r"mixed prefill runs inside decode windows"),
+    (dict(mixed_prefill_tokens={8: 32, 16: 64}, decode_window=4, window_trip="fixed"),
+     r"mixed_prefill_tokens=\{8: 32, 16: 64\}: decode_window=4 leaves no pass"),
     (dict(mixed_prefill_tokens=32, decode_window=6), r"fixed-trip windows"),     # early_stop here
     (dict(mixed_prefill_tokens=32, decode_window=4, window_trip="fixed"), r"decode_window=4 leaves no pass"),
     (dict(mixed_prefill_tokens=32, decode_window=6, window_trip="fixed", kv_layout="shared"),
@@ -147,6 +150,17 @@ def test_a_failed_mixed_launch_errors_only_the_new_requests():
 def test_unsupported_settings_are_refused(settings, message):
     with pytest.raises(EngineConfigError, match=message):
         make_engine(**settings)
+
+
+def test_steps_that_turn_mixed_prefill_off_leave_those_windows_to_standby_entries():
+    """{8: 32, 16: 0}: 8-row windows carry prompts, 16-row ones take standby entries; all
+    zeros is off, with no error where windows could not take prompts."""
+    runner = make_engine(decode_window=6, window_trip="fixed", max_num_seqs=16, max_num_batched_tokens=64,
+                         prefill_chunk_size=16, mixed_prefill_tokens={8: 32, 16: 0}).runner
+    assert runner.mixed_buckets == (8,) and runner.standby_for(16) and not runner.standby_for(8)
+    assert (runner.prompt_tokens_for(8), runner.prompt_tokens_for(16)) == (32, 0)
+    off = make_engine(decode_window=6, max_num_seqs=16, mixed_prefill_tokens={8: 0}).runner     # early_stop
+    assert off.mixed_buckets == ()
 
 
 @pytest.mark.parametrize("settings, runs", [
@@ -189,13 +203,12 @@ def test_prompt_tokens_follow_the_steps_per_row_bucket():
     assert prompt_tokens_by_bucket((), buckets, 2048) == {}
 
 
-def test_a_t_per_bucket_runs_each_bucket_at_its_own_prompt_width(monkeypatch):
-    """Auto steps with T = 32 at 8 rows and 64 at 16: each mixed bucket compiles its own prompt
+def test_a_t_per_bucket_runs_each_bucket_at_its_own_prompt_width():
+    """mixed_prefill_tokens={8: 32, 16: 64}: each mixed bucket compiles its own prompt
     width, admissions ride both, every output equals the oracle's, nothing compiles after
     warm-up and no page leaks."""
-    from rltjax.engine import window_config
-    monkeypatch.setattr(window_config, "AUTO_MIXED_PREFILL", ((8, 32), (16, 64)))
-    engine = make_engine(exit_mode="ouro_delayed", decode_window=6, window_trip="fixed", mixed_prefill_tokens=None,
+    engine = make_engine(exit_mode="ouro_delayed", decode_window=6, window_trip="fixed",
+                         mixed_prefill_tokens={16: 64, 8: 32},
                          max_num_seqs=16, prefill_chunk_size=16, max_num_batched_tokens=64, num_pages=256,
                          compile_ahead=True)
     runner = engine.runner

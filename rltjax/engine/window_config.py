@@ -30,13 +30,11 @@ def window_settings(execution_config, scheduler_config, exit_mode: str, *, arch:
                     has_boundary: bool, max_model_len: int, kv_layout: str) -> WindowSettings:
     passes = resolve_window_passes(execution_config.decode_window, scheduler_config, exit_mode, arch)
     fixed = resolve_window_trip(execution_config.window_trip, has_boundary)
-    tokens = execution_config.mixed_prefill_tokens
-    if tokens is None:      # auto: where it can run (config_rules refuse only an explicit T)
+    steps = execution_config.mixed_prefill_steps()
+    if steps is None:       # auto: where it can run (config_rules refuse only an explicit T)
         runs = (kv_layout == "last_exited" and execution_config.decode_window_rows is None
                 and not mixed_prefill_blocker(passes, fixed, has_boundary, num_loops, arch))
         steps = AUTO_MIXED_PREFILL if runs else ()
-    else:                   # an explicit T: every window
-        steps = ((1, tokens),) if tokens else ()
     return WindowSettings(passes, fixed, trace_width(exit_mode, max_model_len), resolve_mixed_prefill(
         steps, passes, fixed, has_boundary, num_loops, arch))
 
@@ -72,12 +70,13 @@ def resolve_window_trip(asked: str, has_boundary: bool) -> bool:
 def resolve_mixed_prefill(steps: tuple[tuple[int, int], ...], window_passes: int, fixed_trip: bool,
                           has_boundary: bool, num_loops: int, arch: str) -> tuple[tuple[int, int], ...]:
     """ExecutionConfig.mixed_prefill_tokens as (rows, T) steps (None resolved already),
-    checked against the engine's windows and model."""
-    if not steps:
+    checked against the engine's windows and model; () where every T is 0."""
+    if not any(t for _, t in steps):
         return ()
     if why := mixed_prefill_blocker(window_passes, fixed_trip, has_boundary, num_loops, arch):
-        tokens = "/".join(str(t) for _, t in steps)     # auto never raises: an explicit T here
-        raise EngineConfigError(f"ExecutionConfig.mixed_prefill_tokens={tokens}: {why}; set it to 0")
+        # auto never raises (it resolves to () first): the caller's own value
+        asked = steps[0][1] if len(steps) == 1 and steps[0][0] == 1 else dict(steps)
+        raise EngineConfigError(f"ExecutionConfig.mixed_prefill_tokens={asked}: {why}; set it to 0")
     return tuple(sorted(steps))
 
 

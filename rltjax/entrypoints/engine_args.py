@@ -10,14 +10,29 @@ from rltjax.engine_config import (ATTN_IMPLS, DEFAULT_PREFILL_CHUNK, DEFAULT_PRE
                                   default_cache_dir)
 
 
-def mixed_prefill_tokens(text: str) -> int | None:
-    """--mixed-prefill-tokens: an integer, or "auto" (None: ExecutionConfig's auto mode)."""
+def mixed_prefill_tokens(text: str) -> int | dict[int, int] | None:
+    """--mixed-prefill-tokens: "auto" (None: ExecutionConfig's auto mode), T, or
+    ROWS:T[,ROWS:T...] (a T per window size; values are checked by ExecutionConfig)."""
     if text == "auto":
         return None
     try:
-        return int(text)
+        if ":" not in text:
+            return int(text)
+        return _rows_map(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"{text!r}: expected auto, T or ROWS:T[,ROWS:T...] with each ROWS once, "
+                                         f"e.g. 8:32,16:0,32:128") from None
+
+
+def _rows_map(text: str) -> dict[int, int]:
+    """'ROWS:N,ROWS:N' -> {ROWS: N, ...}; ValueError on a malformed or repeated item."""
+    pairs = [item.split(":") for item in text.split(",")]
+    if any(len(pair) != 2 for pair in pairs):
+        raise ValueError(text)
+    values = {int(rows): int(n) for rows, n in pairs}
+    if len(values) != len(pairs):
+        raise ValueError(text)
+    return values
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -89,11 +104,13 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "(early_stop), or run exactly K passes with a head every pass (fixed: "
                         "nothing for the GPU to wait on the host for between passes); auto: fixed, "
                         "except early_stop for models with boundary stages (Huginn)")
-    g.add_argument("--mixed-prefill-tokens", type=mixed_prefill_tokens, default=None, metavar="T",
+    g.add_argument("--mixed-prefill-tokens", type=mixed_prefill_tokens, default=None, metavar="T | ROWS:T,...",
                    help="prompts admitted while a window runs, up to T tokens in all (a power of two), run "
                         "their loops inside the next window's first passes with the decoding rows instead of "
                         "a prefill step (0: off; auto, the default: 128, capped at the largest prefill batch, in windows "
-                        "of 32+ rows where windows can take them)")
+                        "of 32+ rows where windows can take them); ROWS:T,... sets a T per window size, from ROWS "
+                        "rows up to the next ROWS (0: off there), e.g. 8:32,16:0,32:128; smaller windows keep "
+                        "standby entries")
     g.add_argument("--async-scheduling", action="store_true",
                    help="launch each loop pass before reading the previous pass's exit signals "
                         "(exit modes ouro_delayed, random_lookahead, fixed)")
@@ -109,15 +126,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 def parse_attn_splits(text: str):
     """'N' -> N; 'ROWS:N,ROWS:N' -> {ROWS: N, ...} (values are checked by ExecutionConfig)."""
     try:
-        if ":" not in text:
-            return int(text)
-        pairs = [item.split(":") for item in text.split(",")]
-        if any(len(pair) != 2 for pair in pairs):
-            raise ValueError
-        splits = {int(rows): int(n) for rows, n in pairs}
-        if len(splits) != len(pairs):
-            raise ValueError
-        return splits
+        return int(text) if ":" not in text else _rows_map(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: expected N or ROWS:N[,ROWS:N...] with each ROWS once, "
                                          f"e.g. 32:1,64:1") from None

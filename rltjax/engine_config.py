@@ -245,7 +245,8 @@ class ExecutionConfig:
     ``xla_disable_hlo_passes=rematerialization`` (``jit_options.GPU_DEFAULT_OPTIONS``: XLA's
     remat pass miscomputed decode windows over a full-size KV pool); passes a caller disables
     are added to it. Where the decode projections run on the engine's kernels (Ouro's shapes
-    on the Pallas kernels, max_num_seqs <= 64) it also adds ``xla_gpu_enable_triton_gemm=False`` unless the caller sets it
+    on the Pallas kernels, matmul_impl not ``xla``, max_num_seqs <= 64) it also adds
+    ``xla_gpu_enable_triton_gemm=False`` unless the caller sets it
     (``KERNEL_DECODE_OPTIONS``: cuBLAS for the prefill's GEMMs, a shorter cold start at equal
     speed). Empty elsewhere: XLA's defaults.
     compile_ahead: compile every bucket at start-up (else on first use).
@@ -254,6 +255,7 @@ class ExecutionConfig:
     each compiled step in its ``executables`` folder, keyed on the engine's code, the device,
     the configuration and the step's argument shapes (``engine.executable_store``); a later
     start with the same key loads it without tracing or lowering Python (the warm start).
+    Each key's code and settings get a folder; a start keeps the 4 most recently used others.
     mixed_prefill_tokens: T > 0 (a power of two): requests admitted while a decode window runs
     whose whole prompts fit this many tokens run their R loops inside the next window's first
     R passes, with the decoding rows (one GEMM over both), instead of a prefill step of their

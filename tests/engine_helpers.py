@@ -18,13 +18,14 @@ def make_engine(*, kv_layout="last_exited", page_size=4, mode="refill", max_num_
                 max_prefill_batches_before_decode=1, lookahead_seed=0, hf_overrides=None, max_loops=None,
                 decode_window=0, async_scheduling=False, xla_options=None, window_trip="early_stop",
                 mixed_prefill_tokens=0, attn_impl="auto", interpret=False, decode_window_rows=None,
-                compilation_cache_dir=None):
+                compilation_cache_dir=None, executable_cache=True):
     """hf_overrides: config overrides (a dict), e.g. {"state_init": "zero"} for Huginn;
     max_loops: CacheConfig.max_loops (the engine's loop cap; None = R); decode_window: K passes
     per device-side window (0: step by step); window_trip: how a window's loop runs;
     mixed_prefill_tokens: prompts admitted into windows (0: off); decode_window_rows: the
     most rows a window runs (the rest of max_num_seqs wait as standby entries);
-    compilation_cache_dir: XLA's cache and the engine's executable store (None: neither)."""
+    compilation_cache_dir: XLA's cache and the engine's executable store (None: neither);
+    executable_cache: False keeps XLA's cache only."""
     ckpt = load_fixture(name, "float32", tuple(sorted((hf_overrides or {}).items())))
     return build_engine(
         None, params=ckpt.params, cfg=ckpt.cfg,
@@ -42,7 +43,8 @@ def make_engine(*, kv_layout="last_exited", page_size=4, mode="refill", max_num_
                                          show_progress=False, decode_window=decode_window, window_trip=window_trip,
                                          async_scheduling=async_scheduling, xla_options=xla_options or {},
                                          mixed_prefill_tokens=mixed_prefill_tokens, attn_impl=attn_impl,
-                                         interpret=interpret, decode_window_rows=decode_window_rows))
+                                         interpret=interpret, decode_window_rows=decode_window_rows,
+                                         executable_cache=executable_cache))
 
 
 def run_workload(engine, arrivals, max_steps=10_000):

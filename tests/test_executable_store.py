@@ -99,7 +99,7 @@ def test_changed_settings_do_not_load(store_dir, monkeypatch):
 
 def test_a_damaged_file_is_compiled_again(store_dir):
     first = _engine(store_dir)
-    files = sorted((store_dir / "executables").iterdir())
+    files = sorted((store_dir / "executables").glob("*/*"))
     assert len(files) == first.warm_up.stored == first.warm_up.executables
     for path in files[:2]:
         path.write_bytes(b"not an executable")
@@ -140,10 +140,46 @@ def test_keys_follow_static_values_shapes_and_fingerprint(monkeypatch, tmp_path)
     weak = split_static(_scaled, (w, 2.0), dict(scale=2.0))               # a weakly typed x: another program
     strong = split_static(_scaled, (w, jnp.float32(2.0)), dict(scale=2.0))
     assert call_signature(weak[0], (w, 2.0), weak[1]) != call_signature(strong[0], (w, jnp.float32(2.0)), strong[1])
+    from rltjax.jit_options import with_options
+    optioned = with_options(_scaled, (("xla_cpu_enable_fast_math", False),))      # compiler options: in the key
+    static, dynamic = split_static(optioned, (w, x), dict(scale=2.0))
+    assert program_key(optioned, static, (w, x), dynamic) != base
     with jax.default_matmul_precision("highest"):                     # JAX's configuration is read
         assert engine_fingerprint() != store.fingerprint
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=false")
     assert engine_fingerprint() != store.fingerprint
+
+
+def test_no_store_when_turned_off(store_dir):
+    """executable_cache=False (--no-executable-cache) or no cache directory: nothing stored,
+    nothing loaded."""
+    engine = make_engine(compile_ahead=True, decode_window=3, window_trip="fixed", max_num_seqs=2, num_pages=129,
+                         compilation_cache_dir=str(store_dir), executable_cache=False)
+    assert engine.warm_up.executables > 0 and engine.warm_up.stored == engine.warm_up.loaded == 0
+    assert not (store_dir / "executables").exists()
+    none = make_engine(compile_ahead=True, decode_window=3, window_trip="fixed", max_num_seqs=2, num_pages=129,
+                       compilation_cache_dir=None)
+    assert none.warm_up.stored == none.warm_up.loaded == 0
+
+
+def test_each_fingerprint_has_a_folder_and_the_least_recently_used_are_pruned(tmp_path):
+    root = tmp_path / "executables"
+    old = [root / f"{i:016x}" for i in range(6)]
+    for age, folder in enumerate(old):
+        folder.mkdir(parents=True)
+        (folder / "step").write_bytes(b"x")
+        os.utime(folder, (1e9 + age, 1e9 + age))           # old[5] the most recently used
+    (root / "flat_file_of_the_old_layout").write_bytes(b"x")
+    store = ExecutableStore.open(root)
+    assert store.directory == root / store.fingerprint[:16]
+    kept = {p.name for p in root.iterdir()}
+    assert kept == {f.name for f in old[6 - 4:]}          # the 4 most recently used of the others
+    store.save("k", jax.jit(lambda v: v + 1).lower(jnp.zeros(2)).compile())
+    assert (store.directory / "k").is_file() and store.saved == 1
+    again = ExecutableStore.open(root)                   # the same fingerprint: nothing more to prune
+    assert {p.name for p in root.iterdir()} == {f.name for f in old[2:]} | {store.directory.name}
+    assert sorted(again.prune(keep=1)) == old[2:5]
+    assert {p.name for p in root.iterdir()} == {old[5].name, store.directory.name}   # the current one stays
 
 
 def test_dispatch_calls_the_compiled_step_and_defers_what_it_cannot_tell_apart():

@@ -7,9 +7,11 @@ on an H200 that was 13 of the 18 s a warm start took with mixed-prefill windows
 (``jax.experimental.serialize_executable``) under a key computed *before* tracing,
 from everything tracing reads:
 
-- the engine's code: every module of the ``rltjax`` and ``kernels`` packages, jax's,
-  jaxlib's, numpy's and Python's versions, the device (platform, its version, kind),
-  ``XLA_FLAGS`` and JAX's configuration (``engine_fingerprint``, once a store);
+- the engine's code: every module of the ``rltjax`` and ``kernels`` packages as they were
+  when this module was imported (later edits on disk do not run in this process), jax's,
+  jaxlib's, numpy's, the GPU plugins' and Python's versions, the device (platform, its
+  version, kind), ``XLA_FLAGS`` and JAX's configuration (``engine_fingerprint``, once a
+  store);
 - the step: its function, its jit options (XLA compiler options included) and the reprs
   of its static arguments (frozen dataclasses, so their fields: the model config, the
   window's settings);
@@ -20,16 +22,20 @@ that step is compiled as usual and not stored. Only an executable XLA has just c
 stored (``compile_fresh``): one that came from XLA's own persistent cache, or from jit's
 in-memory cache after it ran, serialized into a file that loaded and then failed on the CPU
 ("Function ... not found"). A file that fails to load is removed and its step compiled
-again. ``StepTable`` holds the compiled steps of one engine, and ``DispatchedStep`` calls
-them directly (jit's own path would trace again on a first call).
+again. Each fingerprint has a folder of its own; opening a store keeps the
+``KEEP_FINGERPRINTS`` most recently used and removes the others. ``StepTable`` holds the
+compiled steps of one engine, and ``DispatchedStep`` calls them directly (jit's own path
+would trace again on a first call).
 """
 from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.metadata
 import inspect
 import os
 import pickle
+import shutil
 import sys
 import threading
 import warnings
@@ -42,6 +48,7 @@ from rltjax.jit_options import jit_kwargs_of
 from rltjax.source_files import hash_files, python_sources
 
 STORE_FORMAT = 1          # bump when what a file holds changes
+KEEP_FINGERPRINTS = 4     # folders of other code / settings kept beside the current one's
 
 
 # JAX settings that say where executables are kept and what is reported, not what a step
@@ -53,18 +60,29 @@ _UNKEYED_CONFIG = frozenset({
     "jax_logging_level", "jax_debug_log_modules", "jax_compiler_detailed_logging_min_ops"})
 
 
-def engine_fingerprint() -> str:
-    """sha256 of what every engine step's trace depends on besides its arguments."""
+def _code_digest() -> str:
+    """sha256 of the engine's code and the packages that compile it, read once (at import)."""
     import jaxlib
     import numpy
 
     import kernels
     import rltjax
+    plugins = sorted(f"{d.metadata['Name']} {d.version}" for d in importlib.metadata.distributions()
+                     if (d.metadata["Name"] or "").lower().replace("_", "-").startswith(("jax-cuda", "jax-rocm")))
     h = hashlib.sha256(f"format {STORE_FORMAT} jax {jax.__version__} jaxlib {jaxlib.__version__} numpy "
-                       f"{numpy.__version__} python {sys.version}\n".encode())
+                       f"{numpy.__version__} python {sys.version} plugins {plugins}\n".encode())
     for package in (rltjax, kernels):
         root = Path(package.__file__).resolve().parents[1]
         hash_files(h, root, python_sources(root, (package.__name__,)))
+    return h.hexdigest()
+
+
+_CODE_DIGEST = _code_digest()
+
+
+def engine_fingerprint() -> str:
+    """sha256 of what every engine step's trace depends on besides its arguments."""
+    h = hashlib.sha256(f"code {_CODE_DIGEST}\n".encode())
     device = jax.devices()[0]
     h.update(f"{device.platform} {device.client.platform_version} {device.device_kind}\n".encode())
     h.update(f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')}\n".encode())
@@ -158,23 +176,47 @@ def program_key(step: Callable, static: tuple, args: tuple, dynamic: dict) -> st
 
 
 class ExecutableStore:
-    """Compiled steps in ``directory`` (created on the first save)."""
+    """Compiled steps in ``directory``'s folder for this process's fingerprint (created on
+    the first save)."""
 
     def __init__(self, directory: str | os.PathLike):
-        self.directory = Path(directory)
         self.fingerprint = engine_fingerprint()
+        self.root = Path(directory)
+        self.directory = self.root / self.fingerprint[:16]
         self.loaded = self.saved = self.failed = 0
         self.not_fresh = 0      # compiled steps that came from XLA's cache: not stored
         self._lock = threading.Lock()           # loads and saves run on the warm-up's threads
 
     @classmethod
     def open(cls, directory: str | os.PathLike) -> "ExecutableStore | None":
-        """A store in ``directory``, or None (with a note) when its key cannot be made."""
+        """A store in ``directory`` with older fingerprints' folders pruned (``prune``), or
+        None (with a note) when its key cannot be made."""
         try:
-            return cls(directory)
+            store = cls(directory)
         except Exception as exc:  # noqa: BLE001 - the engine starts without the store
             print(f"[rltjax] no executable store in {directory} ({type(exc).__name__}: {exc})", file=sys.stderr)
             return None
+        store.prune()
+        return store
+
+    def prune(self, keep: int = KEEP_FINGERPRINTS) -> list[Path]:
+        """Mark this fingerprint's folder used and remove all but the ``keep`` most recently
+        used of the others, and any file of the older flat layout -> what was removed."""
+        try:
+            if self.directory.is_dir():
+                os.utime(self.directory)
+            entries = list(self.root.iterdir()) if self.root.is_dir() else []
+        except OSError:             # a read-only store: nothing to mark or prune
+            return []
+        others = sorted((p for p in entries if p.is_dir() and p != self.directory),
+                        key=lambda p: p.stat().st_mtime, reverse=True)
+        removed = others[keep:] + [p for p in entries if p.is_file()]
+        for path in removed:
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+        return removed
 
     def file_key(self, program: str) -> str | None:
         """The file name of a ``program_key``'s compiled step; None when it names an object

@@ -10,9 +10,10 @@ passes over the same all-padding calls:
    traced and lowered on this thread, its compile is handed to a thread pool, and it
    returns stand-in outputs (the input arrays where shapes match, so no second KV
    pool is allocated; zeros elsewhere). The runner's device state is restored after.
-2. run: each call runs for real, once. jit finds every executable in its cache (an
-   ahead-of-time compile fills the same cache), so this pass compiles nothing; it
-   counts what it did compile (``WarmUp.compiled_late``) so a miss cannot go unseen.
+2. run: each call runs for real, once, through ``DispatchedStep``, which calls the
+   executables the record pass compiled or loaded; a call it cannot match falls back to
+   jit, which compiles. This pass should compile nothing; it counts what it did compile
+   (``WarmUp.compiled_late``) so a miss cannot go unseen.
 
 All-padding inputs touch only the scratch page and the dummy slot.
 

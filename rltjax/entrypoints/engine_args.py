@@ -4,10 +4,10 @@ from __future__ import annotations
 import argparse
 import json
 
-from rltjax.engine_config import (ATTN_IMPLS, DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_TOKENS_KERNEL,
-                                  DEFAULT_PREFILL_TOKENS_XLA, EXIT_MODES, MATMUL_IMPLS, KV_LAYOUTS, SCHEDULER_MODES,
-                                  WINDOW_TRIPS, CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig,
-                                  default_cache_dir)
+from rltjax.engine_config import (ATTN_IMPLS, DEFAULT_DECODE_WINDOW, DEFAULT_PREFILL_CHUNK,
+                                  DEFAULT_PREFILL_TOKENS_KERNEL, DEFAULT_PREFILL_TOKENS_XLA, EXIT_MODES, MATMUL_IMPLS,
+                                  KV_LAYOUTS, SCHEDULER_MODES, WINDOW_TRIPS, CacheConfig, ExecutionConfig, ExitConfig,
+                                  SchedulerConfig, default_cache_dir)
 
 
 def mixed_prefill_tokens(text: str) -> int | dict[int, int] | None:
@@ -90,11 +90,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="an XLA compiler option for every engine executable (repeatable), e.g. "
                         "xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUSTOM_CALL,WHILE,CONDITIONAL (on a GPU the "
                         "engine always disables XLA's rematerialization pass, and XLA's Triton GEMMs where the decode "
-                        "projections run on its kernels (Ouro's shapes on the Pallas kernels, up to 64 requests) "
-                        "unless xla_gpu_enable_triton_gemm is given)")
+                        "projections run on its kernels (Ouro's shapes on the Pallas kernels, --matmul-impl not "
+                        "xla, up to 64 requests) unless xla_gpu_enable_triton_gemm is given)")
     g.add_argument("--decode-window", type=int, default=None, metavar="K",
                    help="decode as device-side windows of up to K loop passes (0: one pass per step; "
-                        "default: 8 where windows can run)")
+                        f"default: {DEFAULT_DECODE_WINDOW} where windows can run)")
     g.add_argument("--decode-window-rows", type=int, default=None, metavar="N",
                    help="the most rows a decode window runs (a power of two >= 8): requests admitted beyond "
                         "them (up to --max-num-seqs) wait prefilled on the device and take the row of the next "
@@ -107,17 +107,18 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mixed-prefill-tokens", type=mixed_prefill_tokens, default=None, metavar="T | ROWS:T,...",
                    help="prompts admitted while a window runs, up to T tokens in all (a power of two), run "
                         "their loops inside the next window's first passes with the decoding rows instead of "
-                        "a prefill step (0: off; auto, the default: 128, capped at the largest prefill batch, in windows "
-                        "of 32+ rows where windows can take them); ROWS:T,... sets a T per window size, from ROWS "
-                        "rows up to the next ROWS (0: off there), e.g. 8:32,16:0,32:128; smaller windows keep "
-                        "standby entries")
+                        "a prefill step (0: off; auto, the default: 128, capped at the largest prefill batch, in "
+                        "windows of 32+ rows where windows can take them); ROWS:T,... sets a T per window size, "
+                        "from ROWS rows up to the next ROWS (0: off there), e.g. 8:32,16:0,32:128; smaller windows "
+                        "keep standby entries")
     g.add_argument("--async-scheduling", action="store_true",
                    help="launch each loop pass before reading the previous pass's exit signals "
                         "(exit modes ouro_delayed, random_lookahead, fixed)")
     g.add_argument("--no-compile-ahead", action="store_true",
                    help="compile batch shapes on first use instead of at start-up")
     g.add_argument("--compilation-cache-dir", default=str(default_cache_dir()),
-                   help="XLA persistent compilation cache ('' disables it)")
+                   help="XLA persistent compilation cache, and the engine's compiled steps in its 'executables' "
+                        "folder ('' disables both)")
     g.add_argument("--no-executable-cache", action="store_true",
                    help="do not keep compiled steps in the cache directory's 'executables' folder (a warm "
                         "start then traces and lowers every step again before XLA's cache finds it)")

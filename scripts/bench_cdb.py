@@ -71,8 +71,8 @@ def parse(argv):
                    help=f"K passes per window (default: the engine's, {DEFAULT_DECODE_WINDOW})")
     p.add_argument("--mixed-prefill-tokens", type=mixed_prefill_tokens, default=None, metavar="T | ROWS:T,...",
                    help="window executor: admitted prompts of up to T tokens run inside the windows' first "
-                        "passes (ExecutionConfig.mixed_prefill_tokens; ROWS:T,...: a T per window size; 0: off; auto, the default: the engine's "
-                        "auto mode, off with --standby)")
+                        "passes (ExecutionConfig.mixed_prefill_tokens; ROWS:T,...: a T per window size; 0: off; "
+                        "auto, the default: the engine's auto mode, off with --standby)")
     p.add_argument("--standby", type=int, default=0, metavar="S",
                    help="window executor: S more requests admitted beyond the --concurrency rows, prefilled "
                         "and waiting on the device for the next row to free up (max_num_seqs = C + S, "

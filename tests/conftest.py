@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import os
+import tempfile
 from pathlib import Path
 
 # On a machine without an NVIDIA GPU (CI) XLA compiles for the CPU at LLVM -O0 (CI time): the
@@ -32,6 +33,10 @@ FIXTURES = Path(__file__).parent / "fixtures"
 # written to it and read back by later tests, so results would depend on test order and on
 # what earlier runs left there. Tests of the cache itself run the engine in child processes.
 jax.config.update("jax_enable_compilation_cache", False)
+# Engines built with the default cache directory (~/.cache/rltjax/xla) would write there, and
+# open its executable store, which prunes other code versions' folders: the user's. Tests use
+# a fresh directory of their own instead (child processes inherit it).
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="rltjax-tests-cache-")
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -150,16 +150,18 @@ def test_keys_follow_static_values_shapes_and_fingerprint(monkeypatch, tmp_path)
     assert engine_fingerprint() != store.fingerprint
 
 
-def test_no_store_when_turned_off(store_dir):
-    """executable_cache=False (--no-executable-cache) or no cache directory: nothing stored,
-    nothing loaded."""
+def test_no_store_when_turned_off(store_dir, monkeypatch):
+    """executable_cache=False (--no-executable-cache) or no cache directory: no store is
+    opened, nothing stored or loaded."""
+    opened = []
+    monkeypatch.setattr(ExecutableStore, "open", classmethod(lambda cls, directory: opened.append(directory)))
     engine = make_engine(compile_ahead=True, decode_window=3, window_trip="fixed", max_num_seqs=2, num_pages=129,
                          compilation_cache_dir=str(store_dir), executable_cache=False)
     assert engine.warm_up.executables > 0 and engine.warm_up.stored == engine.warm_up.loaded == 0
     assert not (store_dir / "executables").exists()
     none = make_engine(compile_ahead=True, decode_window=3, window_trip="fixed", max_num_seqs=2, num_pages=129,
                        compilation_cache_dir=None)
-    assert none.warm_up.stored == none.warm_up.loaded == 0
+    assert none.warm_up.stored == none.warm_up.loaded == 0 and opened == []
 
 
 def test_each_fingerprint_has_a_folder_and_the_least_recently_used_are_pruned(tmp_path):
@@ -176,6 +178,9 @@ def test_each_fingerprint_has_a_folder_and_the_least_recently_used_are_pruned(tm
     assert kept == {f.name for f in old[6 - 4:]}          # the 4 most recently used of the others
     store.save("k", jax.jit(lambda v: v + 1).lower(jnp.zeros(2)).compile())
     assert (store.directory / "k").is_file() and store.saved == 1
+    os.utime(store.directory, (1e9 - 1, 1e9 - 1))        # the oldest of all, until opened: marked used
+    ExecutableStore.open(root)
+    assert store.directory.stat().st_mtime > 1e9 + 5
     again = ExecutableStore.open(root)                   # the same fingerprint: nothing more to prune
     assert {p.name for p in root.iterdir()} == {f.name for f in old[2:]} | {store.directory.name}
     assert sorted(again.prune(keep=1)) == old[2:5]

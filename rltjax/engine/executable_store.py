@@ -8,7 +8,8 @@ on an H200 that was 13 of the 18 s a warm start took with mixed-prefill windows
 from everything tracing reads:
 
 - the engine's code: every module of the ``rltjax`` and ``kernels`` packages as they were
-  when this module was imported (later edits on disk do not run in this process), jax's,
+  when this module was imported (edits on disk after that do not run in this process, except
+  in modules it has not imported yet, e.g. a model's or a kernel's, imported on first use), jax's,
   jaxlib's, numpy's, the GPU plugins' and Python's versions, the device (platform, its
   version, kind), ``XLA_FLAGS`` and JAX's configuration (``engine_fingerprint``, once a
   store);
@@ -31,7 +32,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.metadata
 import inspect
 import os
 import pickle
@@ -45,7 +45,7 @@ from typing import Any, Callable
 import jax
 
 from rltjax.jit_options import jit_kwargs_of
-from rltjax.source_files import hash_files, python_sources
+from rltjax.source_files import engine_code_digest
 
 STORE_FORMAT = 1          # bump when what a file holds changes
 KEEP_FINGERPRINTS = 4     # folders of other code / settings kept beside the current one's
@@ -59,29 +59,17 @@ _UNKEYED_CONFIG = frozenset({
     "jax_raise_persistent_cache_errors", "jax_explain_cache_misses", "jax_log_compiles",
     "jax_logging_level", "jax_debug_log_modules", "jax_compiler_detailed_logging_min_ops"})
 
-
-def _code_digest() -> str:
-    """sha256 of the engine's code and the packages that compile it, read once (at import)."""
-    import jaxlib
-    import numpy
-
-    import kernels
-    import rltjax
-    plugins = sorted(f"{d.metadata['Name']} {d.version}" for d in importlib.metadata.distributions()
-                     if (d.metadata["Name"] or "").lower().replace("_", "-").startswith(("jax-cuda", "jax-rocm")))
-    h = hashlib.sha256(f"format {STORE_FORMAT} jax {jax.__version__} jaxlib {jaxlib.__version__} numpy "
-                       f"{numpy.__version__} python {sys.version} plugins {plugins}\n".encode())
-    for package in (rltjax, kernels):
-        root = Path(package.__file__).resolve().parents[1]
-        hash_files(h, root, python_sources(root, (package.__name__,)))
-    return h.hexdigest()
-
-
-_CODE_DIGEST = _code_digest()
+# read once, at import: the code this process runs, not what the files hold when an engine starts
+try:
+    _CODE_DIGEST, _DIGEST_ERROR = engine_code_digest(f"format {STORE_FORMAT}"), None
+except Exception as exc:  # noqa: BLE001 - engines then start without a store (ExecutableStore.open)
+    _CODE_DIGEST, _DIGEST_ERROR = None, exc
 
 
 def engine_fingerprint() -> str:
     """sha256 of what every engine step's trace depends on besides its arguments."""
+    if _CODE_DIGEST is None:
+        raise RuntimeError(f"the engine's code could not be hashed ({type(_DIGEST_ERROR).__name__}: {_DIGEST_ERROR})")
     h = hashlib.sha256(f"code {_CODE_DIGEST}\n".encode())
     device = jax.devices()[0]
     h.update(f"{device.platform} {device.client.platform_version} {device.device_kind}\n".encode())
@@ -193,10 +181,10 @@ class ExecutableStore:
         None (with a note) when its key cannot be made."""
         try:
             store = cls(directory)
+            store.prune()
         except Exception as exc:  # noqa: BLE001 - the engine starts without the store
             print(f"[rltjax] no executable store in {directory} ({type(exc).__name__}: {exc})", file=sys.stderr)
             return None
-        store.prune()
         return store
 
     def prune(self, keep: int = KEEP_FINGERPRINTS) -> list[Path]:
@@ -208,14 +196,16 @@ class ExecutableStore:
             entries = list(self.root.iterdir()) if self.root.is_dir() else []
         except OSError:             # a read-only store: nothing to mark or prune
             return []
-        others = sorted((p for p in entries if p.is_dir() and p != self.directory),
-                        key=lambda p: p.stat().st_mtime, reverse=True)
+        others = sorted((p for p in entries if p.is_dir() and p != self.directory), key=_last_used, reverse=True)
         removed = others[keep:] + [p for p in entries if p.is_file()]
         for path in removed:
-            if path.is_dir():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                path.unlink(missing_ok=True)
+            try:
+                if path.is_dir():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink()
+            except OSError:         # read-only, or another process's prune got there first
+                pass
         return removed
 
     def file_key(self, program: str) -> str | None:
@@ -287,6 +277,13 @@ class ExecutableStore:
             pass
         with self._lock:
             self.failed += 1
+
+
+def _last_used(folder: Path) -> float:
+    try:
+        return folder.stat().st_mtime
+    except OSError:                 # removed meanwhile (another process's prune)
+        return 0.0
 
 
 class StepTable:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 EXIT_MODES = ("ouro", "ouro_delayed", "random_lookahead", "trace", "fixed", "latent_diff")
 KV_LAYOUTS = ("last_exited", "shared")
@@ -30,11 +30,9 @@ DEFAULT_DECODE_WINDOW = 8
 # alternating on one machine) T=128 against off: +1.6% at 32 streams and +2.0% at 64, mean
 # TTFT +20 ms; at 8 streams within a run's noise in two sessions; its executables made
 # start-up 65 s cold / 17.5 s warm in every bucket (docs/performance.md, thirtieth session).
-# ShareGPT's prompts are short (p50 24 tokens): most fit 128. T=32 at 8 rows gave +0.9% and
-# +1.1% at 8 streams, but in every bucket -0.6% at 64, and even from 8 rows only (T=128 kept
-# from 32) its 7 more executables put the cold start at 64 rows at 55-64 s against the 60 s
-# target (thirty-second to thirty-fourth sessions): a choice (mixed_prefill_tokens={8: 32,
-# 32: 128}), not the default.
+# ShareGPT's prompts are short (p50 24 tokens): most fit 128. T=32 from 8 rows ({8: 32, 32:
+# 128}) gave +1.1% at 8 streams, but its 7 more executables put the cold start at 64 rows at
+# 55-64 s against the 60 s target (thirty-second to thirty-fourth sessions): a user's choice.
 AUTO_MIXED_PREFILL = ((32, 128),)
 
 
@@ -48,7 +46,7 @@ def _bad(owner: str, field: str, value, why: str):
 
 def _positive(owner: str, **fields) -> None:
     for name, value in fields.items():
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        if value is not None and (not _is_int(value) or value < 1):
             _bad(owner, name, value, "must be an integer >= 1")
 
 
@@ -175,24 +173,24 @@ class SchedulerConfig:
             _bad("SchedulerConfig", "max_admission_bypasses", self.max_admission_bypasses, "must be an int >= 0")
 
 
-def _attn_splits_ok(value) -> bool:
-    def count(s):
-        return isinstance(s, int) and not isinstance(s, bool) and 1 <= s <= 64
-    if value is None or count(value):
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _per_row_bucket_ok(value, ok: Callable[[Any], bool]) -> bool:
+    """None, one value ``ok`` accepts, or a non-empty {power-of-two rows: such a value}."""
+    if value is None or ok(value):
         return True
     return isinstance(value, Mapping) and bool(value) and all(
-        isinstance(rows, int) and not isinstance(rows, bool) and rows >= 1 and rows & (rows - 1) == 0 and count(s)
-        for rows, s in value.items())
+        _is_int(rows) and rows >= 1 and rows & (rows - 1) == 0 and ok(v) for rows, v in value.items())
+
+
+def _attn_splits_ok(value) -> bool:
+    return _per_row_bucket_ok(value, lambda s: _is_int(s) and 1 <= s <= 64)
 
 
 def _mixed_prefill_ok(value) -> bool:
-    def tokens(t):
-        return isinstance(t, int) and not isinstance(t, bool) and (t == 0 or (32 <= t <= 8192 and t & (t - 1) == 0))
-    if value is None or tokens(value):
-        return True
-    return isinstance(value, Mapping) and bool(value) and all(
-        isinstance(rows, int) and not isinstance(rows, bool) and rows >= 1 and rows & (rows - 1) == 0 and tokens(t)
-        for rows, t in value.items())
+    return _per_row_bucket_ok(value, lambda t: _is_int(t) and (t == 0 or (32 <= t <= 8192 and t & (t - 1) == 0)))
 
 
 def default_cache_dir() -> Path:
@@ -293,12 +291,10 @@ class ExecutionConfig:
                  "as keys and integers in [1, 64] as values")
         if self.matmul_impl not in MATMUL_IMPLS:
             _bad("ExecutionConfig", "matmul_impl", self.matmul_impl, f"choose one of {MATMUL_IMPLS}")
-        if self.decode_window is not None and (
-                not isinstance(self.decode_window, int) or isinstance(self.decode_window, bool)
-                or not 0 <= self.decode_window <= 1024):
+        if self.decode_window is not None and not (_is_int(self.decode_window) and 0 <= self.decode_window <= 1024):
             _bad("ExecutionConfig", "decode_window", self.decode_window, "must be an integer in [0, 1024]")
         r = self.decode_window_rows
-        if r is not None and (not isinstance(r, int) or isinstance(r, bool) or r < 8 or r & (r - 1)):
+        if r is not None and (not _is_int(r) or r < 8 or r & (r - 1)):
             _bad("ExecutionConfig", "decode_window_rows", r, "must be None or a power of two >= 8")
         if self.window_trip not in WINDOW_TRIPS:
             _bad("ExecutionConfig", "window_trip", self.window_trip, f"choose one of {WINDOW_TRIPS}")
@@ -316,9 +312,16 @@ class ExecutionConfig:
         """mixed_prefill_tokens as ascending (rows, T) steps: None for auto, () for off, one
         step from 1 row for a single T."""
         m = self.mixed_prefill_tokens
-        if m is None or isinstance(m, Mapping):
-            return None if m is None else tuple(sorted(m.items()))
+        if m is None:
+            return None
+        if isinstance(m, Mapping):
+            return tuple(sorted(m.items()))
         return ((1, m),) if m else ()
+
+    @property
+    def asks_mixed_prefill(self) -> bool:
+        """Whether the caller asked for mixed prefill in some window (auto does not count)."""
+        return any(t for _, t in self.mixed_prefill_steps() or ())
 
 
 def check_kv_layout(kv_layout: str) -> str:

@@ -186,6 +186,18 @@ def test_explore_panel_layout_quick(tmp_path):
         assert max(r["rel_err"].values()) < 1e-2 and min(r["us"].values()) > 0
 
 
+def test_explore_persistent_chain_quick(tmp_path):
+    """The engine's chain, XLA's and the persistent kernel at every program count (one stage in
+    interpret mode: units of column tiles x K splits, partial sums added) compute the product."""
+    out = tmp_path / "persistent.json"
+    run_script("explore_persistent_chain.py", "--quick", "--out", str(out))
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["chain"], r["rows"]) for r in rows] == [(c, m) for c in ("o", "qkv") for m in (1, 8)]
+    for r in rows:
+        assert set(r["us"]) == {"engine", "xla", "persistent_P4", "persistent_P5", "persistent_P8"}
+        assert max(r["rel_err"].values()) < 1e-2 and min(r["us"].values()) > 0
+
+
 def test_profile_loop_pass_quick(tmp_path):
     """Each XLA option set compiles its own pass (the values parsed as --xla-option parses them);
     a name XLA does not know fails the run."""

@@ -15,14 +15,17 @@ products x <- x @ w_s: "o" (every w_s [D, D], 8.4 MB at D = 2,048, like Ouro's o
   evenly); units store float32 partial sums, which the next stage adds in a fixed order as it
   reads its input (deterministic); between stages each program adds 1 to an atomic counter and
   spins until all P have. The barrier needs every program resident at once, so it runs only
-  for P up to the GPU's SM count;
+  for P up to the GPU's SM count (one SM a program at least); one program needs none;
 - ``nobarrier_P{P}`` (``--no-barrier``): the same kernel without the barrier, so stages race
   and the result is wrong: it times the streaming alone.
 
 Time: wall time of a jitted loop of --reps chains over --stages, median of --iters, per stage.
-Interpret mode runs programs one after another, so a barrier would spin forever there:
---quick runs a one-stage chain (no barrier to cross) and checks the units' partial sums
-against XLA. Not part of the engine: kept to reproduce its table.
+A persistent chain's time includes zeroing its partial sums and counter and the final sum
+(2-3 small XLA kernels a chain, a fraction of a us a stage). Interpret mode runs programs one
+after another, so a barrier would spin forever there: --quick runs one-stage chains at 4, 5
+and 8 programs (units, waves, K splits; no barrier to cross) and three-stage chains in one
+program, with 1 and 2 K splits (the stages' partial sums read back), each checked against XLA. Not part of the
+engine: kept to reproduce its table.
 """
 from __future__ import annotations
 
@@ -42,9 +45,8 @@ import numpy as np  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import triton as plgpu  # noqa: E402
 
+from kernels.pallas_skinny import DOT_ROWS  # noqa: E402   (fewer rows are read masked to 16)
 from kernels.skinny_matmul import skinny_matmul  # noqa: E402
-
-DOT_ROWS = 16     # tensor-core dots take >= 16 rows: fewer are read masked to 16
 
 
 def stage_shapes(chain: str, d: int, stages: int) -> list[tuple[int, int]]:
@@ -83,8 +85,9 @@ def _kernel(x_ref, *refs, plan, programs, block_n, block_k, rows, barrier):
             return plgpu.load(x_ref.at[pl.ds(0, padded), pl.ds(k0, block_k)], mask=live, other=0)
         total = jnp.zeros((padded, block_k), jnp.float32)
         for j in range(plan[s - 1][2]):       # the previous stage's partial sums, in a fixed order
-            total += plgpu.load(part_ref.at[jnp.int32((s - 1) % 2), jnp.int32(j), pl.ds(0, padded), pl.ds(k0, block_k)],
-                                mask=live, other=0, volatile=True)
+            # volatile: other programs wrote them during this kernel, so L1 may hold stale lines
+            piece = part_ref.at[jnp.int32((s - 1) % 2), jnp.int32(j), pl.ds(0, padded), pl.ds(k0, block_k)]
+            total += plgpu.load(piece, mask=live, other=0, volatile=True)
         return total.astype(x_ref.dtype)
 
     for s, (k, n, splits) in enumerate(plan):
@@ -106,16 +109,18 @@ def _kernel(x_ref, *refs, plan, programs, block_n, block_k, rows, barrier):
                 work()
             else:
                 pl.when(p + wave * programs < units)(work)
-        if barrier and s + 1 < len(plan):
+        if barrier and programs > 1 and s + 1 < len(plan):
             plgpu.debug_barrier()                      # the program's stores before its arrival
             plgpu.atomic_add(count_ref, (0,), jnp.int32(1))
             _spin_until(count_ref, (s + 1) * programs)
 
 
-def persistent_chain(x, ws, *, programs, block_n, block_k, num_warps=4, barrier=True, interpret=False):
-    """x [M, K0] through every w in ws in one kernel -> [M, N_last] in x's dtype."""
+def persistent_chain(x, ws, *, programs, block_n, block_k, splits=None, num_warps=4, barrier=True,
+                     interpret=False):
+    """x [M, K0] through every w in ws in one kernel -> [M, N_last] in x's dtype. splits: K splits
+    of every stage (None: ``choose_split``'s)."""
     m = x.shape[0]
-    plan = [(k, n, choose_split(k, n, block_n, block_k, programs)) for k, n in (w.shape for w in ws)]
+    plan = [(k, n, splits or choose_split(k, n, block_n, block_k, programs)) for k, n in (w.shape for w in ws)]
     parts = jnp.zeros((2, max(p[2] for p in plan), m, max(p[1] for p in plan)), jnp.float32)
     count = jnp.zeros((1,), jnp.int32)
     args = [x, *ws, parts, count]
@@ -140,9 +145,12 @@ def kernel_chain(x, ws, impl, interpret=False):
 
 
 def per_stage_us(fn, x, ws, reps, iters):
-    if ws[-1].shape[1] != x.shape[1]:        # a chain that ends wider than it starts (--quick's qkv)
+    if ws[-1].shape[1] != x.shape[1]:        # --quick's odd qkv chains end wider than they start
         reps = 1
-    loop = jax.jit(lambda x, ws: jax.lax.fori_loop(0, reps, lambda _, x: fn(x, ws), x) if reps > 1 else fn(x, ws))
+
+    def chains(x, ws):
+        return jax.lax.fori_loop(0, reps, lambda _, x: fn(x, ws), x) if reps > 1 else fn(x, ws)
+    loop = jax.jit(chains)
     loop(x, ws).block_until_ready()
     times = []
     for _ in range(iters):
@@ -159,6 +167,7 @@ def main(argv=None) -> int:
     p.add_argument("--programs", type=int, nargs="+", default=[128])
     p.add_argument("--block-n", type=int, default=16)
     p.add_argument("--block-k", type=int, default=256)
+    p.add_argument("--splits", type=int, help="K splits of every stage (default: the most even spread of units)")
     p.add_argument("--stages", type=int, default=24)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--iters", type=int, default=7)
@@ -166,15 +175,20 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="one tiny stage in interpret mode (CPU smoke run)")
     p.add_argument("--out")
     args = p.parse_args(argv)
+    if any(m < 1 or m & (m - 1) for m in args.rows):
+        p.error(f"--rows must be powers of two (the kernel's tiles), got {args.rows}")
+    if "qkv" in args.chains and args.stages % 2 and not args.quick:
+        p.error(f"--stages must be even for the qkv chain (it must end as wide as it starts), got {args.stages}")
     d, interpret = 2048, args.quick
+    runs = [(args.stages, args.programs, args.splits)]      # (stages, program counts, K splits)
     if args.quick:
-        d, args.stages, args.reps, args.iters, args.block_k = 64, 1, 1, 1, 32
-        args.rows, args.programs = [1, 8], [4, 5, 8]
-    resident = jax.devices()[0].core_count if jax.default_backend() == "gpu" else max(args.programs)
+        d, args.reps, args.iters, args.block_k, args.rows = 64, 1, 1, 32, [1, 8]
+        runs = [(1, [4, 5, 8], None), (3, [1], None), (3, [1], 2)]
+    resident_programs = jax.devices()[0].core_count if jax.default_backend() == "gpu" else None
     rng = np.random.default_rng(0)
     results = []
-    for chain in args.chains:
-        shapes = stage_shapes(chain, d, args.stages)
+    for (stages, counts, splits), chain in ((run, chain) for run in runs for chain in args.chains):
+        shapes = stage_shapes(chain, d, stages)
         ws = [jnp.asarray(rng.standard_normal((k, n), np.float32) / np.sqrt(k), jnp.bfloat16) for k, n in shapes]
         mb = sum(k * n * 2 for k, n in shapes) / len(shapes) / 1e6
         for m in args.rows:
@@ -182,24 +196,27 @@ def main(argv=None) -> int:
             ref = np.asarray(jax.jit(lambda x, ws: kernel_chain(x, ws, "xla"))(x, ws), np.float32)
             fns = {"engine": functools.partial(kernel_chain, impl="pallas", interpret=interpret),
                    "xla": functools.partial(kernel_chain, impl="xla")}
-            for programs in args.programs:
-                common = dict(programs=programs, block_n=args.block_n, block_k=args.block_k, interpret=interpret)
-                if programs <= resident:
-                    fns[f"persistent_P{programs}"] = functools.partial(persistent_chain, **common)
+            for programs in counts:
+                common = dict(programs=programs, block_n=args.block_n, block_k=args.block_k, splits=splits,
+                              interpret=interpret)
+                label = f"P{programs}" + (f"_S{splits}" if splits else "")
+                if resident_programs is None or programs <= resident_programs:
+                    fns[f"persistent_{label}"] = functools.partial(persistent_chain, **common)
                 if args.no_barrier:
-                    fns[f"nobarrier_P{programs}"] = functools.partial(persistent_chain, barrier=False, **common)
-            row = dict(chain=chain, rows=m, stage_mb=mb, us={}, rel_err={})
+                    fns[f"nobarrier_{label}"] = functools.partial(persistent_chain, barrier=False, **common)
+            row = dict(chain=chain, stages=stages, splits=splits, rows=m, stage_mb=mb, us={}, rel_err={})
             for name, fn in fns.items():
                 row["us"][name] = per_stage_us(fn, x, ws, args.reps, args.iters)
                 got = np.asarray(jax.jit(fn)(x, ws), np.float32)
                 row["rel_err"][name] = float(np.max(np.abs(got - ref)) / (np.max(np.abs(ref)) + 1e-9))
-                print(f"{chain:4s} M={m:<2d} {mb:5.1f} MB a stage  {name:16s} {row['us'][name]:7.2f} us a stage "
-                      f"({mb / row['us'][name]:.2f} TB/s)  rel err vs xla {row['rel_err'][name]:.1e}", flush=True)
+                print(f"{chain:4s} x{stages:<2d} M={m:<2d} {mb:5.1f} MB a stage  {name:16s} "
+                      f"{row['us'][name]:7.2f} us a stage ({mb / row['us'][name]:.2f} TB/s)  "
+                      f"rel err vs xla {row['rel_err'][name]:.1e}", flush=True)
             results.append(row)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(jax=jax.__version__, device=jax.devices()[0].device_kind, block_n=args.block_n,
-                           block_k=args.block_k, stages=args.stages, results=results), f, indent=1)
+                           block_k=args.block_k, results=results), f, indent=1)
     return 0
 
 

@@ -187,14 +187,19 @@ def test_explore_panel_layout_quick(tmp_path):
 
 
 def test_explore_persistent_chain_quick(tmp_path):
-    """The engine's chain, XLA's and the persistent kernel at every program count (one stage in
-    interpret mode: units of column tiles x K splits, partial sums added) compute the product."""
+    """The engine's chain, XLA's and the persistent kernel compute the chain's product: one stage
+    at 4, 5 and 8 programs (units of column tiles x K splits, partial waves, partial sums added)
+    and three stages in one program with 1 and 2 K splits (each stage adding the last one's partial
+    sums as it reads them)."""
     out = tmp_path / "persistent.json"
     run_script("explore_persistent_chain.py", "--quick", "--out", str(out))
     rows = json.loads(out.read_text())["results"]
-    assert [(r["chain"], r["rows"]) for r in rows] == [(c, m) for c in ("o", "qkv") for m in (1, 8)]
-    for r in rows:
-        assert set(r["us"]) == {"engine", "xla", "persistent_P4", "persistent_P5", "persistent_P8"}
+    runs = [(1, None, {"persistent_P4", "persistent_P5", "persistent_P8"}), (3, None, {"persistent_P1"}),
+            (3, 2, {"persistent_P1_S2"})]
+    assert [(r["stages"], r["splits"], r["chain"], r["rows"]) for r in rows] == [
+        (s, k, c, m) for s, k, _ in runs for c in ("o", "qkv") for m in (1, 8)]
+    for r, (_, _, persistent) in zip(rows, (run for run in runs for _ in range(4))):
+        assert set(r["us"]) == {"engine", "xla"} | persistent
         assert max(r["rel_err"].values()) < 1e-2 and min(r["us"].values()) > 0
 
 

@@ -30,13 +30,14 @@ def window_settings(execution_config, scheduler_config, exit_mode: str, *, arch:
                     has_boundary: bool, max_model_len: int, kv_layout: str) -> WindowSettings:
     passes = resolve_window_passes(execution_config.decode_window, scheduler_config, exit_mode, arch)
     fixed = resolve_window_trip(execution_config.window_trip, has_boundary)
+    asked = execution_config.mixed_prefill_tokens
     steps = execution_config.mixed_prefill_steps()
     if steps is None:       # auto: where it can run (config_rules refuse only an explicit T)
         runs = (kv_layout == "last_exited" and execution_config.decode_window_rows is None
                 and not mixed_prefill_blocker(passes, fixed, has_boundary, num_loops, arch))
         steps = AUTO_MIXED_PREFILL if runs else ()
     return WindowSettings(passes, fixed, trace_width(exit_mode, max_model_len), resolve_mixed_prefill(
-        steps, passes, fixed, has_boundary, num_loops, arch))
+        steps, asked, passes, fixed, has_boundary, num_loops, arch))
 
 
 def resolve_window_passes(asked: int | None, scheduler_config, exit_mode: str, arch: str) -> int:
@@ -67,26 +68,25 @@ def resolve_window_trip(asked: str, has_boundary: bool) -> bool:
     return asked == "fixed" or (asked == "auto" and not has_boundary)
 
 
-def resolve_mixed_prefill(steps: tuple[tuple[int, int], ...], window_passes: int, fixed_trip: bool,
+def resolve_mixed_prefill(steps: tuple[tuple[int, int], ...], asked, window_passes: int, fixed_trip: bool,
                           has_boundary: bool, num_loops: int, arch: str) -> tuple[tuple[int, int], ...]:
-    """ExecutionConfig.mixed_prefill_tokens as (rows, T) steps (None resolved already),
-    checked against the engine's windows and model; () where every T is 0."""
+    """ExecutionConfig.mixed_prefill_tokens (``asked``, for the error) as ascending (rows, T)
+    steps (auto resolved already), checked against the engine's windows and model; () where
+    every T is 0. Auto never fails here: it resolves to () where windows cannot take prompts."""
     if not any(t for _, t in steps):
         return ()
     if why := mixed_prefill_blocker(window_passes, fixed_trip, has_boundary, num_loops, arch):
-        # auto never raises (it resolves to () first): the caller's own value
-        asked = steps[0][1] if len(steps) == 1 and steps[0][0] == 1 else dict(steps)
         raise EngineConfigError(f"ExecutionConfig.mixed_prefill_tokens={asked}: {why}; set it to 0")
-    return tuple(sorted(steps))
+    return steps
 
 
 def prompt_tokens_by_bucket(steps: tuple[tuple[int, int], ...], buckets, most_tokens: int) -> dict[int, int]:
     """{row bucket: prompt tokens its windows carry} for mixed prefill's (rows, T) steps: the
     T of the last step a bucket reaches, capped at ``most_tokens`` (the largest prefill
     batch); buckets below the first step are left out."""
-    carried = {}
+    carried, steps = {}, sorted(steps)
     for bucket in buckets:
-        reached = [t for rows, t in sorted(steps) if bucket >= rows]
+        reached = [t for rows, t in steps if bucket >= rows]
         if reached and reached[-1]:
             carried[bucket] = min(reached[-1], most_tokens)
     return carried

@@ -16,16 +16,16 @@ def mixed_prefill_tokens(text: str) -> int | dict[int, int] | None:
     if text == "auto":
         return None
     try:
-        if ":" not in text:
-            return int(text)
-        return _rows_map(text)
+        return _int_or_rows_map(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: expected auto, T or ROWS:T[,ROWS:T...] with each ROWS once, "
                                          f"e.g. 8:32,16:0,32:128") from None
 
 
-def _rows_map(text: str) -> dict[int, int]:
-    """'ROWS:N,ROWS:N' -> {ROWS: N, ...}; ValueError on a malformed or repeated item."""
+def _int_or_rows_map(text: str) -> int | dict[int, int]:
+    """'N' -> N; 'ROWS:N,ROWS:N' -> {ROWS: N, ...}; ValueError on a malformed or repeated item."""
+    if ":" not in text:
+        return int(text)
     pairs = [item.split(":") for item in text.split(",")]
     if any(len(pair) != 2 for pair in pairs):
         raise ValueError(text)
@@ -127,7 +127,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 def parse_attn_splits(text: str):
     """'N' -> N; 'ROWS:N,ROWS:N' -> {ROWS: N, ...} (values are checked by ExecutionConfig)."""
     try:
-        return int(text) if ":" not in text else _rows_map(text)
+        return _int_or_rows_map(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: expected N or ROWS:N[,ROWS:N...] with each ROWS once, "
                                          f"e.g. 32:1,64:1") from None

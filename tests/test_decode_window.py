@@ -247,3 +247,24 @@ def test_auto_window_trip_is_fixed_unless_the_model_has_boundary_stages(name, kw
     engine = make_engine(name=name, decode_window=4, window_trip="auto", **kwargs)
     assert engine.runner.window_spec["fixed_trip"] is fixed
     assert ExecutionConfig().window_trip == "auto"
+
+
+@pytest.mark.parametrize("window", [3, 5])
+@pytest.mark.parametrize("window_trip", ["early_stop", "fixed"])
+def test_a_window_runs_exactly_k_passes(window, window_trip):
+    """Behaviourally, a window is K loop passes: a request that exits after every loop
+    (max_loops 1) gains exactly K tokens per window read, every window but its last; one
+    pass fewer or more would change that count though no output differs from the oracle."""
+    engine = make_engine(exit_mode="ouro", decode_window=window, max_num_seqs=2, window_trip=window_trip)
+    sp = SamplingParams(max_tokens=1 + 3 * window + 2, temperature=0.0, exit_threshold=1.0, min_loops=1,
+                        max_loops=1, ignore_eos=True)
+    engine.add_request("one", TOKENS[:6], sp)
+    counts = [0]
+    while engine.has_unfinished_requests():
+        engine.step()
+        counts.append(len(engine.get_output("one").token_ids))
+    gains = [b - a for a, b in zip(counts, counts[1:]) if b != a]
+    assert gains[0] == 1, gains                       # the prompt's head
+    assert gains[1:-1] == [window] * 3 and gains[-1] == 2, gains
+    check_equal(engine.get_output("one"), reference_for("last_exited", "ouro").generate(TOKENS[:6], sp,
+                                                                                         request_id="one"))

@@ -15,9 +15,9 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from checkpoints.loader import MARKER_FILE, MARKER_FORMAT, load_checkpoint
-from checkpoints.orbax_io import ORBAX_SUBDIR, save_params
-from checkpoints.safetensors_reader import CheckpointError
+from rltjax.checkpoints.loader import MARKER_FILE, MARKER_FORMAT, load_checkpoint
+from rltjax.checkpoints.orbax_io import ORBAX_SUBDIR, save_params
+from rltjax.checkpoints.safetensors_reader import CheckpointError
 from rltjax.config import ConfigError
 
 COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from checkpoints.safetensors_reader import (INDEX_FILE, SINGLE_FILE, CheckpointError, index_model_dir,
+from rltjax.checkpoints.safetensors_reader import (INDEX_FILE, SINGLE_FILE, CheckpointError, index_model_dir,
                                             read_tensor, validate, write_safetensors)
 from rltjax.config import ModelConfig
 from rltjax.models.base import arch_module

@@ -16,9 +16,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from checkpoints.hf import load_hf_params, param_template, resolve_dtype
-from checkpoints.orbax_io import restore_params
-from checkpoints.safetensors_reader import CheckpointError
+from rltjax.checkpoints.hf import load_hf_params, param_template, resolve_dtype
+from rltjax.checkpoints.orbax_io import restore_params
+from rltjax.checkpoints.safetensors_reader import CheckpointError
 from rltjax.config import ModelConfig, load_hf_config
 
 MARKER_FILE = "rltjax_checkpoint.json"

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from checkpoints.safetensors_reader import CheckpointError
+from rltjax.checkpoints.safetensors_reader import CheckpointError
 from rltjax.models.params import flatten_params
 
 ORBAX_SUBDIR = "orbax"

@@ -11,7 +11,7 @@ from typing import Any
 
 import jax
 
-from checkpoints.hf import param_template, resolve_dtype
+from rltjax.checkpoints.hf import param_template, resolve_dtype
 from rltjax.config import ModelConfig
 from rltjax.models.base import arch_module
 

@@ -1,0 +1,15 @@
+"""Pallas kernels behind one small interface: per operation, a validated entry point with an
+``impl`` switch, a check of which shapes the kernel takes, and a plain-JAX reference (the
+CPU path and the kernel's oracle).
+
+| operation | entry points (module) | kernel | reference |
+|---|---|---|---|
+| decode attention | ``paged_attention``, ``paged_attention_write``, ``kernel_unsupported`` (``paged_attention``) | ``paged_attention_pallas`` (launch: ``paged_attention_launch``) | ``paged_attention_ref`` |
+| prefill attention | ``paged_prefill_attention`` (``prefill_attention``) | ``paged_prefill_attention_pallas`` (same module) | ``paged_attention_ref`` |
+| decode projections | ``skinny_matmul``, ``gated_up``, ``kernel_unsupported`` (``skinny_matmul``) | ``skinny_matmul_pallas`` | ``skinny_matmul_ref``, ``gated_up_ref`` |
+| residual add + RMSNorm | ``residual_norm``, ``kernel_unsupported`` (``residual_norm``) | same module | ``residual_norm_ref`` |
+ ``impl="pallas"`` runs the kernel (``interpret=True``:
+on the CPU), ``"xla"`` the reference and ``"auto"`` the kernel on a GPU where it takes the
+shapes. Another backend (Mosaic GPU) replaces a module's "pallas" branch and nothing else.
+The engine reaches them only through ``rltjax.cache.paged_kv.PagedKVBackend``.
+"""

@@ -2,14 +2,13 @@
 
 Layout and semantics: `kernels.paged_attention_ref` (the oracle). impl:
   "xla"    the pure-XLA reference (any backend, any shapes);
-  "pallas" the Pallas Triton kernel (`kernels.pallas_triton`); interpret=True runs it on CPU;
+  "pallas" the Pallas Triton kernel (`kernels.paged_attention_pallas`); interpret=True runs it on CPU;
   "auto"   pallas on GPU when the shapes are kernel-supported, xla otherwise.
-Three entry points: ``paged_attention`` (any rows; the decode kernel, one program per
-row), ``paged_attention_write`` (the same, each row first writing its new K/V, optionally
+Two entry points: ``paged_attention`` (any rows; the decode kernel, one program per
+row) and ``paged_attention_write`` (the same, each row first writing its new K/V, optionally
 after rotate-half RoPE of q and k: one kernel for a decode layer's RoPE, write and
-read) and ``paged_prefill_attention`` (rows in
-aligned query blocks that share a table; a flash-style kernel that reads each KV block
-once per block of rows).
+read). Prefill chunks read through ``kernels.prefill_attention``, which shares this
+module's validation.
 Kernel-supported: page_size a power of two in 8..128, head_dim a multiple of 16 in
 64..256 (non-powers of two such as 96 run as power-of-two column chunks, 64 + 32),
 q/k/v in bfloat16, float16 or float32. A Mosaic GPU or jax-triton port replaces the
@@ -20,26 +19,21 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels.paged_attention_ref import paged_attention_ref, paged_write_ref, rope_rotate_half_ref
-from kernels.triton_common import kernel_rope_supported
-
-# The prefill kernel's aligned query blocks (rows of one block read one table); the engine
-# aligns chunks to it. Its programs take 64 rows (``kernels.pallas_prefill.PROGRAM_ROWS``), so
-# two blocks of one chunk share a program, while short prompts pad only to 32 rows.
-DEFAULT_BLOCK_Q = 32
+from rltjax.kernels.paged_attention_ref import paged_attention_ref, paged_write_ref, rope_rotate_half_ref
+from rltjax.kernels.triton_common import kernel_rope_supported
 
 KERNEL_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
 
-def _fail(arg: str, msg: str):
+def fail(arg: str, msg: str):
     raise ValueError(f"paged_attention: {arg}: {msg}")
 
 
 def _check_index(arg: str, x, ndim: int):
     if x.ndim != ndim:
-        _fail(arg, f"expected {ndim}-D, got shape {x.shape}")
+        fail(arg, f"expected {ndim}-D, got shape {x.shape}")
     if x.dtype != jnp.int32:
-        _fail(arg, f"expected int32, got {x.dtype}")
+        fail(arg, f"expected int32, got {x.dtype}")
 
 
 def kernel_unsupported(q, k_pages) -> str | None:
@@ -54,47 +48,47 @@ def kernel_unsupported(q, k_pages) -> str | None:
     return None
 
 
-def _resolve_impl(impl: str, q, k_pages) -> str:
+def resolve_impl(impl: str, q, k_pages) -> str:
     why_not = kernel_unsupported(q, k_pages)
     if impl == "pallas" and why_not:
-        _fail("page_size" if "page_size" in why_not else "head_dim" if "head_dim" in why_not
+        fail("page_size" if "page_size" in why_not else "head_dim" if "head_dim" in why_not
               else "q", why_not)
     if impl == "auto":
         return "pallas" if jax.default_backend() == "gpu" and not why_not else "xla"
     return impl
 
 
-def _validate(q, k_pages, v_pages, block_tables, row_tables, lengths, layer, impl: str) -> None:
+def validate(q, k_pages, v_pages, block_tables, row_tables, lengths, layer, impl: str) -> None:
     if impl not in ("auto", "xla", "pallas"):
-        _fail("impl", f"expected 'auto', 'xla' or 'pallas', got {impl!r}")
+        fail("impl", f"expected 'auto', 'xla' or 'pallas', got {impl!r}")
     if q.ndim != 3:
-        _fail("q", f"expected [N, H, Dh], got shape {q.shape}")
+        fail("q", f"expected [N, H, Dh], got shape {q.shape}")
     if not jnp.issubdtype(q.dtype, jnp.floating):
-        _fail("q", f"expected a floating dtype, got {q.dtype}")
+        fail("q", f"expected a floating dtype, got {q.dtype}")
     n, num_heads, head_dim = q.shape
     if k_pages.ndim not in (4, 5):
-        _fail("k_pages", f"expected [Hkv, num_pages, page_size, Dh] or [L, Hkv, num_pages, page_size, Dh], "
+        fail("k_pages", f"expected [Hkv, num_pages, page_size, Dh] or [L, Hkv, num_pages, page_size, Dh], "
               f"got shape {k_pages.shape}")
     if (k_pages.ndim == 5) != (layer is not None):
-        _fail("layer", "give a layer index exactly when k_pages is the stacked 5-D pool")
+        fail("layer", "give a layer index exactly when k_pages is the stacked 5-D pool")
     if v_pages.shape != k_pages.shape:
-        _fail("v_pages", f"shape {v_pages.shape} differs from k_pages {k_pages.shape}")
+        fail("v_pages", f"shape {v_pages.shape} differs from k_pages {k_pages.shape}")
     if k_pages.dtype != q.dtype:
-        _fail("k_pages", f"dtype {k_pages.dtype} differs from q's {q.dtype}")
+        fail("k_pages", f"dtype {k_pages.dtype} differs from q's {q.dtype}")
     if v_pages.dtype != q.dtype:
-        _fail("v_pages", f"dtype {v_pages.dtype} differs from q's {q.dtype}")
+        fail("v_pages", f"dtype {v_pages.dtype} differs from q's {q.dtype}")
     num_kv, _, _, head_dim_kv = k_pages.shape[-4:]
     if head_dim_kv != head_dim:
-        _fail("k_pages", f"head_dim {head_dim_kv} differs from q's {head_dim}")
+        fail("k_pages", f"head_dim {head_dim_kv} differs from q's {head_dim}")
     if num_kv < 1 or num_heads % num_kv:
-        _fail("q", f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv} (GQA)")
+        fail("q", f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv} (GQA)")
     _check_index("block_tables", block_tables, 2)
     _check_index("row_tables", row_tables, 1)
     _check_index("lengths", lengths, 1)
     if row_tables.shape[0] != n:
-        _fail("row_tables", f"expected [{n}] (one per row of q), got {row_tables.shape}")
+        fail("row_tables", f"expected [{n}] (one per row of q), got {row_tables.shape}")
     if lengths.shape[0] != n:
-        _fail("lengths", f"expected [{n}] (one per row of q), got {lengths.shape}")
+        fail("lengths", f"expected [{n}] (one per row of q), got {lengths.shape}")
 
 
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
@@ -107,20 +101,20 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     k_pages/v_pages: one layer's [Hkv, P, S, Dh] pool, or the stacked [L, Hkv, P, S, Dh]
     pool together with ``layer`` (int32 scalar, may be traced), read in place.
     """
-    _validate(q, k_pages, v_pages, block_tables, row_tables, lengths, layer, impl)
+    validate(q, k_pages, v_pages, block_tables, row_tables, lengths, layer, impl)
     if pages_per_block is not None and (pages_per_block < 1 or pages_per_block & (pages_per_block - 1)):
-        _fail("pages_per_block", f"expected a power of two, got {pages_per_block}")
+        fail("pages_per_block", f"expected a power of two, got {pages_per_block}")
     if num_splits is not None and num_splits < 1:
-        _fail("num_splits", f"expected >= 1, got {num_splits}")
+        fail("num_splits", f"expected >= 1, got {num_splits}")
 
-    impl = _resolve_impl(impl, q, k_pages)
+    impl = resolve_impl(impl, q, k_pages)
     if impl == "xla":
         return paged_attention_ref(q, k_pages, v_pages, block_tables, row_tables, lengths,
                                    layer=layer, scale=scale)
     if pages_per_block is not None and pages_per_block * k_pages.shape[-2] < 16:
-        _fail("pages_per_block", f"pages_per_block * page_size must be >= 16, got "
+        fail("pages_per_block", f"pages_per_block * page_size must be >= 16, got "
               f"{pages_per_block} * {k_pages.shape[-2]}")
-    from kernels.pallas_triton import paged_attention_pallas
+    from rltjax.kernels.paged_attention_pallas import paged_attention_pallas
     return paged_attention_pallas(q, k_pages, v_pages, block_tables, row_tables, lengths,
                                   layer=layer, scale=scale, pages_per_block=pages_per_block,
                                   num_splits=num_splits, interpret=interpret)
@@ -152,32 +146,32 @@ def paged_attention_write(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pa
     concatenated here (free when they are slices of one projection, else one small copy).
 
     pages_per_block, num_splits, num_warps, num_stages: the kernel's launch (None: its
-    default, ``kernels.attention_defaults.default_launch``).
+    default, ``kernels.paged_attention_launch.default_launch``).
 
     Precondition for the kernel (decode, where it holds by construction): a row with
     length > 0 writes its key at position lengths - 1 of its own table (row_tables); the
     kernel takes that key from k_new / v_new instead of reading it back from the pool.
     """
-    _validate(q, k_pages, v_pages, block_tables, row_tables, lengths, layer, impl)
+    validate(q, k_pages, v_pages, block_tables, row_tables, lengths, layer, impl)
     n, _, head_dim = q.shape
     kv_shape = (n, k_pages.shape[-4], head_dim)
     for name, x in (("k_new", k_new), ("v_new", v_new)):
         if x.shape != kv_shape:
-            _fail(name, f"expected [N, Hkv, Dh] = {list(kv_shape)}, got shape {x.shape}")
+            fail(name, f"expected [N, Hkv, Dh] = {list(kv_shape)}, got shape {x.shape}")
         if x.dtype != q.dtype:
-            _fail(name, f"dtype {x.dtype} differs from q's {q.dtype}")
+            fail(name, f"dtype {x.dtype} differs from q's {q.dtype}")
     if (write_page.ndim not in (1, 2) or write_page.shape[-1] != n or write_page.dtype != jnp.int32
             or write_page.size == 0):
-        _fail("write_page", f"expected int32 [{n}] or [M >= 1, {n}], got {write_page.dtype} {write_page.shape}")
+        fail("write_page", f"expected int32 [{n}] or [M >= 1, {n}], got {write_page.dtype} {write_page.shape}")
     _check_index("write_offset", write_offset, 1)
     if write_offset.shape[0] != n:
-        _fail("write_offset", f"expected [{n}] (one per row of q), got {write_offset.shape}")
+        fail("write_offset", f"expected [{n}] (one per row of q), got {write_offset.shape}")
     if rope is not None:
         if head_dim % 2 or len(rope) != 2 or any(
                 x.shape != (n, head_dim // 2) or x.dtype != jnp.float32 for x in rope):
-            _fail("rope", f"expected (cos, sin), float32 [{n}, {head_dim // 2}] each, and an even head_dim; got "
+            fail("rope", f"expected (cos, sin), float32 [{n}, {head_dim // 2}] each, and an even head_dim; got "
                   f"head_dim {head_dim}, {[(str(x.dtype), x.shape) for x in rope]}")
-    impl = _resolve_impl(impl, q, k_pages)
+    impl = resolve_impl(impl, q, k_pages)
     if rope is not None and (impl == "xla" or not kernel_rope_supported(head_dim)):
         q, k_new = rope_rotate_half_ref(q, *rope), rope_rotate_half_ref(k_new, *rope)
         rope = None
@@ -185,33 +179,9 @@ def paged_attention_write(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pa
         k_pages, v_pages = paged_write_ref(k_pages, v_pages, k_new, v_new, write_page, write_offset, layer=layer)
         out = paged_attention_ref(q, k_pages, v_pages, block_tables, row_tables, lengths, layer=layer, scale=scale)
         return out, k_pages, v_pages
-    from kernels.pallas_triton import paged_attention_pallas
+    from rltjax.kernels.paged_attention_pallas import paged_attention_pallas
     qkv = merge_qkv(q, k_new, v_new)
     return paged_attention_pallas(qkv, k_pages, v_pages, block_tables, row_tables, lengths, layer=layer,
                                   scale=scale, pages_per_block=pages_per_block, num_splits=num_splits,
                                   num_warps=num_warps, num_stages=num_stages, interpret=interpret,
                                   new_kv=(write_page, write_offset, rope))
-
-
-def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
-                            block_tables: jax.Array, row_tables: jax.Array, lengths: jax.Array, *,
-                            layer: jax.Array | int | None = None, impl: str = "auto",
-                            interpret: bool = False, scale: float | None = None,
-                            block_q: int = DEFAULT_BLOCK_Q, program_rows: int | None = None) -> jax.Array:
-    """``paged_attention`` for prefill chunks: same arguments and result, one more
-    precondition for the kernel (``kernels.pallas_prefill``): in every aligned block of
-    ``block_q`` rows, the rows with length > 0 read one block table. The XLA path takes
-    any layout. ``program_rows``: the kernel's rows a program (None: its default). A Mosaic
-    GPU or jax-triton port replaces the "pallas" branch only.
-    """
-    _validate(q, k_pages, v_pages, block_tables, row_tables, lengths, layer, impl)
-    if block_q < 16 or block_q & (block_q - 1):
-        _fail("block_q", f"expected a power of two >= 16, got {block_q}")
-    impl = _resolve_impl(impl, q, k_pages)
-    if impl == "xla":
-        return paged_attention_ref(q, k_pages, v_pages, block_tables, row_tables, lengths,
-                                   layer=layer, scale=scale)
-    from kernels.pallas_prefill import paged_prefill_attention_pallas
-    return paged_prefill_attention_pallas(q, k_pages, v_pages, block_tables, row_tables, lengths,
-                                          layer=layer, scale=scale, block_q=block_q, program_rows=program_rows,
-                                          interpret=interpret)

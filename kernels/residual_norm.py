@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels.triton_common import is_pow2
+from rltjax.kernels.triton_common import is_pow2
 
 KERNEL_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 

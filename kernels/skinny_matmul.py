@@ -9,7 +9,7 @@
 
 Semantics: x @ w[layer] with float32 accumulation (`skinny_matmul_ref`). impl:
   "xla"    the reference, XLA's own dot (any backend, any shape);
-  "pallas" the weight-streaming Pallas Triton kernel (`kernels.pallas_skinny`);
+  "pallas" the weight-streaming Pallas Triton kernel (`kernels.skinny_matmul_pallas`);
            interpret=True runs it on CPU.
 `kernel_config` picks the kernel's blocks and K splits from the shape. Measured on an
 H200 at 1-8 rows (docs/performance.md, ninth session): for K <= 2048 one pass over K
@@ -35,8 +35,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels.pallas_skinny import choose_splits, gated_up_pallas, skinny_matmul_pallas
-from kernels.triton_common import next_pow2
+from rltjax.kernels.skinny_matmul_pallas import choose_splits, gated_up_pallas, skinny_matmul_pallas
+from rltjax.kernels.triton_common import next_pow2
 
 MAX_ROWS = 64           # beyond this XLA's tiled GEMMs fill the GPU by themselves
 KERNEL_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)

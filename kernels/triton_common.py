@@ -1,5 +1,5 @@
-"""Helpers shared by the Pallas Triton kernels (decode ``pallas_triton``, prefill
-``pallas_prefill``): Triton block shapes are powers of two, and both kernels read the
+"""Helpers shared by the Pallas Triton kernels (decode ``paged_attention_pallas``, prefill
+``prefill_attention``): Triton block shapes are powers of two, and both kernels read the
 stacked per-layer pool in place."""
 from __future__ import annotations
 

@@ -50,9 +50,6 @@ class ModelConfig:
     def kv_width(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def with_loops(self, num_loops: int) -> "ModelConfig":
-        return dataclasses.replace(self, num_loops=num_loops)
-
 
 # Fields every HF config may carry that do not change the computation.
 _BOOKKEEPING = {

@@ -1,7 +1,8 @@
 """Engine options (vLLM-style config objects), each checked on its own when built.
 
-Exit modes and KV layouts are defined by DESIGN section 2. Which options combine is
-the one table of ``rltjax.config_rules``, checked once when an engine is built.
+Exit modes and KV layouts are defined by DESIGN section 2. Which options combine is the one
+table of ``rltjax.engine.rules``; every default and ``auto`` is resolved once, by
+``rltjax.engine.settings``, when an engine is built.
 """
 from __future__ import annotations
 
@@ -111,22 +112,10 @@ class CacheConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             _bad("CacheConfig", "gpu_memory_utilization", self.gpu_memory_utilization, "must be in (0, 1]")
 
-    def loop_cap(self, num_loops: int) -> int:
-        """The most loops a request may run on this engine (R when max_loops is unset)."""
-        return num_loops if self.max_loops is None else self.max_loops
-
-    def checked_loop_cap(self, num_loops: int, loop_limit: int, arch: str) -> int:
-        """``loop_cap`` checked against the model: R <= cap <= the model's loop limit."""
-        cap = self.loop_cap(num_loops)
-        if not num_loops <= cap <= loop_limit:
-            raise EngineConfigError(
-                f"CacheConfig.max_loops={self.max_loops}: must be in [R={num_loops}, {loop_limit}] for "
-                f"{arch} (prompt tokens run R loops; the model allows at most {loop_limit})")
-        return cap
-
     def num_planes(self, num_loops: int) -> int:
         """Core KV planes per request: one per depth up to the cap (last_exited) or one (shared)."""
-        return max(num_loops, self.loop_cap(num_loops)) if self.kv_layout == "last_exited" else 1
+        cap = num_loops if self.max_loops is None else self.max_loops
+        return max(num_loops, cap) if self.kv_layout == "last_exited" else 1
 
 
 DEFAULT_PREFILL_TOKENS_KERNEL = 1024
@@ -139,26 +128,13 @@ class SchedulerConfig:
     """Loop-level continuous batching (DESIGN section 2, Scheduling)."""
     mode: str = "refill"
     max_num_seqs: int = 16
-    max_num_batched_tokens: int | None = None   # prefill token budget per step (None: with_prefill_defaults)
+    max_num_batched_tokens: int | None = None   # prefill token budget per step (None: engine.settings.prefill_budgets)
     prefill_chunk_size: int | None = None       # per-request chunk ceiling (None: min(512, the budget))
     max_prefill_batches_before_decode: int = 1
     admission_scan_limit: int = 32
     max_admission_bypasses: int = 8
     min_coda_batch_size: int = 1
     max_model_len: int | None = None        # None: the model's position limit
-
-    def with_prefill_defaults(self, prefill_kernel: bool) -> "SchedulerConfig":
-        """The token budgets left unset, filled. A prefill step is a pass of its own (decode rows
-        wait) and each chunk reads the weights R times, so steps should be large: 128-token
-        chunks doubled a 256-token prompt's weight reads and put a synchronous loop pass between
-        its halves (H200, Ouro-1.4B, ShareGPT C = 32: 2,988.7 -> 3,111.1 tok/s with 1,024 / 512;
-        docs/performance.md, tenth session). On the Pallas prefill kernel: 1,024 tokens a step.
-        XLA's dense attention gathers every prompt token's whole block table (temporaries
-        grow with tokens x max_model_len), so there: 256."""
-        budget = self.max_num_batched_tokens or (DEFAULT_PREFILL_TOKENS_KERNEL if prefill_kernel
-                                                 else DEFAULT_PREFILL_TOKENS_XLA)
-        chunk = self.prefill_chunk_size or min(DEFAULT_PREFILL_CHUNK, budget)
-        return dataclasses.replace(self, max_num_batched_tokens=budget, prefill_chunk_size=chunk)
 
     def __post_init__(self) -> None:
         if self.mode not in SCHEDULER_MODES:
@@ -204,7 +180,7 @@ class ExecutionConfig:
     attn_impl: paged attention implementation (``auto`` = Pallas on GPU, XLA elsewhere).
     attn_num_splits: the decode attention kernel's key splits per row (flash-decoding; the
     splits' partial results are combined after it). None (default) picks
-    ``kernels.attention_defaults.default_launch`` per batch bucket; set it to tune (like
+    ``kernels.paged_attention_launch.default_launch`` per batch bucket; set it to tune (like
     SGLang's ``--triton-attention-num-kv-splits``): an int for every decode batch, or
     {rows: splits} for the decode batches padded to those row buckets (powers of two from
     min(8, max_num_seqs) up to max_num_seqs; the others keep the default). Prefill and the XLA

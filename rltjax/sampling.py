@@ -67,6 +67,16 @@ def sampler_for(temperature, top_k, top_p, vocab_size: int) -> str:
     return "truncate" if np.any(truncates & sampled) else "draw"
 
 
+def window_sampler(sampling_params, vocab_size: int) -> str:
+    """A decode window head's sampler for requests with these SamplingParams: the cheapest of
+    SAMPLERS exact for them; "truncate" (the one computing logprobs) when any asks for logprobs
+    (0 too: the sampled token's own). A window executable exists per sampler and row bucket."""
+    if any(p.logprobs is not None for p in sampling_params):
+        return "truncate"
+    return sampler_for([p.temperature for p in sampling_params], [p.top_k for p in sampling_params],
+                       [p.top_p for p in sampling_params], vocab_size)
+
+
 @functools.partial(jax.jit, static_argnames=("sampler",))
 def sample_tokens(logits, temperature, top_k, top_p, seed_hi, seed_lo, output_index, sampler: str = "auto"):
     """Sample one token per row.

@@ -34,8 +34,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from kernels.paged_attention_ref import paged_attention_ref  # noqa: E402
-from kernels.pallas_triton import paged_attention_pallas  # noqa: E402
+from rltjax.kernels.paged_attention_ref import paged_attention_ref  # noqa: E402
+from rltjax.kernels.paged_attention_pallas import paged_attention_pallas  # noqa: E402
 
 
 def make_inputs(batch, context, num_heads, num_kv, head_dim, page_size, dtype, seed=0):

@@ -96,7 +96,7 @@ def run(engine, prompts, params, ids) -> tuple[float, dict, list, dict]:
     the executables compiled inside the run (any is a stall the numbers include)."""
     import jax
 
-    from rltjax.benchmarks.compile_watch import CompileWatch
+    from rltjax.engine.compile_watch import CompileWatch
     engine.steps_by_kind.clear()
     with CompileWatch() as compiles:
         t0 = time.perf_counter()
@@ -117,7 +117,7 @@ def profile(engine, prompts, params, ids, trace_dir: str, n: int) -> dict:
     event time per executable (ms; events on every device stream), and the loop passes it ran."""
     import jax
 
-    from rltjax.benchmarks.kernel_trace import device_kernels, load_events, summarise
+    from rltjax.profiling import device_kernels, load_events, summarise
     n = min(n, len(ids))
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
         wall, steps, _, _ = run(engine, prompts[:n], params, ids[:n])
@@ -135,10 +135,10 @@ def main(argv=None) -> int:
     args = parse(argv)
     import jax
 
-    from checkpoints.random_init import random_checkpoint
-    from rltjax.benchmarks.depth_trace import draw_depths, loop_passes, pass_split, schedule_bound
-    from rltjax.benchmarks.report import source_identity
-    from rltjax.benchmarks.roofline import ideal_speedup, model_bytes
+    from rltjax.checkpoints.random_init import random_checkpoint
+    from benchmarks.depth_trace import draw_depths, loop_passes, pass_split, schedule_bound
+    from benchmarks.report import source_identity
+    from benchmarks.roofline import ideal_speedup, model_bytes
     from rltjax.engine.exit_trace import ExitTrace
     from rltjax.engine_config import CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig
     from rltjax.entrypoints.llm import build_engine

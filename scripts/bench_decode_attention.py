@@ -16,7 +16,7 @@ the loop's own overhead are in it, the same for every config. Every row has --le
 in a table of max_model_len / page_size pages, writes --planes pages. --length-file adds a
 ragged case a rows value: the steady-state keys of a closed-loop serving batch on that
 workload's prompt / output lengths (``serving_lengths``). "default" is the
-kernel's own launch (``kernels.attention_defaults.default_launch``); the sweep runs every
+kernel's own launch (``kernels.paged_attention_launch.default_launch``); the sweep runs every
 point of --block-keys x --num-warps x --num-stages x --num-splits. Each config's outputs
 are checked against the XLA path (write, then attend) on one call.
 """
@@ -36,7 +36,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from kernels.paged_attention import paged_attention_write  # noqa: E402
+from rltjax.kernels.paged_attention import paged_attention_write  # noqa: E402
 from rltjax.models.layers import rope_cos_sin  # noqa: E402
 
 

@@ -23,11 +23,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from checkpoints.random_init import random_checkpoint  # noqa: E402
+from rltjax.checkpoints.random_init import random_checkpoint  # noqa: E402
 from rltjax.models.layers import split_layer_stacks  # noqa: E402
 from rltjax.cache.paged_kv import PagedKVBackend, PagedMeta  # noqa: E402
 from rltjax.cache.sizing import allocate_paged_kv, kv_bytes_per_token_per_plane  # noqa: E402
-from rltjax.engine.runner import auto_matmul_shapes  # noqa: E402
+from rltjax.engine.settings import auto_matmul_shapes  # noqa: E402
 from rltjax.models.base import get_model  # noqa: E402
 from rltjax.presets import preset_config  # noqa: E402
 

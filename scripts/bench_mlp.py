@@ -29,10 +29,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from kernels.residual_norm import residual_norm  # noqa: E402
-from kernels.skinny_matmul import (fit_block, gated_config, gated_up, gated_up_ref, kernel_config,  # noqa: E402
+from rltjax.kernels.residual_norm import residual_norm  # noqa: E402
+from rltjax.kernels.skinny_matmul import (fit_block, gated_config, gated_up, gated_up_ref, kernel_config,  # noqa: E402
                                    skinny_matmul)
-from rltjax.benchmarks.kernel_trace import median_call_us  # noqa: E402
+from rltjax.profiling import median_call_us  # noqa: E402
 
 EPS = 1e-6
 

@@ -4,7 +4,7 @@
     python scripts/bench_offline.py --quick --num-requests 6 --max-num-seqs 4 \
         --max-prompt-len 48 --max-output-len 8                                                  # CPU smoke run
 
-The logic lives in ``rltjax.benchmarks.offline``; see its docstring and ``--help``.
+The logic lives in ``benchmarks.offline``; see its docstring and ``--help``.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from rltjax.benchmarks.offline import main  # noqa: E402
+from benchmarks.offline import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,5 +1,5 @@
 """Choose the prefill attention path by measurement: the flash-style prefill kernel
-(``kernels.pallas_prefill``, aligned query blocks) vs the per-row decode kernel vs the
+(``kernels.prefill_attention``, aligned query blocks) vs the per-row decode kernel vs the
 XLA reference, on engine-shaped prefill batches at Ouro-1.4B shapes (16 heads x 128,
 bf16, page 16).
 
@@ -29,10 +29,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench_attention import max_diff, time_us  # noqa: E402
-from kernels.paged_attention_ref import paged_attention_ref  # noqa: E402
-from kernels.pallas_prefill import paged_prefill_attention_pallas  # noqa: E402
-from kernels.pallas_triton import paged_attention_pallas  # noqa: E402
-from kernels.triton_common import is_pow2  # noqa: E402
+from rltjax.kernels.paged_attention_ref import paged_attention_ref  # noqa: E402
+from rltjax.kernels.prefill_attention import paged_prefill_attention_pallas  # noqa: E402
+from rltjax.kernels.paged_attention_pallas import paged_attention_pallas  # noqa: E402
+from rltjax.kernels.triton_common import is_pow2  # noqa: E402
 
 CASES = {  # name: [(prefix, chunk length)]
     "4x256 @0": [(0, 256)] * 4,         # bench_cdb's prompts, one 1,024-token step

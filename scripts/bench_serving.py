@@ -8,7 +8,7 @@
     python scripts/bench_serving.py --write-random-model /tmp/ouro-1.4b-random --preset ouro-1.4b
 
 Requests send ``ignore_eos``, so a server needs no special flag. The logic lives
-in ``rltjax.benchmarks.serving``; see its docstring and ``--help``.
+in ``benchmarks.serving``; see its docstring and ``--help``.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 if "--base-url" in sys.argv or any(a.startswith("--base-url=") for a in sys.argv):
     os.environ.setdefault("JAX_PLATFORMS", "cpu")   # a client must not take GPU memory from the server
 
-from rltjax.benchmarks.serving import main  # noqa: E402
+from benchmarks.serving import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

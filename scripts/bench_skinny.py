@@ -27,8 +27,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from kernels.skinny_matmul import fit_block, kernel_config, kernel_unsupported, skinny_matmul  # noqa: E402
-from rltjax.benchmarks.kernel_trace import median_call_us  # noqa: E402
+from rltjax.kernels.skinny_matmul import fit_block, kernel_config, kernel_unsupported, skinny_matmul  # noqa: E402
+from rltjax.profiling import median_call_us  # noqa: E402
 
 SHAPES = {"qkv": (2048, 6144), "o": (2048, 2048), "gate": (2048, 5632), "down": (5632, 2048),
           "lm_head": (2048, 49152), "tiny": (64, 96)}

@@ -4,7 +4,7 @@
     python scripts/explore_panel_layout.py --out panel.json     # GPU, Ouro-1.4B shapes
     python scripts/explore_panel_layout.py --quick              # CPU smoke run (interpret mode)
 
-The engine's weight-streaming kernels (``kernels.pallas_skinny``) read [block_k, block_n]
+The engine's weight-streaming kernels (``kernels.skinny_matmul_pallas``) read [block_k, block_n]
 tiles of a row-major [K, N] weight: block_n columns (32-128 bytes) from each of block_k rows
 that lie N columns apart. On an H200 they fit about 2.2 us + bytes / 3.8 TB/s against a 4.3
 TB/s device copy (docs/performance.md). A panel-major weight, [N / P, K, P], makes each
@@ -37,8 +37,8 @@ from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import triton as plgpu  # noqa: E402
 
 from explore_weight_layout import compile_all, time_all  # noqa: E402
-from kernels.skinny_matmul import gated_up, gated_up_ref, skinny_matmul, skinny_matmul_ref  # noqa: E402
-from rltjax.benchmarks.report import write_json  # noqa: E402
+from rltjax.kernels.skinny_matmul import gated_up, gated_up_ref, skinny_matmul, skinny_matmul_ref  # noqa: E402
+from benchmarks.report import write_json  # noqa: E402
 
 SHAPES = {"qkv": (2048, 6144), "o": (2048, 2048), "gateup": (2048, 5632), "down": (5632, 2048)}
 DOT_ROWS = 16

@@ -45,8 +45,8 @@ import numpy as np  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import triton as plgpu  # noqa: E402
 
-from kernels.pallas_skinny import DOT_ROWS  # noqa: E402   (fewer rows are read masked to 16)
-from kernels.skinny_matmul import skinny_matmul  # noqa: E402
+from rltjax.kernels.skinny_matmul_pallas import DOT_ROWS  # noqa: E402   (fewer rows are read masked to 16)
+from rltjax.kernels.skinny_matmul import skinny_matmul  # noqa: E402
 
 
 def stage_shapes(chain: str, d: int, stages: int) -> list[tuple[int, int]]:

@@ -35,9 +35,9 @@ import jax.numpy as jnp  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import triton as plgpu  # noqa: E402
 
-from kernels.pallas_skinny import _from_dot_rows, _to_dot_rows  # noqa: E402
-from kernels.skinny_matmul import skinny_matmul  # noqa: E402
-from rltjax.benchmarks.kernel_trace import device_kernels, kernel_time_per_call, load_events  # noqa: E402
+from rltjax.kernels.skinny_matmul_pallas import _from_dot_rows, _to_dot_rows  # noqa: E402
+from rltjax.kernels.skinny_matmul import skinny_matmul  # noqa: E402
+from rltjax.profiling import device_kernels, kernel_time_per_call, load_events  # noqa: E402
 
 SHAPES = {"qkv": (2048, 6144), "o": (2048, 2048), "gateup": (2048, 11264), "down": (5632, 2048)}
 CASES = [("qkv", 1), ("qkv", 8), ("qkv", 32), ("o", 1), ("o", 8), ("o", 32), ("gateup", 8), ("gateup", 32),

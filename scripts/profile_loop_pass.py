@@ -12,7 +12,7 @@ Variants over the same random bf16 weights (preset shapes):
   weights_rd  a plain reduction over every core weight (the bandwidth floor)
 ``--options NAME:key=value;key=value`` times `full` once per set of XLA compiler
 options (per executable, no environment variables); ``--trace-dir`` profiles each
-set's `full` pass and prints its kernel summary (rltjax/benchmarks/kernel_trace.py).
+set's `full` pass and prints its kernel summary (benchmarks/kernel_trace.py).
 The optimized HLO of `full` is written out to look for copies of weights or KV.
 """
 from __future__ import annotations
@@ -29,13 +29,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from checkpoints.random_init import random_checkpoint  # noqa: E402
+from rltjax.checkpoints.random_init import random_checkpoint  # noqa: E402
 from rltjax.entrypoints.bench import QUICK_OVERRIDES  # noqa: E402
 from rltjax.entrypoints.engine_args import parse_xla_options  # noqa: E402
 from rltjax.models.base import get_model  # noqa: E402
 from rltjax.presets import preset_config  # noqa: E402
 from bench_loop_pass import build_pass  # noqa: E402
-from rltjax.benchmarks.kernel_trace import format_summary, median_wall_us, summarise_dir  # noqa: E402
+from rltjax.profiling import format_summary, median_wall_us, summarise_dir  # noqa: E402
 
 
 def timed(fn, *args, iters=30):

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 from safetensors import safe_open
 
-from checkpoints.safetensors_reader import (index_model_dir, read_tensor, write_safetensors)
+from rltjax.checkpoints.safetensors_reader import (index_model_dir, read_tensor, write_safetensors)
 from rltjax.models.params import flatten_params
 
 

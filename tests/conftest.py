@@ -3,8 +3,12 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import tempfile
 from pathlib import Path
+
+# benchmarks/ lives in the repository, not in the installed package: tests import it from here
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # On a machine without an NVIDIA GPU (CI) XLA compiles for the CPU at LLVM -O0 (CI time): the
 # suite is mostly XLA compiling small programs. XLA's HLO passes run as before; only LLVM's code
@@ -60,7 +64,7 @@ def pytest_collection_modifyitems(config, items):
 
 @functools.cache
 def load_fixture(name: str, dtype: str = "float32", overrides: tuple = ()):
-    from checkpoints.loader import load_checkpoint
+    from rltjax.checkpoints.loader import load_checkpoint
     return load_checkpoint(FIXTURES / name, dtype=dtype, hf_overrides=dict(overrides) or None)
 
 

@@ -147,7 +147,7 @@ def check_logprobs(got, want):
 @contextlib.contextmanager
 def compile_events():
     """Collects the names of JAX compile events raised inside the block."""
-    from rltjax.benchmarks.compile_watch import CompileWatch
+    from rltjax.engine.compile_watch import CompileWatch
     with CompileWatch() as watch:
         yield watch.events
 
@@ -175,3 +175,69 @@ def record_calls(engine, names, events):
     for name in names:
         real = getattr(engine.runner, name)
         setattr(engine.runner, name, lambda *a, real=real, name=name, **kw: events.append(name) or real(*a, **kw))
+
+
+def settings_for(scheduler_config, *, page_size=8, num_planes=1, max_model_len=128, layered=True, alignment=1,
+                 prefill_kernel=False):
+    """EngineSettings for a Scheduler on its own (no runner): the tiny Ouro's resolved settings
+    with these scheduling facts in place of its own."""
+    import dataclasses
+    from rltjax.engine.settings import longest_prefill_chunk, prefill_budgets, resolve_settings
+    from rltjax.models.base import get_model
+    ckpt = load_fixture("ouro-tiny", "float32", ())
+    base = resolve_settings(get_model(ckpt.cfg), cache=CacheConfig(page_size=page_size),
+                            scheduler=SchedulerConfig(max_num_seqs=scheduler_config.max_num_seqs),
+                            exit_config=ExitConfig(), execution=ExecutionConfig(decode_window=0),
+                            max_model_len=max_model_len, kv_dtype="float32")
+    config = prefill_budgets(scheduler_config, prefill_kernel)
+    return dataclasses.replace(base, scheduler=config, page_size=page_size, num_planes=num_planes,
+                               max_model_len=max_model_len, layered=layered, prefill_alignment=alignment,
+                               max_prefill_chunk=longest_prefill_chunk(config, max_model_len, layered))
+
+
+class DeviceCalls:
+    """Records, in order, what an engine launches and reads (through its executor's one
+    interface): ``events`` holds ("launch" | "read", step); ``windows`` the rows each window
+    was launched from (host numpy or device rows) with its step."""
+
+    def __init__(self, engine):
+        self.events, self.windows = [], []
+        launch, window = engine.executor.launch, engine.runner.window
+
+        def launched(step):
+            self.events.append(("launch", step))
+            pending = launch(step)
+            if pending is not None:
+                read = pending.read
+                pending.read = lambda: self.events.append(("read", step)) or read()
+            return pending
+
+        def window_call(rows, *args, **kwargs):
+            self.windows.append(rows)
+            return window(rows, *args, **kwargs)
+        engine.executor.launch = launched
+        engine.runner.window = window_call
+
+    def kinds(self, of=("launch", "read")) -> str:
+        """The events as letters: H / W / L / P launches of heads, windows, loop passes and
+        prefill; h / w / l reads."""
+        from rltjax.engine.plan import HeadStep, LoopStep, PrefillStep, WindowStep
+        letter = {HeadStep: "h", WindowStep: "w", LoopStep: "l", PrefillStep: "p"}
+        return "".join(letter[type(s)].upper() if e == "launch" else letter[type(s)] for e, s in self.events
+                       if e in of)
+
+    def steps(self, kind):
+        return [s for e, s in self.events if e == "launch" and isinstance(s, kind)]
+
+
+def wrap_reads(engine, kind, wrapper):
+    """Wrap the read of every pending step of type ``kind`` the engine launches from now:
+    ``wrapper(read, step)`` returns the callable that replaces ``pending.read``."""
+    launch = engine.executor.launch
+
+    def launched(step):
+        pending = launch(step)
+        if pending is not None and isinstance(step, kind):
+            pending.read = wrapper(pending.read, step)
+        return pending
+    engine.executor.launch = launched

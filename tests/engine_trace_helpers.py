@@ -26,6 +26,15 @@ def check_against_reference(outputs, arrivals, ref, skip=()):
             check_equal(outputs[rid], ref.generate(prompt, params, request_id=rid))
 
 
+def plan_kind(plan) -> str:
+    """A plan's kind as the scheduling traces name it: its one step's (prefill, loop, head),
+    "window" for any plan that launches a decode window, "idle" for none."""
+    from rltjax.engine.plan import HeadStep, LoopStep, PrefillStep, WindowStep
+    kinds = {PrefillStep: "prefill", LoopStep: "loop", HeadStep: "head", WindowStep: "window"}
+    steps = [kinds[type(step)] for step in plan.steps]
+    return "window" if "window" in steps else (steps[-1] if steps else "idle")
+
+
 class PlanLog:
     """Wraps ``engine.scheduler.schedule``: per step, the plan and the requests' states
     at the moment it was chosen (after admission, before the batch ran)."""
@@ -35,16 +44,20 @@ class PlanLog:
         schedule = engine.scheduler.schedule
 
         def recorded():
-            plan = schedule()
             sched = engine.scheduler
-            if plan.kind == "loop":
-                rows = tuple((r.request_id, r.loops_done) for r in plan.rows)
-            elif plan.kind == "head":
-                rows = tuple(r.request_id for r in plan.rows)
+            # a loop pass's rows as they enter it (the plan does not change them)
+            plan = schedule()
+            kind, step = plan_kind(plan), plan.steps[-1] if plan.steps else None
+            if kind == "loop":
+                rows = tuple((r.request_id, r.loops_done) for r in step.rows)
+            elif kind == "head":
+                rows = tuple(r.request_id for r in step.rows)
+            elif kind == "prefill":
+                rows = tuple((c.request.request_id, c.start, c.length) for c in step.chunks)
             else:
-                rows = tuple((r.request_id, s, n) for r, s, n in plan.chunks)
+                rows = ()
             self.entries.append(dict(
-                kind=plan.kind, rows=rows,
+                kind=kind, rows=rows, plan=plan,
                 status={r.request_id: (r.status, r.loops_done) for r in sched.running},
                 waiting=[r.request_id for r in sched.waiting]))
             return plan

@@ -9,7 +9,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import reference_npz
 from engine_helpers import (assert_all_pages_free, check_equal, make_engine, reference_for, run_with_abort,
-                            run_workload)
+                            run_workload, wrap_reads)
+from rltjax.engine.plan import LoopStep
 from rltjax.engine_config import EngineConfigError
 from rltjax.sampling_params import SamplingParams
 
@@ -33,9 +34,14 @@ def test_async_matches_reference(kv_layout, mode, exit_mode, window, requests, a
         window = 0
     engine = make_engine(kv_layout=kv_layout, mode=mode, exit_mode=exit_mode, page_size=4, max_num_seqs=3,
                          lookahead_seed=3, decode_window=window, async_scheduling=True)
-    fetched = []
-    real_loop = engine.runner.loop
-    engine.runner.loop = lambda *a, **kw: fetched.append(kw.get("fetch", True)) or real_loop(*a, **kw)
+    steps, late_reads = [0], []      # (step launched, step read) of every loop pass's signals
+    real_step = engine.step
+    engine.step = lambda: steps.__setitem__(0, steps[0] + 1) or real_step()
+
+    def when_read(read, step):
+        launched = steps[0]
+        return lambda: late_reads.append((launched, steps[0])) or read()
+    wrap_reads(engine, LoopStep, when_read)
     arrivals = []
     for i, (step, start, length, max_tokens, temp, seed, q, lo, hi, lp) in enumerate(requests):
         arrivals.append((step, f"r{i}", TOKENS[start:start + length],
@@ -43,7 +49,8 @@ def test_async_matches_reference(kv_layout, mode, exit_mode, window, requests, a
                                         min_loops=lo, max_loops=hi, logprobs=lp, ignore_eos=True)))
     looping = lambda e: next((r.request_id for r in e.scheduler.running if r.loops_done > 0), None)
     aborted = run_with_abort(engine, arrivals, abort_at, looping)
-    assert not any(fetched), "async scheduling must not read a pass's signals when it launches it"
+    assert all(read > launched for launched, read in late_reads), \
+        "async scheduling must not read a pass's signals in the step that launches it"
     ref = reference_for(kv_layout, "fixed" if exit_mode == "fixed" else exit_mode, lookahead_seed=3)
     for _, rid, prompt, params in arrivals:
         out, want = engine.get_output(rid), ref.generate(prompt, params, request_id=rid)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rltjax.benchmarks.report import source_digest
+from benchmarks.report import source_digest
 
 ROOT = Path(__file__).parent.parent
 
@@ -221,7 +221,7 @@ def test_source_digest_names_the_code_not_the_git_metadata(tmp_path):
     changes it, caches and non-source files do not."""
     import shutil
 
-    from rltjax.benchmarks.report import SOURCE_DIRS
+    from rltjax.source_files import SOURCE_DIRS
 
     a, b = tmp_path / "a", tmp_path / "b"
     for tree in (a, b):
@@ -249,11 +249,11 @@ def test_random_weights_are_drawn_with_the_compilation_cache_set(monkeypatch, tm
     executable, so the cache directory is set before the draw."""
     import argparse
 
-    import checkpoints.random_init
+    import rltjax.checkpoints.random_init
     import rltjax.entrypoints.llm as llm
     calls = []
     monkeypatch.setattr(llm, "setup_compilation_cache", lambda path: calls.append(("cache", path)))
-    monkeypatch.setattr(checkpoints.random_init, "random_checkpoint",
+    monkeypatch.setattr(rltjax.checkpoints.random_init, "random_checkpoint",
                         lambda cfg, seed=0, dtype=None: calls.append(("draw", seed)))
 
     def build(*a, **k):
@@ -262,7 +262,7 @@ def test_random_weights_are_drawn_with_the_compilation_cache_set(monkeypatch, tm
     cache = str(tmp_path / "xla")
     p = argparse.ArgumentParser()
     if builder == "startup":
-        from rltjax.benchmarks.startup import add_model_arguments, build_engine_from_args
+        from benchmarks.startup import add_model_arguments, build_engine_from_args
         add_model_arguments(p)
         args = p.parse_args(["--quick", "--compilation-cache-dir", cache])
         run = lambda: build_engine_from_args(args, max_num_seqs=2, max_model_len=64)   # noqa: E731

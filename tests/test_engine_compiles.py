@@ -75,14 +75,15 @@ def test_warm_up_compiles_in_parallel_then_runs_from_jit_cache(kwargs):
     from rltjax.engine.warm_up import bucket_jobs
     engine = make_engine(compile_ahead=True, max_num_seqs=2, **kwargs)
     report = engine.warm_up
-    jobs = bucket_jobs(engine.runner)
-    assert {kind for kind, _ in jobs} >= {"prefill", "loop", "head", "window/greedy", "window/draw",
-                                          "window/truncate"}
+    jobs = bucket_jobs(engine.runner, engine.batches)
+    assert {job.kind for job in jobs} >= {"prefill", "loop", "head", "window"}
+    windows = [job for job in jobs if job.kind == "window"]     # a window per row bucket and head sampler
+    assert len(windows) == 3 * len(engine.settings.window.buckets)
     assert report.executables == len(jobs) and report.compiled_late == 0, report
     phases = report.phase_seconds    # the start-up split: its parts add up to the whole
     assert set(phases) == {"trace_and_lower", "compile_wait", "run"} and min(phases.values()) >= 0
     assert abs(sum(phases.values()) - report.seconds) < 0.01
-    assert set(report.lower_seconds_by_kind) == {kind.split("/")[0] for kind, _ in jobs}
+    assert set(report.lower_seconds_by_kind) == {job.kind for job in jobs}
     assert sum(report.lower_seconds_by_kind.values()) <= phases["trace_and_lower"] + 0.01
     with compile_events() as events:     # and steady state compiles nothing either
         engine.add_request("a", TOKENS[:6], greedy(4))
@@ -96,14 +97,13 @@ def test_warm_up_compiles_only_the_executables_it_hands_to_the_pool():
     """Start-up compiles one executable per bucket job and nothing else: the stand-in outputs
     of the record pass must not compile (jnp.zeros did, one small executable per shape, on the
     start-up thread and never cached on disk)."""
-    from rltjax.benchmarks.compile_watch import CompileWatch
+    from rltjax.engine.compile_watch import CompileWatch
     from rltjax.engine.warm_up import bucket_jobs, warm_up
     engine = make_engine(compile_ahead=False, max_num_seqs=2, decode_window=3)
     jax.clear_caches()     # nothing this process compiled before can hide a compile here
     with CompileWatch() as watch:
-        report = warm_up(engine.runner, engine.batches.block_tables(), engine.batches.boundary_tables(),
-                         show_progress=False)
-    assert report.executables == len(bucket_jobs(engine.runner)) and report.compiled_late == 0
+        report = warm_up(engine.runner, engine.batches, show_progress=False)
+    assert report.executables == len(bucket_jobs(engine.runner, engine.batches)) and report.compiled_late == 0
     assert watch.count == report.executables, watch.events
 
 
@@ -129,12 +129,12 @@ def test_continued_windows_after_warm_up_do_not_compile(exit_mode):
     aborted request's row stopped in one."""
     engine = make_engine(compile_ahead=True, max_num_seqs=2, decode_window=3, exit_mode=exit_mode)
     launches = []
-    real = engine.runner.window_launch
-    engine.runner.window_launch = lambda rows, *rest: launches.append(
+    real = engine.runner.window
+    engine.runner.window = lambda rows, *rest: launches.append(
         not isinstance(rows.slots, np.ndarray)) or real(rows, *rest)
     admitted = []      # standby entries put while a window runs: an admission into a continued one
     real_put = engine.runner.standby_put
-    engine.runner.standby_put = lambda *a: admitted.append(engine.windows.inflight) or real_put(*a)
+    engine.runner.standby_put = lambda *a: admitted.append(engine.windows_in_flight > 0) or real_put(*a)
     with compile_events() as events:
         for i in range(2):
             engine.add_request(f"c{i}", TOKENS[:5 + i], greedy(10 + 4 * i))

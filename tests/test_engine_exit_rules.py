@@ -88,7 +88,7 @@ def _depth(policy: ExitPolicy, hazards, q: float, min_loops: int, max_loops: int
 
 
 def test_exit_policy_cumulative_hazard_reaches_q_exactly():
-    ouro = ExitPolicy("ouro", has_gate=True)
+    ouro = ExitPolicy("ouro")
     # 1 - (1 - 0.5)(1 - 0.5) = 0.75 == q at loop 2 (exact in float32)
     assert _depth(ouro, [0.5, 0.5, 0.5, 0.5], q=0.75, min_loops=1) == 2
     assert _depth(ouro, [0.5, 0.5, 0.5, 0.5], q=0.8, min_loops=1) == 3
@@ -96,16 +96,25 @@ def test_exit_policy_cumulative_hazard_reaches_q_exactly():
     assert _depth(ouro, [0.5, 0.5, 0.0, 0.0], q=0.75, min_loops=3) == 3
     assert _depth(ouro, [0.0, 0.0, 0.0, 0.0], q=0.0, min_loops=2) == 2
     assert _depth(ouro, [1.0, 1.0, 1.0, 1.0], q=1.0, min_loops=1) == 4
-    delayed = ExitPolicy("ouro_delayed", has_gate=True)
+    delayed = ExitPolicy("ouro_delayed")
     assert _depth(delayed, [0.5, 0.5, 0.5, 0.5], q=0.75, min_loops=1) == 3
     assert _depth(delayed, [0.0, 0.0, 0.0, 0.0], q=0.0, min_loops=2) == 3
 
 
 def test_exit_policy_lookahead_and_gateless_models():
-    lookahead = ExitPolicy("random_lookahead", has_gate=True)
+    lookahead = ExitPolicy("random_lookahead")
     assert _depth(lookahead, [0.6, 0.0, 0.0, 0.0], q=0.6, min_loops=1) == 2
     assert _depth(lookahead, [0.6, 0.0, 0.0, 0.0], q=0.6, min_loops=3) == 4
-    # without a learned gate, the ouro modes run fixed depth (max_loops)
-    gateless = ExitPolicy("ouro", has_gate=False)
-    assert gateless.mode == "fixed"
+    # without a learned gate, the ouro modes run fixed depth (max_loops): the settings resolve it
+    from conftest import load_fixture
+    from rltjax.engine.settings import resolve_settings
+    from rltjax.engine_config import CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig
+    from rltjax.models.base import get_model
+    for name, want in (("nanbeige-tiny", "fixed"), ("ouro-tiny", "ouro")):
+        ckpt = load_fixture(name)
+        settings = resolve_settings(get_model(ckpt.cfg), cache=CacheConfig(), scheduler=SchedulerConfig(),
+                                    exit_config=ExitConfig(mode="ouro"), execution=ExecutionConfig(),
+                                    max_model_len=64, kv_dtype="float32")
+        assert settings.exit_mode == want
+    gateless = ExitPolicy("fixed")
     assert _depth(gateless, [1.0, 1.0, 1.0], q=0.0, min_loops=1, max_loops=3) == 3

@@ -10,9 +10,10 @@ import jax
 import numpy as np
 import pytest
 
-from checkpoints.random_init import random_checkpoint
-from engine_helpers import assert_all_pages_free, run_workload
+from rltjax.checkpoints.random_init import random_checkpoint
+from engine_helpers import assert_all_pages_free, run_workload, wrap_reads
 from near_ties import check_equal_before_ties
+from rltjax.engine.plan import WindowStep
 from rltjax.engine_config import CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig
 from rltjax.entrypoints.llm import build_engine
 from rltjax.models.base import get_model
@@ -37,7 +38,7 @@ def gpu_engine(cfg, params, exit_config, *, max_num_seqs=4, **execution):
         scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=64, prefill_chunk_size=32),
         exit_config=exit_config,
         execution_config=ExecutionConfig(compilation_cache_dir=None, show_progress=False, **execution))
-    assert engine.runner.prefill_alignment > 1      # attn_impl auto picked the Pallas kernels
+    assert engine.settings.prefill_alignment > 1      # attn_impl auto picked the Pallas kernels
     return engine
 
 
@@ -99,13 +100,15 @@ def test_standby_entries_match_reference_on_gpu(window_trip):
     with jax.default_matmul_precision("highest"):
         engine = gpu_engine(cfg, params, exit_config, max_num_seqs=12, decode_window=4, window_trip=window_trip,
                             decode_window_rows=8)
-        swaps, read = [], engine.runner.window_read
+        swaps = []
 
-        def recording_read(after, out, n):
-            got = read(after, out, n)
-            swaps.append(np.asarray(got[1].swap_col))
-            return got
-        engine.runner.window_read = recording_read
+        def recording(read, step):
+            def recording_read():
+                got = read()
+                swaps.append(np.asarray(got.out.swap_col)[:len(step.rows)])
+                return got
+            return recording_read
+        wrap_reads(engine, WindowStep, recording)
         outputs = run_workload(engine, arrivals)
         check_against_oracle(cfg, params, exit_config, arrivals, outputs)
     assert any((s > 0).any() for s in swaps), "no row took a standby entry inside a window"
@@ -116,8 +119,8 @@ def test_auto_mixed_prefill_matches_reference_on_gpu(monkeypatch):
     """``mixed_prefill_tokens=None`` with mixed windows from 16 rows (32 in the engine): a few
     requests in 8-row windows take standby entries, a burst moves them to 16-row windows whose
     admissions carry prompts. Outputs equal the oracle's."""
-    from rltjax.engine import window_config
-    monkeypatch.setattr(window_config, "AUTO_MIXED_PREFILL", ((16, 128),))
+    from rltjax.engine import settings as engine_settings
+    monkeypatch.setattr(engine_settings, "AUTO_MIXED_PREFILL", ((16, 128),))
     cfg = preset_config("ouro-1.4b", SMALL)
     params = random_checkpoint(cfg, seed=3, dtype="float32")
     exit_config = ExitConfig(mode="ouro_delayed")
@@ -126,7 +129,7 @@ def test_auto_mixed_prefill_matches_reference_on_gpu(monkeypatch):
     with jax.default_matmul_precision("highest"):
         engine = gpu_engine(cfg, params, exit_config, max_num_seqs=16, decode_window=6, window_trip="fixed",
                             mixed_prefill_tokens=None)
-        assert engine.runner.mixed_buckets == (16,) and engine.runner.standby_for(8)
+        assert engine.settings.window.mixed_buckets == (16,) and engine.settings.window.standby_for(8)
         calls, put = [], engine.runner.standby_put
         engine.runner.standby_put = lambda *a: calls.append(1) or put(*a)
         outputs = run_workload(engine, arrivals)

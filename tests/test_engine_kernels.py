@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from checkpoints.random_init import random_checkpoint
+from rltjax.checkpoints.random_init import random_checkpoint
 from engine_helpers import assert_all_pages_free, check_equal, run_workload
-from rltjax.engine.runner import PREFILL_BLOCK_Q
+from rltjax.engine.settings import PREFILL_BLOCK_Q
 from rltjax.engine_config import CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig
 from rltjax.entrypoints.llm import build_engine
 from rltjax.models.base import get_model
@@ -62,8 +62,8 @@ def test_kernel_engine_matches_reference_with_aligned_prefill(small_ouro):
         execution_config=ExecutionConfig(attn_impl="pallas", matmul_impl="pallas", interpret=True,
                                          compile_ahead=False,
                                          compilation_cache_dir=None, show_progress=False))
-    assert engine.runner.prefill_alignment == PREFILL_BLOCK_Q and engine.runner.backend.matmul_impl == "pallas"
-    assert engine.runner.prefill_backend.matmul_impl == "xla"        # prefill projections stay on XLA
+    assert engine.settings.prefill_alignment == PREFILL_BLOCK_Q and engine.settings.decode_backend.matmul_impl == "pallas"
+    assert engine.settings.prefill_backend.matmul_impl == "xla"        # prefill projections stay on XLA
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (37, 5, 23, 16)]
     arrivals = [(step, f"r{i}", p, SamplingParams(max_tokens=5, temperature=t, seed=i, exit_threshold=0.5,
@@ -72,9 +72,9 @@ def test_kernel_engine_matches_reference_with_aligned_prefill(small_ouro):
     seen = []
     real_prefill = engine.runner.prefill
 
-    def spy(tokens, positions, *rest):
-        seen.append(positions.copy())
-        return real_prefill(tokens, positions, *rest)
+    def spy(batch):
+        seen.append(batch.positions[:np.flatnonzero(batch.lengths)[-1] + 1].copy())   # without the bucket's padding
+        return real_prefill(batch)
 
     engine.runner.prefill = spy
     outputs = run_workload(engine, arrivals)
@@ -97,7 +97,7 @@ def test_auto_matmul_and_set_splits(small_ouro, monkeypatch):
     attention kernel (per row bucket: max_num_seqs 2 gives one, of 2 rows); the engine still
     equals the oracle."""
     import jax
-    from kernels import pallas_triton, skinny_matmul as sm
+    from rltjax.kernels import paged_attention_pallas, skinny_matmul as sm
     cfg, params = small_ouro
     shapes, splits, skips = [], [], []
     real, real_gated = sm.skinny_matmul_pallas, sm.gated_up_pallas
@@ -115,8 +115,8 @@ def test_auto_matmul_and_set_splits(small_ouro, monkeypatch):
     summed, real_matmul = {}, PagedKVBackend.matmul
     monkeypatch.setattr(PagedKVBackend, "matmul", lambda self, x, w, layer, partial_sums=False: summed.update(
         {w.shape[-2:]: partial_sums}) or real_matmul(self, x, w, layer, partial_sums))
-    real_attention = pallas_triton.paged_attention_pallas
-    monkeypatch.setattr(pallas_triton, "paged_attention_pallas",
+    real_attention = paged_attention_pallas.paged_attention_pallas
+    monkeypatch.setattr(paged_attention_pallas, "paged_attention_pallas",
                         lambda *a, **k: splits.append(k["num_splits"]) or real_attention(*a, **k))
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")       # the interpret flag still runs them on CPU
     engine = build_engine(
@@ -142,7 +142,7 @@ def test_auto_matmul_and_set_splits(small_ouro, monkeypatch):
 def test_auto_matmul_stays_on_xla_where_attention_does(small_ouro, monkeypatch):
     """attn_impl "xla" keeps every Pallas kernel out, the projections' too, even on a GPU."""
     import jax
-    from kernels import skinny_matmul as sm
+    from rltjax.kernels import skinny_matmul as sm
     cfg, params = small_ouro
     calls = []
     monkeypatch.setattr(sm, "skinny_matmul_pallas", lambda *a, **k: calls.append(a))
@@ -154,7 +154,7 @@ def test_auto_matmul_stays_on_xla_where_attention_does(small_ouro, monkeypatch):
         exit_config=ExitConfig(mode="ouro"),
         execution_config=ExecutionConfig(attn_impl="xla", matmul_impl="auto", compile_ahead=False,
                                          compilation_cache_dir=None, show_progress=False))
-    assert engine.runner.backend.kernel_shapes == ()
+    assert engine.settings.decode_backend.kernel_shapes == ()
     outputs = run_workload(engine, [(0, "r0", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0,
                                                                         ignore_eos=True))])
     assert len(outputs["r0"].token_ids) == 3 and calls == []

@@ -192,17 +192,18 @@ def test_min_coda_batch_size_on_a_random_workload():
     (64, 1, [30, 30, 30], [30, 30, 4]),             # no alignment: the plain token budget
 ])
 def test_prefill_budget_counts_alignment_padding(budget, align, prompts, expected):
+    from engine_helpers import settings_for
+    from rltjax.engine.plan import PrefillStep
     from rltjax.engine.scheduler import Scheduler
     from rltjax.engine.sequence import Request
     from rltjax.engine_config import SchedulerConfig
     cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget, prefill_chunk_size=min(budget, 64))
-    sched = Scheduler(cfg, num_pages=200, page_size=8, num_planes=1, max_model_len=128,
-                      position_sequential_prefill=False, prefill_alignment=align)
+    sched = Scheduler(settings_for(cfg, alignment=align), num_pages=200)
     for i, n in enumerate(prompts):
         sched.add(Request(f"p{i}", list(range(3, 3 + n)), SamplingParams(max_tokens=2), i, i, 1, 4))
-    plan = sched.schedule()
-    assert plan.kind == "prefill"
-    assert [n for _, _, n in plan.chunks] == expected
+    [step] = sched.schedule().steps
+    assert isinstance(step, PrefillStep)
+    assert [c.length for c in step.chunks] == expected
     padded = sum(-(-n // align) * align for n in expected)
     assert padded <= max(budget, align)
 
@@ -213,8 +214,11 @@ def test_prefill_batches_never_exceed_the_runner_bound(data):
     """Over random budgets, alignments, slot counts and prompts, every prefill batch the
     scheduler plans (alignment padding included) fits ``prefill_batch_bound``: the runner
     compiles token buckets only up to it, so a batch above it would compile mid-serving."""
-    from rltjax.engine.scheduler import Scheduler, max_prefill_chunk, prefill_batch_bound
+    from engine_helpers import settings_for
+    from rltjax.engine.plan import PrefillStep
+    from rltjax.engine.scheduler import Scheduler
     from rltjax.engine.sequence import Request
+    from rltjax.engine.settings import prefill_batch_bound
     from rltjax.engine_config import SchedulerConfig
     align = data.draw(st.sampled_from([1, 16, 32]))
     budget = data.draw(st.integers(8, 160))
@@ -223,21 +227,23 @@ def test_prefill_batches_never_exceed_the_runner_bound(data):
     cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                           prefill_chunk_size=data.draw(st.integers(1, budget)))
     sequential = data.draw(st.booleans())
-    sched = Scheduler(cfg, num_pages=4096, page_size=8, num_planes=1, max_model_len=max_model_len,
-                      position_sequential_prefill=sequential, prefill_alignment=1 if sequential else align)
-    bound = prefill_batch_bound(budget, max_num_seqs, max_prefill_chunk(cfg, max_model_len, sequential),
-                                sched.prefill_alignment)
+    settings = settings_for(cfg, max_model_len=max_model_len, layered=not sequential,
+                            alignment=1 if sequential else align)
+    sched = Scheduler(settings, num_pages=4096)
+    # the same bound resolve_settings sizes the token buckets by
+    bound = prefill_batch_bound(budget, max_num_seqs, settings.max_prefill_chunk, settings.prefill_alignment)
     prompts = data.draw(st.lists(st.integers(1, max_model_len - 1), min_size=1, max_size=8))
     for i, n in enumerate(prompts):
         sched.add(Request(f"p{i}", list(range(3, 3 + n)), SamplingParams(max_tokens=1), i, i, 1, 4))
     done = 0
     while done < len(prompts):
-        plan = sched.schedule()
-        assert plan.kind == "prefill"           # every request is released when its prompt is in
+        [step] = sched.schedule().steps
+        assert isinstance(step, PrefillStep)    # every request is released when its prompt is in
         end = 0
-        for req, start, n in plan.chunks:
-            end += -end % sched.prefill_alignment + n
-            req.num_prefilled = start + n
+        for c in step.chunks:
+            req = c.request
+            end += -end % settings.prefill_alignment + c.length
+            req.num_prefilled = c.start + c.length          # as the engine does when it launches the chunk
             if req.num_prefilled == req.prompt_len:
                 sched.release(req)
                 done += 1
@@ -251,14 +257,15 @@ def test_prefill_budget_defaults_follow_the_prefill_attention():
     from conftest import load_fixture
     from rltjax.engine_config import (CacheConfig, EngineConfigError, ExecutionConfig, SchedulerConfig)
     from rltjax.entrypoints.llm import build_engine
+    from rltjax.engine.settings import prefill_budgets
     base = SchedulerConfig()
     assert (base.max_num_batched_tokens, base.prefill_chunk_size) == (None, None)
-    assert base.with_prefill_defaults(True).max_num_batched_tokens == 1024
-    assert base.with_prefill_defaults(True).prefill_chunk_size == 512
-    assert base.with_prefill_defaults(False).prefill_chunk_size == 256
-    small = SchedulerConfig(max_num_batched_tokens=96).with_prefill_defaults(True)
+    assert prefill_budgets(base, True).max_num_batched_tokens == 1024
+    assert prefill_budgets(base, True).prefill_chunk_size == 512
+    assert prefill_budgets(base, False).prefill_chunk_size == 256
+    small = prefill_budgets(SchedulerConfig(max_num_batched_tokens=96), True)
     assert (small.max_num_batched_tokens, small.prefill_chunk_size) == (96, 96)
-    kept = SchedulerConfig(max_num_batched_tokens=2048, prefill_chunk_size=64).with_prefill_defaults(False)
+    kept = prefill_budgets(SchedulerConfig(max_num_batched_tokens=2048, prefill_chunk_size=64), False)
     assert (kept.max_num_batched_tokens, kept.prefill_chunk_size) == (2048, 64)
 
     ckpt = load_fixture("ouro-tiny", "float32", ())
@@ -270,17 +277,15 @@ def test_prefill_budget_defaults_follow_the_prefill_attention():
                                                              show_progress=False, **execution))
     on_xla = engine(SchedulerConfig(max_num_seqs=2))                     # CPU: "auto" runs XLA's attention
     assert (on_xla.scheduler.config.max_num_batched_tokens, on_xla.scheduler.config.prefill_chunk_size) == (256, 256)
-    assert max(on_xla.runner.token_buckets) == 256
+    assert max(on_xla.settings.token_buckets) == 256
     on_kernel = engine(SchedulerConfig(max_num_seqs=2), attn_impl="pallas", interpret=True)
     assert on_kernel.scheduler.config.max_num_batched_tokens == 1024
-    assert on_kernel.scheduler.config.prefill_chunk_size == 512 and max(on_kernel.runner.token_buckets) == 1024
+    assert on_kernel.scheduler.config.prefill_chunk_size == 512 and max(on_kernel.settings.token_buckets) == 1024
     # one slot holds one chunk of at most 512 tokens: no 1,024-token bucket that nothing reaches
     one_slot = engine(SchedulerConfig(max_num_seqs=1), attn_impl="pallas", interpret=True)
-    assert max(one_slot.runner.token_buckets) == 512
+    assert max(one_slot.settings.token_buckets) == 512
     with pytest.raises(EngineConfigError, match=r"prefill_chunk_size cannot exceed max_num_batched_tokens.*left "
                                                  r"unset, the budget is 1024 .* else 256"):
         engine(SchedulerConfig(max_num_seqs=2, prefill_chunk_size=512))   # the budget resolves to 256 here
-    from rltjax.engine.scheduler import Scheduler
-    with pytest.raises(ValueError, match="with_prefill_defaults"):
-        Scheduler(SchedulerConfig(), num_pages=8, page_size=8, num_planes=1, max_model_len=64,
-                  position_sequential_prefill=False)
+    # the engine's scheduler gets the budgets resolved, never None
+    assert None not in (on_xla.settings.scheduler.max_num_batched_tokens, on_xla.settings.scheduler.prefill_chunk_size)

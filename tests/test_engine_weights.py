@@ -47,4 +47,4 @@ def test_engine_from_a_checkpoint_keeps_only_the_split_weights(monkeypatch):
         assert layer.wq is None and layer.wk is None and layer.wv is None
         assert layer.wqkv.shape == (cfg.hidden_size, cfg.q_width + 2 * cfg.kv_width)
     # prefill chunks read each other's writes: only the decode backend may fuse them into attention
-    assert engine.runner.backend.decode_rows and not engine.runner.prefill_backend.decode_rows
+    assert engine.settings.decode_backend.decode_rows and not engine.settings.prefill_backend.decode_rows

@@ -20,8 +20,8 @@ import pytest
 import rltjax.entrypoints.llm as llm_entry
 from engine_helpers import assert_all_pages_free, make_engine, reference_for
 from engine_trace_helpers import TOKENS, check_against_reference, drive, greedy
-from rltjax.engine.executable_store import (DispatchedStep, ExecutableStore, StepTable, call_signature,
-                                            compile_fresh, engine_fingerprint, program_key, split_static)
+from rltjax.engine.dispatch import DispatchedStep, StepTable, call_signature, program_key, split_static
+from rltjax.engine.executable_store import ExecutableStore, compile_fresh, engine_fingerprint
 from rltjax.jit_options import engine_jit
 from rltjax.sampling_params import SamplingParams
 
@@ -217,7 +217,7 @@ def _start(cache_dir) -> tuple[dict, str]:
     """One engine start in a child process (XLA's persistent cache on, in ``cache_dir``), on
     the CPU: on a GPU this process may already hold most of its memory (JAX preallocates), and
     the store's bookkeeping checked here is the same on every device."""
-    res = subprocess.run([sys.executable, "-m", "rltjax.benchmarks.startup", "--quick", "--max-num-seqs", "2",
+    res = subprocess.run([sys.executable, "-m", "benchmarks.startup", "--quick", "--max-num-seqs", "2",
                           "--max-model-len", "64", "--compilation-cache-dir", str(cache_dir)],
                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent.parent,
                          env={**os.environ, "JAX_PLATFORMS": "cpu"})

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from rltjax.reference.dense_kv import read_planes_for
-from rltjax.reference.exits import TokenExit, lookahead_weights
+from rltjax.models.lookahead import lookahead_weights
+from rltjax.reference.exits import TokenExit
 
 
 def exit_depth(mode, probs, *, min_loops=1, max_loops=4, q=0.5, trace_depth=None):

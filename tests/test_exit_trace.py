@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from checkpoints.loader import load_checkpoint
+from rltjax.checkpoints.loader import load_checkpoint
 from conftest import FIXTURES
 from rltjax.engine.exit_trace import ExitTrace, TraceMismatchError, model_fingerprint
 from rltjax.engine_config import CacheConfig, ExecutionConfig, ExitConfig

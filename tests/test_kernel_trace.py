@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from rltjax.benchmarks.kernel_trace import (busy_time, device_kernels, format_summary, kernel_time_per_call, load_events,
+from rltjax.profiling import (busy_time, device_kernels, format_summary, kernel_time_per_call, load_events,
                                             summarise)
 
 
@@ -59,7 +59,7 @@ def test_compile_watch_counts_only_inside_the_block():
     import jax
     import jax.numpy as jnp
 
-    from rltjax.benchmarks.compile_watch import CompileWatch
+    from rltjax.engine.compile_watch import CompileWatch
     x = jnp.arange(4.0)
     warm = jax.jit(lambda a: a * 3.0)
     warm(x)

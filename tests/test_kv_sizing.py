@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from checkpoints.loader import load_checkpoint
+from rltjax.checkpoints.loader import load_checkpoint
 from rltjax.cache.sizing import (KVSizingError, allocate_paged_kv, bytes_per_page,
                                  kv_bytes_per_token_per_plane, num_pages_for_memory)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from checkpoints.random_init import random_checkpoint
+from rltjax.checkpoints.random_init import random_checkpoint
 from engine_helpers import (assert_all_pages_free, check_equal, closed_loop, compile_events, make_engine,
                             record_calls, reference_for, run_workload)
 from engine_trace_helpers import TOKENS
@@ -47,7 +47,7 @@ def test_prompts_ride_the_window_and_equal_the_oracle(exit_mode):
               if exit_mode == "trace" else None)
     engine = mixed_engine(exit_mode, depths)
     events = []
-    record_calls(engine, ["prefill", "head_launch", "window_launch"], events)
+    record_calls(engine, ["prefill", "head", "window"], events)
     outs = closed_loop(engine, requests, clients=3)
     ref = reference_for("last_exited", exit_mode, depths_by_request=depths)
     for rid, prompt, params in requests:
@@ -68,7 +68,7 @@ def test_prompts_past_the_window_tokens_take_the_prefill_step():
     engine = mixed_engine()
     prefills = []
     real = engine.runner.prefill
-    engine.runner.prefill = lambda tokens, *rest: prefills.append(int((rest[0] >= 0).sum())) or real(tokens, *rest)
+    engine.runner.prefill = lambda batch: prefills.append(int((batch.positions >= 0).sum())) or real(batch)
     outs = closed_loop(engine, requests, clients=3)
     ref = reference_for("last_exited", "ouro")
     for rid, prompt, params in requests:
@@ -114,15 +114,15 @@ def test_mixed_windows_after_warm_up_do_not_compile():
 
 def test_a_failed_mixed_launch_errors_only_the_new_requests():
     engine = mixed_engine()
-    real, failed = engine.runner.window_launch, []
+    real, failed = engine.runner.window, []
 
     def flaky(rows, *rest):
-        if len(rest) > 3 and rest[3] is not None and not failed:
+        if rest[-1] is not None and not failed:        # a window carrying prompts
             failed.append(1)
             raise RuntimeError("injected device failure")
         return real(rows, *rest)
 
-    engine.runner.window_launch = flaky
+    engine.runner.window = flaky
     requests = workload(8, seed=5)
     outs = closed_loop(engine, requests, clients=3)
     errored = [rid for rid, _, _ in requests if outs[rid].finish_reason == "error"]
@@ -155,11 +155,11 @@ def test_unsupported_settings_are_refused(settings, message):
 def test_steps_that_turn_mixed_prefill_off_leave_those_windows_to_standby_entries():
     """{8: 32, 16: 0}: 8-row windows carry prompts, 16-row ones take standby entries; all
     zeros is off, with no error where windows could not take prompts."""
-    runner = make_engine(decode_window=6, window_trip="fixed", max_num_seqs=16, max_num_batched_tokens=64,
-                         prefill_chunk_size=16, mixed_prefill_tokens={8: 32, 16: 0}).runner
-    assert runner.mixed_buckets == (8,) and runner.standby_for(16) and not runner.standby_for(8)
-    assert (runner.prompt_tokens_for(8), runner.prompt_tokens_for(16)) == (32, 0)
-    off = make_engine(decode_window=6, max_num_seqs=16, mixed_prefill_tokens={8: 0}).runner     # early_stop
+    w = make_engine(decode_window=6, window_trip="fixed", max_num_seqs=16, max_num_batched_tokens=64,
+                    prefill_chunk_size=16, mixed_prefill_tokens={8: 32, 16: 0}).settings.window
+    assert w.mixed_buckets == (8,) and w.standby_for(16) and not w.standby_for(8)
+    assert (w.prompt_tokens_for(8), w.prompt_tokens_for(16)) == (32, 0)
+    off = make_engine(decode_window=6, max_num_seqs=16, mixed_prefill_tokens={8: 0}).settings.window   # early_stop
     assert off.mixed_buckets == ()
 
 
@@ -178,29 +178,32 @@ def test_auto_mixed_prefill_runs_where_windows_can_take_prompts(settings, runs, 
     """mixed_prefill_tokens=None: AUTO_MIXED_PREFILL's T (capped at the largest prefill batch)
     in windows that reach its first step where mixed prefill can run, no error where it
     cannot; the other windows take standby entries."""
-    from rltjax.engine import window_config
-    monkeypatch.setattr(window_config, "AUTO_MIXED_PREFILL", ((16, 128),))   # the tiny engines' buckets: 8, 16
+    from rltjax.engine import settings as engine_settings
+    monkeypatch.setattr(engine_settings, "AUTO_MIXED_PREFILL", ((16, 128),))   # the tiny engines' buckets: 8, 16
     engine = make_engine(mixed_prefill_tokens=None, **{"max_num_seqs": 16, **settings})
-    runner = engine.runner
+    w = engine.settings.window
     if runs:
-        assert runner.mixed_buckets == (16,) and runner.window_buckets == [8, 16]
-        assert runner.standby_for(8) and not runner.standby_for(16)
-        assert (runner.prompt_tokens_for(8), runner.prompt_tokens_for(16)) == (0, min(128, runner.token_buckets[-1]))
+        assert w.mixed_buckets == (16,) and w.buckets == (8, 16)
+        assert w.standby_for(8) and not w.standby_for(16)
+        assert (w.prompt_tokens_for(8), w.prompt_tokens_for(16)) == (0, min(128, engine.settings.token_buckets[-1]))
+    elif w is None:
+        assert settings.get("decode_window") == 0
     else:
-        assert runner.mixed_buckets == () and runner.prompt_tokens_for(8) == runner.prompt_tokens_for(16) == 0
-        assert runner.uses_standby == (engine.window_passes > 0)
+        assert w.mixed_buckets == () and w.prompt_tokens_for(8) == w.prompt_tokens_for(16) == 0
+        assert w.uses_standby
 
 
 def test_prompt_tokens_follow_the_steps_per_row_bucket():
     """(rows, T) steps: each bucket carries the T of the last step it reaches, capped at the
     largest prefill batch; buckets below the first step carry none."""
-    from rltjax.engine.window_config import prompt_tokens_by_bucket
+    from rltjax.engine.settings import mixed_prompt_tokens
+    by_bucket = lambda *args: dict(mixed_prompt_tokens(*args))    # noqa: E731
     buckets = [8, 16, 32, 64]
-    assert prompt_tokens_by_bucket(((32, 128),), buckets, 2048) == {32: 128, 64: 128}
-    assert prompt_tokens_by_bucket(((32, 128), (8, 32)), buckets, 2048) == {8: 32, 16: 32, 32: 128, 64: 128}
-    assert prompt_tokens_by_bucket(((1, 256),), buckets, 64) == {8: 64, 16: 64, 32: 64, 64: 64}
-    assert prompt_tokens_by_bucket(((16, 32), (32, 0)), buckets, 2048) == {16: 32}   # T = 0: off from 32
-    assert prompt_tokens_by_bucket((), buckets, 2048) == {}
+    assert by_bucket(((32, 128),), buckets, 2048) == {32: 128, 64: 128}
+    assert by_bucket(((32, 128), (8, 32)), buckets, 2048) == {8: 32, 16: 32, 32: 128, 64: 128}
+    assert by_bucket(((1, 256),), buckets, 64) == {8: 64, 16: 64, 32: 64, 64: 64}
+    assert by_bucket(((16, 32), (32, 0)), buckets, 2048) == {16: 32}   # T = 0: off from 32
+    assert by_bucket((), buckets, 2048) == {}
 
 
 def test_a_t_per_bucket_runs_each_bucket_at_its_own_prompt_width():
@@ -211,17 +214,17 @@ def test_a_t_per_bucket_runs_each_bucket_at_its_own_prompt_width():
                          mixed_prefill_tokens={16: 64, 8: 32},
                          max_num_seqs=16, prefill_chunk_size=16, max_num_batched_tokens=64, num_pages=256,
                          compile_ahead=True)
-    runner = engine.runner
-    assert runner.mixed_buckets == (8, 16) and not runner.uses_standby
-    assert (runner.prompt_tokens_for(8), runner.prompt_tokens_for(16)) == (32, 64)
+    runner, w = engine.runner, engine.settings.window
+    assert w.mixed_buckets == (8, 16) and not w.uses_standby
+    assert (w.prompt_tokens_for(8), w.prompt_tokens_for(16)) == (32, 64)
     widths = []
-    launch = runner.window_launch
-    def spy(rows, *args, **kwargs):
-        prompt = args[3] if len(args) > 3 else kwargs.get("prompt")
+    launch = runner.window
+    def spy(rows, *args):
+        prompt = args[-1]
         if prompt is not None:
             widths.append((rows.slots.shape[0], prompt.tokens.shape[0]))
-        return launch(rows, *args, **kwargs)
-    runner.window_launch = spy
+        return launch(rows, *args)
+    runner.window = spy
     requests = workload(30, seed=11)
     # single arrivals while 8-row windows run, then a burst into 16-row ones
     arrivals = [(0 if i < 3 else 9 + 3 * i if i < 6 else 40, rid, prompt, params)
@@ -230,7 +233,7 @@ def test_a_t_per_bucket_runs_each_bucket_at_its_own_prompt_width():
         outs = run_workload(engine, arrivals)
     assert compiles == []
     assert {w for _, w in widths} == {32, 64}          # admissions rode windows of both buckets
-    assert all(runner.prompt_tokens_for(rows) == w for rows, w in widths)
+    assert all(w.prompt_tokens_for(rows) == t for rows, t in widths)
     ref = reference_for("last_exited", "ouro_delayed")
     for rid, prompt, params in requests:
         check_equal(outs[rid], ref.generate(prompt, params, request_id=rid))
@@ -241,13 +244,13 @@ def test_auto_mixed_prefill_rides_large_windows_and_standby_the_small(monkeypatc
     """Auto mode with mixed prefill from 16 rows: a few requests run in 8-row windows, taking
     standby entries; a burst moves them to 16-row windows, whose admissions carry prompts.
     Every output equals the oracle's; nothing compiles after warm-up; no page leaks."""
-    from rltjax.engine import window_config
-    monkeypatch.setattr(window_config, "AUTO_MIXED_PREFILL", ((16, 128),))
+    from rltjax.engine import settings as engine_settings
+    monkeypatch.setattr(engine_settings, "AUTO_MIXED_PREFILL", ((16, 128),))
     engine = make_engine(exit_mode="ouro_delayed", decode_window=6, window_trip="fixed", mixed_prefill_tokens=None,
                          max_num_seqs=16, prefill_chunk_size=16, max_num_batched_tokens=48, num_pages=256,
                          compile_ahead=True)
     events = []
-    record_calls(engine, ["standby_put", "window_merge"], events)
+    record_calls(engine, ["standby_put", "merge_rows"], events)
     requests = workload(30, seed=7)
     arrivals = [(0 if i < 3 else 12 if i < 6 else 30, rid, prompt, params)
                 for i, (rid, prompt, params) in enumerate(requests)]
@@ -257,7 +260,7 @@ def test_auto_mixed_prefill_rides_large_windows_and_standby_the_small(monkeypatc
     ref = reference_for("last_exited", "ouro_delayed")
     for rid, prompt, params in requests:
         check_equal(outs[rid], ref.generate(prompt, params, request_id=rid))
-    assert "standby_put" in events and "window_merge" in events, events
+    assert "standby_put" in events and "merge_rows" in events, events
     assert engine.steps_by_kind.get("mixed_prefill", 0) >= 1, engine.steps_by_kind
     assert_all_pages_free(engine)
 
@@ -266,10 +269,11 @@ def test_window_tokens_are_capped_and_a_fresh_row_counts_its_prompt_passes():
     """A T past the largest prefill batch buys nothing (capped there); a request whose first
     token is still in a window's prompt passes needs R passes for it, not max_loops."""
     from rltjax.engine.sequence import Request
-    from rltjax.engine.window_driver import finishes_within
+    from rltjax.engine.window.planner import finishes_within
     engine = make_engine(decode_window=6, window_trip="fixed", mixed_prefill_tokens=8192, max_num_batched_tokens=48,
                          prefill_chunk_size=16)
-    assert engine.runner.prompt_tokens_for(engine.runner.window_buckets[-1]) == engine.runner.token_buckets[-1] == 64
+    w = engine.settings.window
+    assert w.prompt_tokens_for(w.buckets[-1]) == engine.settings.token_buckets[-1] == 64
     fresh = Request("f", [1, 2, 3], SamplingParams(max_tokens=3, max_loops=2), 0, 0, 1, 2)
     fresh.start_token()
     assert not finishes_within(fresh, 6, 4)          # 4 prompt passes, then one 2-pass token: 2 of 3

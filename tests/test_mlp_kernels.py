@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from kernels.residual_norm import residual_norm, residual_norm_ref, sum_partials
-from kernels.skinny_matmul import MAX_ROWS, gated_config, gated_up, gated_up_ref, skinny_matmul, skinny_matmul_ref
+from rltjax.kernels.residual_norm import residual_norm, residual_norm_ref, sum_partials
+from rltjax.kernels.skinny_matmul import MAX_ROWS, gated_config, gated_up, gated_up_ref, skinny_matmul, skinny_matmul_ref
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1.2e-2}     # relative Frobenius error vs float64
 EPS = 1e-6
@@ -204,7 +204,7 @@ def test_backend_runs_the_mlp_on_the_kernels_where_auto_says(monkeypatch):
     on its kernel, and down (a shape not in kernel_shapes) on the split kernel where its
     consumer takes partial sums, handed on unreduced; asked for a plain product, XLA's dot.
     Under "pallas" the same split kernel either way. Otherwise XLA."""
-    from kernels import skinny_matmul as sm
+    from rltjax.kernels import skinny_matmul as sm
     from rltjax.cache.paged_kv import PagedKVBackend
     rng = np.random.default_rng(5)
     x = jnp.asarray(rng.standard_normal((8, 64)), jnp.float32)

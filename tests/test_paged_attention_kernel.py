@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from kernels.paged_attention import paged_attention
-from kernels.paged_attention_ref import paged_attention_ref
-from kernels.pallas_triton import paged_attention_pallas
-from kernels.split_merge import combine_splits
-from kernels.triton_common import head_dim_chunks
+from rltjax.kernels.paged_attention import paged_attention
+from rltjax.kernels.paged_attention_ref import paged_attention_ref
+from rltjax.kernels.paged_attention_pallas import paged_attention_pallas
+from rltjax.kernels.split_merge import combine_splits
+from rltjax.kernels.triton_common import head_dim_chunks
 
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
 N_ROWS, N_TABLES, PAGES_PER_TABLE = 6, 4, 4        # fixed so interpret-mode compiles are reused
@@ -223,7 +223,7 @@ def test_lowers_to_triton(triton_ir, heads, num_kv, head_dim, page_size, dtype, 
 
 
 @pytest.mark.parametrize("rows, pages_per_table, launch", [
-    (64, 48, "_ppb2_s2"),     # the 64-row launch of a 768-key table (kernels.attention_defaults)
+    (64, 48, "_ppb2_s2"),     # the 64-row launch of a 768-key table (kernels.paged_attention_launch)
     (32, 48, "_ppb2_s2"),
     (8, 48, "_ppb4_s6"),      # the general defaults
     (64, 128, "_ppb4_s4"),    # a 2,048-key table: the general defaults

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from kernels.attention_defaults import Launch, default_launch, resolve_launch
-from kernels.paged_attention import merge_qkv, paged_attention_write
+from rltjax.kernels.paged_attention_launch import Launch, default_launch, resolve_launch
+from rltjax.kernels.paged_attention import merge_qkv, paged_attention_write
 from rltjax.models.layers import rope_cos_sin
 
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
@@ -142,7 +142,7 @@ def test_padded_rows_write_nothing_and_read_zeros():
 
 
 def test_launch_defaults():
-    """The fused decode kernel's launch by rows (kernels.attention_defaults.WIDE_DECODE): the
+    """The fused decode kernel's launch by rows (kernels.paged_attention_launch.WIDE_DECODE): the
     H200 sweep's picks at 32 and 64+ rows on the elementwise path for the swept shapes (128-wide
     heads, up to 4 write planes) and tables of up to 1,024 keys; the general defaults below 32
     rows, for larger tables, more planes, other head sizes, GQA (tl.dot) and for the kernel

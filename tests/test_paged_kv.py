@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from checkpoints.loader import load_checkpoint
+from rltjax.checkpoints.loader import load_checkpoint
 from conftest import reference_model, reference_npz
 from rltjax.cache.kv_update import write_plane_mask
 from rltjax.cache.paged_kv import PagedKV, PagedKVBackend, PagedMeta

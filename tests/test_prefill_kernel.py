@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from kernels.paged_attention import paged_prefill_attention
-from kernels.paged_attention_ref import paged_attention_ref
+from rltjax.kernels.prefill_attention import paged_prefill_attention
+from rltjax.kernels.paged_attention_ref import paged_attention_ref
 
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2, jnp.float16: 4e-3}
 BLOCK_Q = 16

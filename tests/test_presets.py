@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from checkpoints.random_init import random_checkpoint_shapes
+from rltjax.checkpoints.random_init import random_checkpoint_shapes
 from rltjax.config import ConfigError
 from rltjax.presets import PRESETS, preset_config
 

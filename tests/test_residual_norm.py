@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from kernels.residual_norm import residual_norm, residual_norm_ref
+from rltjax.kernels.residual_norm import residual_norm, residual_norm_ref
 
 EPS = 1e-6
 

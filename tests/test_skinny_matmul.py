@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from kernels.pallas_skinny import choose_splits, skinny_matmul_pallas
-from kernels.skinny_matmul import MAX_ROWS, fit_block, kernel_config, skinny_matmul, skinny_matmul_ref
+from rltjax.kernels.skinny_matmul_pallas import choose_splits, skinny_matmul_pallas
+from rltjax.kernels.skinny_matmul import MAX_ROWS, fit_block, kernel_config, skinny_matmul, skinny_matmul_ref
 
 # relative Frobenius error vs float64: float32 accumulation, then rounding to the output dtype
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 8e-3}
@@ -197,7 +197,7 @@ def test_lowers_to_triton_without_padding(lower_to_triton, rows):
 def test_backend_auto_takes_the_kernel_for_its_shapes_on_gpu(monkeypatch):
     """matmul_impl "auto": the kernel for decode rows up to its MAX_ROWS whose weight shape
     is one of kernel_shapes, on a GPU; XLA's dot for anything else."""
-    from kernels import skinny_matmul as sm
+    from rltjax.kernels import skinny_matmul as sm
     from rltjax.cache.paged_kv import PagedKVBackend
     rng = np.random.default_rng(4)
     w = jnp.asarray(rng.standard_normal((2, 256, 64)) / 16, jnp.float32)
@@ -227,7 +227,7 @@ def test_backend_head_on_the_kernel_at_few_rows_skipped_when_no_row_keeps_it(mon
     """head_matmul under "auto" on a GPU: the kernel for decode batches of up to HEAD_KERNEL_ROWS
     rows where head_shapes names the head, zeros where no row needs the logits; XLA's dot
     otherwise (more rows, another shape, a CPU). "pallas" takes the kernel up to MAX_ROWS."""
-    from kernels import skinny_matmul as sm
+    from rltjax.kernels import skinny_matmul as sm
     from rltjax.cache.paged_kv import HEAD_KERNEL_ROWS, PagedKVBackend
     rng = np.random.default_rng(6)
     w = jnp.asarray(rng.standard_normal((256, 512)) / 16, jnp.float32)
@@ -288,7 +288,7 @@ def test_zero_rows_and_unpadded_kernel_calls():
 def test_auto_shapes_per_preset():
     """The runner names Ouro's attention projections and head (K <= 2048) for "auto" and nothing
     for Nanbeige's or Huginn's wider K."""
-    from rltjax.engine.runner import auto_head_shapes, auto_matmul_shapes
+    from rltjax.engine.settings import auto_head_shapes, auto_matmul_shapes
     from rltjax.presets import preset_config
     assert auto_matmul_shapes(preset_config("ouro-1.4b")) == ((2048, 6144), (2048, 2048))
     assert auto_head_shapes(preset_config("ouro-1.4b")) == ((2048, 49152),)
@@ -300,7 +300,7 @@ def test_decode_projections_on_kernels_per_preset():
     """Only Ouro's shapes, with attention on the Pallas kernels, matmul_impl auto or pallas and
     at most 64 requests, run the decode projections on the kernels (and so compile with
     KERNEL_DECODE_OPTIONS)."""
-    from rltjax.engine.runner import decode_projections_on_kernels
+    from rltjax.engine.settings import decode_projections_on_kernels
     from rltjax.presets import preset_config
     for name in ("ouro-1.4b", "ouro-2.6b"):
         cfg = preset_config(name)

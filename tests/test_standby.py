@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from engine_helpers import (assert_all_pages_free, check_equal, check_outputs, make_engine, reference_for,
+from engine_helpers import (wrap_reads, assert_all_pages_free, check_equal, check_outputs, make_engine, reference_for,
                             run_with_abort, run_workload)
 from engine_trace_helpers import TOKENS
+from rltjax.engine.plan import WindowStep
 from rltjax.engine_config import EngineConfigError, ExecutionConfig
 from rltjax.sampling_params import SamplingParams
 
@@ -27,14 +28,16 @@ request = st.tuples(
 
 
 def record_swaps(engine) -> list[np.ndarray]:
-    """Wrap the runner's window reads to collect each window's ``swap_col``."""
-    swaps, real = [], engine.runner.window_read
+    """Wrap the engine's window reads to collect each window's ``swap_col``."""
+    swaps = []
 
-    def read(after, out, n):
-        got = real(after, out, n)
-        swaps.append(np.asarray(got[1].swap_col))
-        return got
-    engine.runner.window_read = read
+    def recording(read, step):
+        def read_and_record():
+            got = read()
+            swaps.append(np.asarray(got.out.swap_col)[:len(step.rows)])
+            return got
+        return read_and_record
+    wrap_reads(engine, WindowStep, recording)
     return swaps
 
 
@@ -108,7 +111,7 @@ def test_aborted_waiting_entry():
     for _ in range(50):
         engine.step()
         running = engine.scheduler.running
-        if engine.windows.inflight and len(running) == 10 and all(r.output_token_ids for r in running):
+        if engine.windows_in_flight and len(running) == 10 and all(r.output_token_ids for r in running):
             break
     else:
         raise AssertionError("the 10 requests never decoded together in a window")

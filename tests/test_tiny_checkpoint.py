@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from checkpoints import tiny
-from checkpoints.tiny import write_tiny_checkpoint
+from rltjax.checkpoints import tiny
+from rltjax.checkpoints.tiny import write_tiny_checkpoint
 from rltjax.config import load_hf_config
 from rltjax.models.ouro import hf_tensor_specs
 from rltjax.tokenizer import Tokenizer

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from rltjax.benchmarks import trace_vs_fixed
+from benchmarks import trace_vs_fixed
 
 WORKLOAD = {"num_requests": 8, "total_output_tokens": 2000}
 

@@ -8,10 +8,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine_helpers import (assert_all_pages_free, check_equal, closed_loop, make_engine, record_calls,
+from engine_helpers import (DeviceCalls, assert_all_pages_free, check_equal, closed_loop, make_engine, wrap_reads,
                             reference_for, run_workload)
 from engine_trace_helpers import TOKENS
-from rltjax.engine.window_state import STOP_ID_WIDTH
+from rltjax.engine.plan import HeadStep, WindowStep
+from rltjax.engine.window.state import STOP_ID_WIDTH
 from rltjax.sampling_params import SamplingParams
 
 
@@ -35,20 +36,17 @@ def test_admission_prefill_is_queued_behind_the_window_in_flight():
     the host reads that window, so the GPU runs it while the host replays the window; every
     output still equals the oracle's, and no page leaks."""
     engine = make_engine(decode_window=4, max_num_seqs=2)
-    events = []
-    runner = engine.runner
-    real_prefill, real_read = runner.prefill, runner.window_read
-    runner.prefill = lambda *a, **kw: events.append("prefill") or real_prefill(*a, **kw)
-    runner.window_read = lambda *a, **kw: events.append("read") or real_read(*a, **kw)
+    calls = DeviceCalls(engine)
     first = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     late = SamplingParams(max_tokens=5, temperature=0.9, seed=4, ignore_eos=True)
     engine.add_request("a", TOKENS[:7], first)
-    while engine.windows is None or not engine.windows.inflight:
+    while not engine.windows_in_flight:
         engine.step()
     engine.add_request("b", TOKENS[2:9], late)     # arrives mid-window; slot 2 of 2 is free
-    events.clear()
+    calls.events.clear()
     engine.step()
-    assert events[:2] == ["prefill", "read"], events
+    order = calls.kinds()
+    assert [c for c in order if c in "Pw"][:2] == ["P", "w"], order    # the prefill launched, then the window read
     while engine.has_unfinished_requests():
         engine.step()
     ref = reference_for("last_exited")
@@ -75,16 +73,15 @@ def test_closed_loop_admissions_continue_the_window_from_the_device(exit_mode):
     depths = {rid: [4] + [int(d) for d in rng.integers(1, 5, 24)] for rid, _, _ in requests} if exit_mode == "trace" else None
     engine = make_engine(exit_mode=exit_mode, decode_window=3, max_num_seqs=3, depths_by_request=depths,
                          prefill_chunk_size=16, max_num_batched_tokens=48, num_pages=128)   # one prefill an admission
-    events = []
-    record_calls(engine, ["prefill", "head_launch", "window_launch", "window_read", "head_read"], events)
+    calls = DeviceCalls(engine)
     admitted_into = []
-    real_admit = engine.windows.run_admitting
-    engine.windows.run_admitting = lambda fresh, *rest: admitted_into.append(len(fresh)) or real_admit(fresh, *rest)
+    real_admit = engine.scheduler.windows.admitting
+    engine.scheduler.windows.admitting = lambda fresh, *rest: admitted_into.append(len(fresh)) or real_admit(fresh,
+                                                                                                          *rest)
     outs = closed_loop(engine, requests, clients=3)
-    order = "".join({"prefill": "P", "head_launch": "H", "window_launch": "W", "window_read": "R",
-                     "head_read": "r"}[e] for e in events)
+    order = calls.kinds()
     assert sum(admitted_into) == len(requests) - 3, (admitted_into, order)     # every later request
-    assert order.count("PHWRr") == len(admitted_into), order    # prefill, head, window queued; then the reads
+    assert order.count("PHWwh") == len(admitted_into), order    # prefill, head, window queued; then the reads
     ref = reference_for("last_exited", exit_mode, depths_by_request=depths)
     for rid, prompt, params in requests:
         check_equal(outs[rid], ref.generate(prompt, params, request_id=rid))
@@ -110,9 +107,9 @@ def test_rows_stopped_by_the_host_do_not_run_into_the_next_request():
                 ("next", TOKENS[40:47], SamplingParams(max_tokens=8, temperature=0.9, seed=5, ignore_eos=True))]
     engine = make_engine(decode_window=2, max_num_seqs=3, prefill_chunk_size=16, num_pages=128)
     admitted = []
-    real_admit = engine.windows.run_admitting
-    engine.windows.run_admitting = lambda fresh, *rest: (admitted.append([r.request_id for r in fresh])
-                                                         or real_admit(fresh, *rest))
+    real_admit = engine.scheduler.windows.admitting
+    engine.scheduler.windows.admitting = lambda fresh, *rest: (admitted.append([r.request_id for r in fresh])
+                                                               or real_admit(fresh, *rest))
     outs = closed_loop(engine, requests, clients=3)
     assert ["next"] in admitted, admitted
     want = closed_loop(make_engine(max_num_seqs=3, prefill_chunk_size=16, num_pages=128), requests, clients=3)
@@ -139,14 +136,16 @@ def test_rows_the_host_finished_are_idled_in_continued_windows(how):
                                               stop_token_ids=stop_ids)),
                 ("long", TOKENS[20:27], SamplingParams(max_tokens=36, temperature=0.0, ignore_eos=True))]
     engine = make_engine(decode_window=2, max_num_seqs=2, prefill_chunk_size=16, num_pages=128)
-    reads, real_read = [], engine.runner.window_read
+    reads = []
 
-    def read(after, out, n):
-        rows, outs = real_read(after, out, n)
-        reads.append((engine.requests["s0"].finished, bool(rows.active[0])))    # s0 is row 0
-        return rows, outs
+    def reading(read, step):
+        def read_and_look():
+            result = read()
+            reads.append((engine.requests["s0"].finished, bool(result.after.active[0])))    # s0 is row 0
+            return result
+        return read_and_look
 
-    engine.runner.window_read = read
+    wrap_reads(engine, WindowStep, reading)
     for _, rid, prompt_ids, params in [(0, *r) for r in requests]:
         engine.add_request(rid, prompt_ids, params)
     for _ in range(2000):
@@ -165,7 +164,7 @@ def test_rows_the_host_finished_are_idled_in_continued_windows(how):
     assert_all_pages_free(engine)
 
 
-@pytest.mark.parametrize("fail", ["head_launch", "standby_put"])
+@pytest.mark.parametrize("fail", ["head", "standby_put"])
 def test_failure_admitting_behind_the_window_errors_only_the_new_requests(fail):
     """A failing head or window launch while requests are admitted into a continued window
     finishes those requests with the error; the requests of the window in flight go on to the
@@ -174,7 +173,7 @@ def test_failure_admitting_behind_the_window_errors_only_the_new_requests(fail):
     real, failed = getattr(engine.runner, fail), []
 
     def flaky(*args, **kwargs):
-        if engine.windows.inflight and not failed and engine.scheduler.waiting == [] and any(
+        if engine.windows_in_flight and not failed and engine.scheduler.waiting == [] and any(
                 r.status.name == "AWAITING_HEAD" for r in engine.scheduler.running):
             failed.append([r.request_id for r in engine.scheduler.running if r.status.name == "AWAITING_HEAD"])
             raise RuntimeError("injected device failure")
@@ -188,7 +187,7 @@ def test_failure_admitting_behind_the_window_errors_only_the_new_requests(fail):
     check_failed_and_rest(engine, requests, outs, failed[0], "RuntimeError: injected device failure")
 
 
-@pytest.mark.parametrize("fail", ["window_read", "head_read"])
+@pytest.mark.parametrize("fail", [WindowStep, HeadStep])
 @pytest.mark.parametrize("at_admission", [1, 2, 3])
 def test_failed_read_after_admitting_errors_every_running_request(fail, at_admission):
     """Once the continued window is queued, a failing read of the window before it (or of the
@@ -197,17 +196,19 @@ def test_failed_read_after_admitting_errors_every_running_request(fail, at_admis
     give), requests that finished before keep their outputs, the engine keeps serving, and no
     page leaks."""
     engine = make_engine(decode_window=3, max_num_seqs=3, prefill_chunk_size=16, num_pages=128)
-    real, armed, failed = getattr(engine.runner, fail), [], []
-    real_admit = engine.windows.run_admitting
-    engine.windows.run_admitting = lambda fresh, *rest: armed.append(1) or real_admit(fresh, *rest)
+    armed, failed = [], []
+    real_admit = engine.scheduler.windows.admitting
+    engine.scheduler.windows.admitting = lambda fresh, *rest: armed.append(1) or real_admit(fresh, *rest)
 
-    def flaky(*args, **kwargs):
-        if len(armed) == at_admission and not failed:
-            failed.append([r.request_id for r in engine.scheduler.running])
-            raise RuntimeError("injected read failure")
-        return real(*args, **kwargs)
+    def flaky(read, step):
+        def read_or_fail():
+            if len(armed) == at_admission and not failed:
+                failed.append([r.request_id for r in engine.scheduler.running])
+                raise RuntimeError("injected read failure")
+            return read()
+        return read_or_fail
 
-    setattr(engine.runner, fail, flaky)
+    wrap_reads(engine, fail, flaky)
     requests = [(f"k{i}", TOKENS[5 * i:5 * i + 6], SamplingParams(max_tokens=[6, 9, 7, 8][i % 4], temperature=0.0,
                                                                   ignore_eos=True)) for i in range(10)]
     outs = closed_loop(engine, requests, clients=3)

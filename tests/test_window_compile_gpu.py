@@ -17,9 +17,9 @@ import gc
 
 import pytest
 
-from checkpoints.random_init import random_checkpoint
+from rltjax.checkpoints.random_init import random_checkpoint
 from rltjax.engine.device_steps import DeviceSteps
-from rltjax.engine.warm_up import run_job
+from rltjax.engine.warm_up import bucket_jobs
 from rltjax.engine_config import ExecutionConfig, SchedulerConfig
 from rltjax.entrypoints.llm import build_engine
 from rltjax.presets import preset_config
@@ -41,9 +41,11 @@ def window_hlo(engine, steps: DeviceSteps, sampler: str = "greedy") -> str:
 
     served = runner.steps
     runner.steps = steps._replace(window=compile_only)
+    [job] = [job for job in bucket_jobs(runner, engine.batches) if job.kind == "window"
+             and job.size == engine.settings.window.buckets[-1] and job.sampler == sampler]
     try:
         with pytest.raises(_Compiled):
-            run_job(runner, f"window/{sampler}", runner.window_buckets[-1], engine.batches.block_tables(), None)
+            job.run()
     finally:
         runner.steps = served
     return texts[0]

@@ -7,8 +7,10 @@ import jax
 import numpy as np
 import pytest
 
-from engine_helpers import assert_all_pages_free, check_equal, make_engine, reference_for
+from engine_helpers import assert_all_pages_free, check_equal, make_engine, reference_for, wrap_reads
 from engine_trace_helpers import TOKENS, drive
+from rltjax.engine.plan import WindowStep
+from rltjax.engine.runner import WindowResult
 from rltjax.sampling_params import SamplingParams
 
 
@@ -43,20 +45,25 @@ def assert_others_match_oracle(engine, arrivals, outputs, errors) -> None:
 
 
 @pytest.mark.parametrize("standby", [True, False])
-@pytest.mark.parametrize("call", ["window_launch", "window_read"])
+@pytest.mark.parametrize("call", ["launch", "read"])
 @pytest.mark.parametrize("fail_at", [2, 7])
 def test_failed_window_errors_its_requests_once(standby, call, fail_at, monkeypatch):
     rows = dict(decode_window_rows=8) if standby else {}
     engine = make_engine(exit_mode="ouro_delayed", page_size=4, max_num_seqs=12 if standby else 4, num_pages=512,
                          decode_window=3, window_trip="fixed", **rows)
-    real, calls = getattr(engine.runner, call), [0]
+    calls = [0]
 
-    def flaky(*args, **kwargs):
-        calls[0] += 1
-        if calls[0] == fail_at:
-            raise RuntimeError("injected window failure")
-        return real(*args, **kwargs)
-    monkeypatch.setattr(engine.runner, call, flaky)
+    def flaky(real):
+        def call_or_fail(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] == fail_at:
+                raise RuntimeError("injected window failure")
+            return real(*args, **kwargs)
+        return call_or_fail
+    if call == "launch":
+        monkeypatch.setattr(engine.runner, "window", flaky(engine.runner.window))
+    else:
+        wrap_reads(engine, WindowStep, lambda read, step: flaky(read))
     arrivals = workload()
     outputs, _, returned = drive(engine, arrivals)
     assert_no_output_after_finish(returned)
@@ -73,18 +80,21 @@ def test_a_standby_entry_taken_twice_errors_instead_of_duplicating(monkeypatch):
     each, the rest of the workload runs on, no page leaks."""
     engine = make_engine(exit_mode="ouro_delayed", page_size=4, max_num_seqs=16, num_pages=512,
                          decode_window=3, window_trip="fixed")
-    real, corrupted = engine.runner.window_read, []
+    corrupted = []
 
-    def read_with_a_twice_taken_entry(after, out, n):
-        after, out = (jax.tree.map(np.array, t) for t in real(after, out, n))
-        took = np.nonzero(out.swap_col >= 0)[0]
-        idle = np.nonzero((out.swap_col < 0) & (out.count == 0))[0]
-        if not corrupted and len(took) and len(idle):   # an idle row takes the same entry
-            i, j = int(took[0]), int(idle[0])
-            out.swap_col[j], out.swap_tag[j], after.active[j] = 0, out.swap_tag[i], True
-            corrupted.append(int(out.swap_tag[i]))
-        return after, out
-    monkeypatch.setattr(engine.runner, "window_read", read_with_a_twice_taken_entry)
+    def with_a_twice_taken_entry(read, step):
+        def read_and_corrupt():
+            after, out = (jax.tree.map(np.array, t) for t in read())
+            n = len(step.rows)
+            took = np.nonzero(out.swap_col[:n] >= 0)[0]
+            idle = np.nonzero((out.swap_col[:n] < 0) & (out.count[:n] == 0))[0]
+            if not corrupted and len(took) and len(idle):   # an idle row takes the same entry
+                i, j = int(took[0]), int(idle[0])
+                out.swap_col[j], out.swap_tag[j], after.active[j] = 0, out.swap_tag[i], True
+                corrupted.append(int(out.swap_tag[i]))
+            return WindowResult(after, out)
+        return read_and_corrupt
+    wrap_reads(engine, WindowStep, with_a_twice_taken_entry)
     arrivals = workload(20)
     outputs, _, returned = drive(engine, arrivals)
     assert corrupted, "no read had both a swap and an idle row: the workload no longer exercises this"
@@ -105,20 +115,24 @@ def test_a_failed_drain_errors_its_window_and_streams_every_finish(standby, fail
     rows = dict(decode_window_rows=8) if standby else {}
     engine = make_engine(exit_mode="ouro_delayed", page_size=4, max_num_seqs=12 if standby else 4, num_pages=512,
                          decode_window=3, window_trip="fixed", **rows)
-    real_drain, real_read, drains = engine.windows.drain, engine.runner.window_read, [0]
+    drains = [0]
+    schedule = engine.scheduler.schedule
 
-    def failing_read(*args, **kwargs):
-        raise RuntimeError("injected read failure")
+    def counting_drains():      # a drain: the host reads the window in flight before anything else
+        plan = schedule()
+        drains[0] += "window_drain" in plan.counts
+        return plan
 
-    def drain():
-        drains[0] += 1
-        if drains[0] == fail_at:
-            monkeypatch.setattr(engine.runner, "window_read", failing_read)
-        try:
-            return real_drain()
-        finally:
-            monkeypatch.setattr(engine.runner, "window_read", real_read)
-    monkeypatch.setattr(engine.windows, "drain", drain)
+    def failing_when_drained(read, step):
+        def read_or_fail():
+            if drains[0] == fail_at and not failing_when_drained.done:
+                failing_when_drained.done = True
+                raise RuntimeError("injected read failure")
+            return read()
+        return read_or_fail
+    failing_when_drained.done = False
+    monkeypatch.setattr(engine.scheduler, "schedule", counting_drains)
+    wrap_reads(engine, WindowStep, failing_when_drained)
     arrivals = workload()
     outputs, _, returned = drive(engine, arrivals)
     assert drains[0] >= fail_at, "the workload drained fewer windows: it no longer exercises this"

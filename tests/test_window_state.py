@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from rltjax.engine.window_state import STOP_ID_WIDTH, WindowOutputs, WindowRows, ends_request
+from rltjax.engine.window.state import STOP_ID_WIDTH, WindowOutputs, WindowRows, ends_request
 
 
 def _outputs(rng, b, k, t):

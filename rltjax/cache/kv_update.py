@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels.paged_attention_ref import paged_write_ref
+from rltjax.kernels.paged_attention_ref import paged_write_ref
 
 
 def write_kv(kv, layer, k: jax.Array, v: jax.Array, write_page: jax.Array, write_offset: jax.Array):

@@ -43,9 +43,10 @@ import jax
 import jax.numpy as jnp
 
 from rltjax.cache.kv_update import write_kv
-from kernels.paged_attention import paged_attention, paged_attention_write, paged_prefill_attention
-from kernels.residual_norm import kernel_unsupported as norm_unsupported, residual_norm
-from kernels.skinny_matmul import MAX_ROWS, gated_unsupported, gated_up, kernel_unsupported, skinny_matmul
+from rltjax.kernels.paged_attention import paged_attention, paged_attention_write
+from rltjax.kernels.prefill_attention import paged_prefill_attention
+from rltjax.kernels.residual_norm import kernel_unsupported as norm_unsupported, residual_norm
+from rltjax.kernels.skinny_matmul import MAX_ROWS, gated_unsupported, gated_up, kernel_unsupported, skinny_matmul
 
 # "auto" runs a decode head on the kernel up to this many rows: on an H200 the kernel streams
 # Ouro's lm_head about as fast as XLA's GEMM there (48.4 against 47.6 us at 8 rows; slower from 32)

@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from rltjax.engine.sequence import Request
+from rltjax.engine.sequence import Request, Status
 from rltjax.engine_config import EngineConfigError
 
 F32 = np.float32
@@ -58,7 +58,7 @@ TRIGGER_MODES = ("ouro_delayed", "random_lookahead")
 # modes that read the loop's raw signal instead of hazard / lookahead score
 RAW_SIGNAL_MODES = ("latent_diff",)
 # modes whose exit after pass r reads pass r's own signal: the host must read it before
-# launching pass r + 1, so they cannot run with async scheduling
+# launching pass r + 1, so they cannot run with async scheduling (``engine.rules``)
 SAME_STEP_MODES = ("ouro", "latent_diff")
 
 
@@ -68,23 +68,12 @@ def _trace_depths(rows: Sequence[Request]) -> np.ndarray:
 
 
 class ExitPolicy:
-    """Applies one exit mode to the rows of each loop pass."""
+    """Applies one exit mode (as the engine's settings resolved it) to the rows of each pass."""
 
-    def __init__(self, mode: str, has_gate: bool, signal_kind: str = "gate"):
-        """signal_kind: what the model's loop signal is (``rltjax.models.base.signal_kind``)."""
-        if mode in ("ouro", "ouro_delayed") and not has_gate:
-            mode = "fixed"          # no learned signal: fixed depth (DESIGN section 2)
+    def __init__(self, mode: str):
         if mode not in EXIT_RULES and mode != "trace":
             raise ValueError(f"unknown exit mode {mode!r}")
-        if mode == "latent_diff" and signal_kind != "latent_diff":
-            raise EngineConfigError(f"ExitConfig.mode='latent_diff' needs a model whose loop signal is the "
-                                    f"relative latent change (Huginn); this model's is {signal_kind!r}")
         self.mode = mode
-
-    @property
-    def raw_signal(self) -> bool:
-        """Whether the device should return the loop's raw signal (instead of hazard and score)."""
-        return self.mode in RAW_SIGNAL_MODES
 
     def after_pass(self, rows: Sequence[Request], hazard: np.ndarray | None, score: np.ndarray | None,
                    signal: np.ndarray | None = None) -> np.ndarray:
@@ -135,3 +124,42 @@ class ExitPolicy:
             return
         # rows still looping did not exit after pass `depth`, so exit_now there was False
         self._apply_rule(rows, depths, hazard, score, None, np.zeros(len(rows), bool))
+
+    # -- a loop pass's rows ------------------------------------------------------------
+    def apply_pass(self, rows: Sequence[Request], signals) -> None:
+        """Synchronous: rows have run one more loop; those the rule exits await their heads.
+        signals: the pass's ``LoopSignals`` (hazard and score, or the raw signal)."""
+        for r in rows:
+            r.loops_done += 1
+        _exit(rows, self.after_pass(rows, signals.hazard, signals.score, signals.signal))
+
+    def launched_late(self, rows: Sequence[Request]) -> tuple:
+        """Async, once the previous pass's signals are applied: rows have run one more loop;
+        those that exit whatever this pass's signal says (max_loops, a trace's depth, or a
+        trigger from the pass before) await their heads. Returns each row's tag (request,
+        position, depth) for ``apply_late``."""
+        for r in rows:
+            r.loops_done += 1
+        _exit(rows, self.count_exits(rows) | np.array([r.exit_triggered for r in rows], bool))
+        return tuple((r, r.decode_position, r.loops_done) for r in rows)
+
+    def apply_late(self, tags, signals, current: Callable[[Request], bool]) -> None:
+        """Async: a pass's signals, read one pass late, applied only to the rows they were
+        computed for, still looping at that position; a row that exited, finished or was
+        aborted since (``current`` false: its id names another request now) is skipped."""
+        live = [i for i, (r, pos, depth) in enumerate(tags)
+                if r.status is Status.LOOPING and current(r) and r.decode_position == pos and r.loops_done >= depth]
+        if live:
+            idx = np.asarray(live)
+            self.read_signals([tags[i][0] for i in live], np.array([tags[i][2] for i in live]),
+                              None if signals.hazard is None else signals.hazard[idx],
+                              None if signals.score is None else signals.score[idx])
+
+
+def _exit(rows: Sequence[Request], exits) -> None:
+    """Rows that exit await their heads (the pass wrote each row's K/V through to its deeper
+    planes: an exit needs no copy)."""
+    for r, exit_now in zip(rows, exits):
+        if exit_now:
+            r.status = Status.AWAITING_HEAD
+            r.exit_depths.append(r.loops_done)

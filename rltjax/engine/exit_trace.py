@@ -129,7 +129,7 @@ class ExitTrace:
                                 sampling=_params_dict(sp), token_ids=list(out.token_ids),
                                 exit_depths=list(out.exit_depths)))
         return cls(engine.model_fingerprint(), engine.cfg.arch, engine.dtype_name,
-                   engine.cache_config.kv_layout, engine.exit_config.mode, records)
+                   engine.settings.kv_layout, engine.settings.exit_config.mode, records)
 
     def save(self, path) -> None:
         with open(path, "w") as f:
@@ -165,7 +165,7 @@ class ExitTrace:
 
     def check_engine(self, engine) -> None:
         """Reject an engine whose model, dtype or KV layout differs from the recording's."""
-        ours = dict(dtype=engine.dtype_name, kv_layout=engine.cache_config.kv_layout, arch=engine.cfg.arch,
+        ours = dict(dtype=engine.dtype_name, kv_layout=engine.settings.kv_layout, arch=engine.cfg.arch,
                     fingerprint=engine.model_fingerprint())     # the most specific explanation first
         for key, value in ours.items():
             if getattr(self, key) != value:
@@ -177,7 +177,7 @@ class ExitTrace:
         """Run every recorded request with its recorded depths and check the outputs."""
         engine = llm.engine
         self.check_engine(engine)
-        if engine.exit_config.mode != "trace":
+        if engine.settings.exit_config.mode != "trace":
             raise TraceMismatchError("replay needs an LLM built with exit_config=trace.exit_config()")
         outputs = []
         for r in self.records:

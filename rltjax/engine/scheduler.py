@@ -1,122 +1,86 @@
-"""Host scheduler: admission, KV pages, and which kind of batch runs next.
+"""Host scheduler: admission, and the plan of each engine step.
 
-``schedule`` picks one kind of batch (DESIGN section 2): a prefill chunk batch, one
-loop pass over a mixed-depth batch, or a head batch (the engine may run a loop plan as a
-decode window, or queue heads and a window together). ``refill``
-(Continuous Depth Batching) puts every looping token in the next pass, so a
-token that just got its head joins rows still deep in their loops;
-``no_refill`` (the baseline) loops a cohort until all of it exits, and only
-then runs its heads and starts the next cohort.
+``schedule`` admits what fits and returns one ``Plan`` (DESIGN section 2): a prefill chunk
+batch, one loop pass over a mixed-depth batch, a head batch, or a decode window over every
+decoding request (with the first heads of fresh prompts queued just before it, or, while a
+window runs, the admitted prompts riding the next one). ``refill`` (Continuous Depth
+Batching) puts every looping token in the next pass, so a token that just got its head joins
+rows still deep in their loops; ``no_refill`` (the baseline) loops a cohort until all of it
+exits, and only then runs its heads and starts the next cohort. The engine launches the plan
+and applies its effects on the requests.
 """
 from __future__ import annotations
 
 import bisect
-import dataclasses
 
-from rltjax.cache.allocator import PageAllocator
-from rltjax.cache.block_tables import BlockTables, pages_needed
+from rltjax.engine.block_manager import BlockManager
+from rltjax.engine.plan import Chunk, HeadStep, LoopStep, Plan, PrefillStep, WindowStep
 from rltjax.engine.sequence import Request, Status
-from rltjax.engine_config import SchedulerConfig
-
-
-@dataclasses.dataclass
-class StepPlan:
-    kind: str                                        # "prefill" | "loop" | "head" | "idle"
-    rows: list[Request] = dataclasses.field(default_factory=list)
-    chunks: list[tuple[Request, int, int]] = dataclasses.field(default_factory=list)  # (req, start, n)
-
-
-def prefill_batch_bound(max_num_batched_tokens: int, max_num_seqs: int, max_chunk: int, alignment: int) -> int:
-    """The most tokens one prefill batch can hold, alignment padding included: the budget (or
-    one aligned chunk when the budget is smaller), unless max_num_seqs chunks of at most
-    max_chunk tokens each cannot fill it (the runner compiles no larger bucket)."""
-    padded_chunk = -(-max_chunk // alignment) * alignment
-    return min(max(max_num_batched_tokens, alignment), max_num_seqs * padded_chunk)
-
-
-def max_prefill_chunk(config: SchedulerConfig, max_model_len: int, position_sequential_prefill: bool) -> int:
-    """The longest chunk one request gets in a prefill batch: one position at a time with the
-    shared KV layout, else the chunk size, and never more than a prompt can be (a request
-    needs room for at least one output token)."""
-    return 1 if position_sequential_prefill else min(config.prefill_chunk_size, max(1, max_model_len - 1))
+from rltjax.engine.settings import EngineSettings
+from rltjax.engine.window.planner import WindowPlanner, fits_window
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, *, num_pages: int, page_size: int, num_planes: int,
-                 max_model_len: int, position_sequential_prefill: bool, boundary_num_pages: int = 0,
-                 prefill_alignment: int = 1):
-        """boundary_num_pages: size of the boundary KV pool (0: the model has none).
-        prefill_alignment: each prefill chunk starts at a multiple of this many rows of the
-        batch (the prefill kernel's query blocks); the padding counts against the token budget."""
-        if config.max_num_batched_tokens is None or config.prefill_chunk_size is None:
-            raise ValueError("Scheduler needs resolved prefill budgets: pass "
-                             "SchedulerConfig.with_prefill_defaults(prefill_kernel) (LLMEngine does)")
-        self.config = config
-        self.page_size = page_size
-        self.num_planes = num_planes
-        self.max_model_len = max_model_len
-        self.position_sequential_prefill = position_sequential_prefill
-        self.prefill_alignment = prefill_alignment
-        self.allocator = PageAllocator(num_pages)
-        self.block_tables = BlockTables(config.max_num_seqs * num_planes,
-                                        pages_needed(max_model_len, page_size))
-        self.boundary_allocator = self.boundary_tables = None
-        if boundary_num_pages:
-            self.boundary_allocator = PageAllocator(boundary_num_pages)
-            self.boundary_tables = BlockTables(config.max_num_seqs, pages_needed(max_model_len, page_size))
-        self.free_slots = list(range(config.max_num_seqs - 1, -1, -1))
+    def __init__(self, settings: EngineSettings, *, num_pages: int, boundary_num_pages: int = 0,
+                 vocab_size: int = 0):
+        """boundary_num_pages: size of the boundary KV pool (0: the model has none)."""
+        self.s = settings
+        self.config = settings.scheduler
+        self.page_size, self.num_planes, self.max_model_len = settings.page_size, settings.num_planes, \
+            settings.max_model_len
+        self.blocks = BlockManager(num_pages=num_pages, page_size=self.page_size, num_planes=self.num_planes,
+                                   max_num_seqs=self.config.max_num_seqs, max_model_len=self.max_model_len,
+                                   boundary_num_pages=boundary_num_pages)
+        self.windows = WindowPlanner(settings, vocab_size) if settings.window else None
+        self.free_slots = list(range(self.config.max_num_seqs - 1, -1, -1))
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.prefill_batches_since_decode = 0
         self.cohort = 0
 
-    # -- capacity ---------------------------------------------------------------
-    def pages_for(self, req: Request) -> int:
-        return pages_needed(req.max_positions, self.page_size) * self.num_planes
+    @property
+    def allocator(self):
+        return self.blocks.allocator
 
-    def boundary_pages_for(self, req: Request) -> int:
-        """Boundary-pool pages (one plane); 0 without a boundary pool."""
-        return pages_needed(req.max_positions, self.page_size) if self.boundary_allocator else 0
+    @property
+    def boundary_allocator(self):
+        return self.blocks.boundary_allocator
 
+    # -- requests -----------------------------------------------------------------
     def never_fits(self, req: Request) -> str | None:
         """Why a request can never run here (None if it can): checked before queueing."""
         total = req.prompt_len + req.params.max_tokens
         if total > self.max_model_len:
             return (f"prompt ({req.prompt_len} tokens) + max_tokens ({req.params.max_tokens}) = {total} "
                     f"exceeds max_model_len {self.max_model_len}")
-        usable = self.allocator.num_pages - 1
-        if self.pages_for(req) > usable:
-            return (f"request needs {self.pages_for(req)} KV pages ({self.num_planes} plane(s) x "
-                    f"{pages_needed(req.max_positions, self.page_size)}) but the cache has {usable}")
-        if self.boundary_allocator and self.boundary_pages_for(req) > self.boundary_allocator.num_pages - 1:
-            return (f"request needs {self.boundary_pages_for(req)} boundary KV pages but the boundary cache "
-                    f"has {self.boundary_allocator.num_pages - 1}")
-        return None
+        return self.blocks.never_fits(req)
 
     def add(self, req: Request) -> None:
         bisect.insort(self.waiting, req, key=lambda r: (r.params.priority, r.arrival_index))
+
+    def release(self, req: Request) -> None:
+        """Free everything a request holds (finish, abort, error). Idempotent."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req in self.running:
+            self.running.remove(req)
+            self.blocks.release(req)
+            self.free_slots.append(req.slot)
+        req.slot = None
+        req.tables = []
+        req.boundary_table = None
 
     def _admit(self) -> None:
         blocked: list[Request] = []
         for req in list(self.waiting[: self.config.admission_scan_limit]):
             if not self.free_slots:
                 return
-            need, bneed = self.pages_for(req), self.boundary_pages_for(req)
-            if not (self.allocator.can_allocate(need)
-                    and (not bneed or self.boundary_allocator.can_allocate(bneed))):
+            if not self.blocks.can_allocate(req):
                 blocked.append(req)
                 if req.bypassed >= self.config.max_admission_bypasses:
                     return                    # fairness: nobody may pass it any more
                 continue
-            pages = self.allocator.allocate(req.request_id, need)
-            per_plane = need // self.num_planes
-            req.tables = self.block_tables.assign(req.request_id, self.num_planes)
-            for i, table in enumerate(req.tables):
-                self.block_tables.append_pages(table, pages[i * per_plane:(i + 1) * per_plane])
-            if bneed:
-                [req.boundary_table] = self.boundary_tables.assign(req.request_id, 1)
-                self.boundary_tables.append_pages(req.boundary_table,
-                                                  self.boundary_allocator.allocate(req.request_id, bneed))
+            self.blocks.allocate(req)
             req.slot = self.free_slots.pop()
             req.status = Status.PREFILLING
             self.waiting.remove(req)
@@ -126,29 +90,94 @@ class Scheduler:
             if any(earlier.bypassed >= self.config.max_admission_bypasses for earlier in blocked):
                 return                        # the limit holds within one scan too
 
-    def release(self, req: Request) -> None:
-        """Free everything a request holds (finish, abort, error). Idempotent."""
-        if req in self.waiting:
-            self.waiting.remove(req)
-        if req in self.running:
-            self.running.remove(req)
-            self.allocator.release(req.request_id)
-            self.block_tables.release(req.request_id)
-            if req.boundary_table is not None:
-                self.boundary_allocator.release(req.request_id)
-                self.boundary_tables.release(req.request_id)
-            self.free_slots.append(req.slot)
-        req.slot = None
-        req.tables = []
-        req.boundary_table = None
+    def launched(self, step) -> None:
+        """A step is on the device: the prompt positions it runs all R loops for are done (a
+        prefill chunk's progress; whole prompts riding a window start their first token
+        there). Nothing of this comes back from the device."""
+        if isinstance(step, PrefillStep):
+            for c in step.chunks:
+                c.request.num_prefilled = c.start + c.length
+                if c.request.num_prefilled == c.request.prompt_len:
+                    c.request.status = Status.AWAITING_HEAD
+                    c.request.exit_depths = [self.s.num_loops]
+        elif isinstance(step, WindowStep) and step.prompt is not None:
+            for c in step.prompt:           # as the window has them: the first token looping
+                c.request.num_prefilled = c.request.prompt_len
+                c.request.start_token()
 
-    def decode_queued(self) -> None:
-        """Decode work was queued outside ``schedule`` (a window continued behind an
-        admission's prefill): prefill batches before the next decode count from zero."""
+    # -- the plan -------------------------------------------------------------------
+    def schedule(self) -> Plan:
+        w = self.windows
+        if w is not None and w.inflight and not w.can_continue(self.running, self.waiting, self.free_slots):
+            return self._behind_window()
+        kind, rows, chunks = self._next()
+        if kind == "prefill":
+            return self._prefill_plan(chunks)
+        if w is not None and kind == "loop" and len(rows) == len(self.running):
+            step = w.continued() if w.inflight else w.fresh(list(self.running))
+            # a fresh window's rows are built from the host's state: what is in flight is read first
+            return Plan((step,), settle=not w.inflight, keep_last=True, counts=("window",),
+                        affected=tuple(self.running))
+        if w is not None and kind == "head" and all(
+                r.status is Status.LOOPING or (r.status is Status.AWAITING_HEAD and not r.output_token_ids)
+                for r in self.running):
+            # fresh prompts' first heads, then a window over every running request queued behind
+            # them before the host reads the heads: the window starts those requests from the
+            # tokens the heads left on the device, so the GPU need not wait for the host
+            running = list(self.running)
+            step = w.fresh(running, [r in rows for r in running])
+            return Plan((HeadStep(tuple(rows)), step), settle=True, keep_last=True, counts=("window", "head"),
+                        affected=tuple(running))
+        if kind == "loop":
+            late = self.s.async_scheduling
+            return Plan((LoopStep(tuple(rows), late),), keep_last=late, counts=("loop",), affected=tuple(rows))
+        if kind == "head":
+            return Plan((HeadStep(tuple(rows)),), counts=("head",), affected=tuple(rows))
+        if self.waiting and not self.running:
+            raise RuntimeError(f"scheduler stalled: {len(self.waiting)} waiting request(s) cannot be admitted "
+                               f"into an empty engine (this is a bug)")
+        return Plan(counts=("idle",))
+
+    def _prefill_plan(self, chunks: list[Chunk], counts=("prefill",)) -> Plan:
+        return Plan((PrefillStep(tuple(chunks)),), counts=counts, affected=tuple(c.request for c in chunks))
+
+    def _behind_window(self) -> Plan:
+        """The in-flight window cannot continue: read it, and first queue what the device can
+        run meanwhile. When only an admission stopped it, the next window, continued from the
+        device with the new requests in the rows of finished ones, is queued before the host
+        reads the window in flight. The new prompts run inside that window's first R passes
+        when they fit (mixed prefill); else their prefill step and first heads are queued
+        before it, if the prefill completes every prompt and the window has rows for them.
+        Otherwise the host drains the window first."""
+        w = self.windows
+        drain = Plan(counts=("window_read", "window_drain"), affected=tuple(self.running))
+        if not w.only_admission_waits(self.running, self.waiting, self.free_slots):
+            return drain
+        kind, _, chunks = self._next()     # admits; every running request is in the window
+        if kind != "prefill":              # nothing admitted (the pages are not free yet)
+            if w.can_continue(self.running, self.waiting, self.free_slots, admission_tried=True):
+                return Plan((w.continued(),), keep_last=True, counts=("window_read", "window"),
+                            affected=tuple(self.running))
+            return drain
+        fresh = [c.request for c in chunks]
+        left_out = sum(r.status is Status.PREFILLING for r in self.running) > len(fresh)
+        if not left_out and fits_window(tuple(chunks), w.prompt_tokens(), self.s.prefill_alignment, w.room()):
+            self.prefill_batches_since_decode = 0
+            step = w.admitting(fresh, tuple(chunks))
+            return Plan((step,), keep_last=True, counts=("window_read", "mixed_prefill", "window"),
+                        affected=tuple(fresh))
+        prefill = self._prefill_plan(chunks, counts=("window_read", "prefill"))
+        completes = {id(c.request) for c in chunks if c.start + c.length == c.request.prompt_len}
+        ready = [r for r in self.running if r.status is Status.AWAITING_HEAD or id(r) in completes]
+        if any(r.status is Status.PREFILLING and id(r) not in completes for r in self.running) or len(ready) > w.room():
+            return Plan(prefill.steps, counts=prefill.counts + ("window_drain",), affected=prefill.affected)
         self.prefill_batches_since_decode = 0
+        step = w.admitting(ready)
+        return Plan((prefill.steps[0], HeadStep(tuple(ready)), step), keep_last=True,
+                    counts=prefill.counts + ("window", "head"), affected=tuple(ready))
 
-    # -- what runs next -----------------------------------------------------------
-    def schedule(self) -> StepPlan:
+    def _next(self) -> tuple[str, list[Request], list[Chunk]]:
+        """Admit, then the kind of batch that runs next: (kind, rows, prefill chunks)."""
         self._admit()
         prefilling = [r for r in self.running if r.status is Status.PREFILLING]
         looping = [r for r in self.running if r.status is Status.LOOPING]
@@ -157,44 +186,40 @@ class Scheduler:
         if prefilling and (not decode_work or
                            self.prefill_batches_since_decode < self.config.max_prefill_batches_before_decode):
             self.prefill_batches_since_decode += 1
-            return StepPlan("prefill", chunks=self._prefill_chunks(prefilling))
+            return "prefill", [], self._prefill_chunks(prefilling)
         self.prefill_batches_since_decode = 0
         if self.config.mode == "refill":
             if heads and (len(heads) >= self.config.min_coda_batch_size or not looping):
-                return StepPlan("head", rows=heads)
+                return "head", heads, []
             if looping:
-                return StepPlan("loop", rows=looping)
+                return "loop", looping, []
         else:
             in_cohort = [r for r in looping if r.cohort == self.cohort]
             ready = [r for r in heads if r.cohort is None or not in_cohort]
             if ready and (len(ready) >= self.config.min_coda_batch_size or not in_cohort):
-                return StepPlan("head", rows=ready)
+                return "head", ready, []
             if in_cohort:
-                return StepPlan("loop", rows=in_cohort)
+                return "loop", in_cohort, []
             if looping:
                 self.cohort += 1
                 for r in looping:
                     r.cohort = self.cohort
-                return StepPlan("loop", rows=looping)
+                return "loop", looping, []
             if heads:
-                return StepPlan("head", rows=heads)
+                return "head", heads, []
         if prefilling:
-            return StepPlan("prefill", chunks=self._prefill_chunks(prefilling))
-        return StepPlan("idle")
+            return "prefill", [], self._prefill_chunks(prefilling)
+        return "idle", [], []
 
-    def _prefill_chunks(self, prefilling: list[Request]) -> list[tuple[Request, int, int]]:
-        budget = self.config.max_num_batched_tokens
-        align = self.prefill_alignment
+    def _prefill_chunks(self, prefilling: list[Request]) -> list[Chunk]:
+        budget, align = self.config.max_num_batched_tokens, self.s.prefill_alignment
         chunks = []
         for req in prefilling:
-            rest = req.prompt_len - req.num_prefilled
-            # shared KV: a position finishes all its loops before the next one starts
-            ceiling = max_prefill_chunk(self.config, self.max_model_len, self.position_sequential_prefill)
-            n = min(budget, ceiling, rest)
+            n = min(budget, self.s.max_prefill_chunk, req.prompt_len - req.num_prefilled)
             if chunks and -(-n // align) * align > budget:    # its padding would overrun the budget
                 n = budget // align * align
             if n <= 0:
                 break
-            chunks.append((req, req.num_prefilled, n))
+            chunks.append(Chunk(req, req.num_prefilled, n))
             budget -= -(-n // align) * align
         return chunks

@@ -34,6 +34,7 @@ class Request:
     max_loops: int
     prompt: str | None = None
     trace_depths: list[int] | None = None
+    token_stop_ids: tuple[int, ...] = ()   # ids that end it (EOS unless ignored, stop_token_ids): the device checks them
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
 
     status: Status = Status.WAITING

@@ -21,26 +21,28 @@ With an ``ExecutableStore`` the record pass first looks each call up there, by a
 made from the call's arguments without tracing; a step found is not traced, lowered or
 compiled: its stored output shapes give the stand-ins, and the pool deserializes it.
 Each step XLA compiles afresh is saved. After the warm-up the runner calls
-the compiled steps directly (``executable_store.DispatchedStep``).
+the compiled steps directly (``dispatch.DispatchedStep``).
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 import sys
 import time
 from collections import defaultdict, deque
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rltjax.benchmarks.compile_watch import CompileWatch
-from rltjax.engine.executable_store import (DispatchedStep, ExecutableStore, StepTable, call_signature,
-                                            compile_fresh, program_key, split_static)
-from rltjax.engine.window_calls import WINDOW_SAMPLERS
-from rltjax.engine.host_rows import idle_window_rows
+from rltjax.engine.compile_watch import CompileWatch
+from rltjax.engine.dispatch import DispatchedStep, StepTable, call_signature, program_key, split_static
+from rltjax.engine.executable_store import ExecutableStore, compile_fresh
+from rltjax.engine.window.rows import idle_window_rows
+from rltjax.sampling import SAMPLERS
 
 COMPILE_THREADS = max(1, min(16, os.cpu_count() or 1))
 
@@ -58,13 +60,23 @@ class WarmUp(NamedTuple):
     stored: int = 0        # of the executables, compiled and saved to the ExecutableStore
 
 
-def warm_up(runner, block_tables: np.ndarray, boundary_block_tables: np.ndarray | None = None, *,
-            show_progress: bool = True, threads: int = COMPILE_THREADS,
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One all-padding call of every executable the engine can call: ``run`` builds its
+    batch with the engine's own builders (``host_batches``, ``window.rows``) and calls the
+    runner as steady state does. ``kind`` labels the timing only."""
+    kind: str
+    size: int
+    run: Callable[[], None]
+    sampler: str = ""           # windows: the head's sampler
+
+
+def warm_up(runner, batches, *, show_progress: bool = True, threads: int = COMPILE_THREADS,
             store: ExecutableStore | None = None) -> WarmUp:
     """Compile (or load from ``store``) every executable ``runner`` can call, in ``threads``
-    parallel compiles; then run each once."""
+    parallel compiles; then run each once. batches: the engine's ``HostBatches``."""
     t0 = time.perf_counter()
-    jobs = bucket_jobs(runner)
+    jobs = bucket_jobs(runner, batches)
     real_steps, state = runner.steps, (runner.kv, runner.slot_state, runner.bkv, runner.slot_inject,
                                        runner.slot_tokens, runner.standby)
     real_steps = type(real_steps)(*(getattr(step, "step", step) for step in real_steps))  # a second warm-up
@@ -76,10 +88,10 @@ def warm_up(runner, block_tables: np.ndarray, boundary_block_tables: np.ndarray 
         runner.steps = type(real_steps)(*(_recording(step, table, pool, futures, store)
                                           for step, table in zip(real_steps, tables)))
         try:
-            for kind, n in jobs:
+            for job in jobs:
                 t_job = time.perf_counter()
-                run_job(runner, kind, n, block_tables, boundary_block_tables)
-                lower_by_kind[kind.split("/")[0]] += time.perf_counter() - t_job
+                job.run()
+                lower_by_kind[job.kind] += time.perf_counter() - t_job
         finally:
             runner.steps = type(real_steps)(*(DispatchedStep(step, table)
                                               for step, table in zip(real_steps, tables)))
@@ -93,8 +105,8 @@ def warm_up(runner, block_tables: np.ndarray, boundary_block_tables: np.ndarray 
                       end="", file=sys.stderr, flush=True)
     t_compiled = time.perf_counter()
     with CompileWatch() as late:
-        for kind, n in jobs:
-            run_job(runner, kind, n, block_tables, boundary_block_tables)
+        for job in jobs:
+            job.run()
         jax.block_until_ready(runner.kv)
     elapsed = time.perf_counter() - t0
     loaded, stored = (store.loaded - loaded_before, store.saved - saved_before) if store else (0, 0)
@@ -113,58 +125,40 @@ def warm_up(runner, block_tables: np.ndarray, boundary_block_tables: np.ndarray 
                   {k: round(v, 3) for k, v in lower_by_kind.items()}, loaded, stored)
 
 
-def bucket_jobs(runner) -> list[tuple[str, int]]:
-    """(kind, bucket) of every executable the runner's engine can call, the longest compiles
-    first (mixed-prefill windows, decode windows, then prefill, largest buckets first): the
-    pool then does not end on one long compile started last."""
-    jobs = []
-    if runner.window_spec:
-        jobs += [(f"window_mixed/{sampler}", b) for b in reversed(runner.mixed_buckets) for sampler in WINDOW_SAMPLERS]
-        jobs += [(f"window/{sampler}", b) for b in reversed(runner.window_buckets) for sampler in WINDOW_SAMPLERS]
-        if runner.uses_standby:
-            jobs += [("standby_put", runner.max_num_seqs + 1)]
-        jobs += [("window_merge", b) for b in runner.window_buckets if not runner.standby_for(b)]
-    jobs += [("prefill", t) for t in reversed(runner.token_buckets)]
-    jobs += [("loop", b) for b in runner.row_buckets] + [("head", b) for b in runner.row_buckets]
-    if runner.has_boundary:
-        jobs += [("embed", b) for b in runner.row_buckets]
+def bucket_jobs(runner, batches) -> list[Job]:
+    """A job per executable the runner's engine can call, the longest compiles first
+    (mixed-prefill windows, decode windows, then prefill, largest buckets first): the pool
+    then does not end on one long compile started last."""
+    s, jobs = runner.s, []
+    w = s.window
+    idle = lambda n: idle_window_rows(n, s.num_planes, w.trace_width)          # noqa: E731
+    no_owner = np.full(s.max_num_seqs + 1, -1, np.int32)
+
+    def window(n: int, sampler: str, prompt_tokens: int = 0):
+        prompt = None if not prompt_tokens else batches.window_prompt([], prompt_tokens, np.zeros(n, bool))
+        runner.window(idle(n), batches.block_tables(), batches.boundary_tables(), no_owner, sampler, prompt)[1].read()
+
+    if w is not None:
+        jobs += [Job("window_mixed", b, functools.partial(window, b, sampler, w.prompt_tokens_for(b)), sampler)
+                 for b in reversed(w.mixed_buckets) for sampler in SAMPLERS]
+        jobs += [Job("window", b, functools.partial(window, b, sampler), sampler) for b in reversed(w.buckets)
+                 for sampler in SAMPLERS]
+        if w.uses_standby:
+            n = s.max_num_seqs + 1
+            jobs.append(Job("standby_put", n, lambda: runner.standby_put(idle(n), np.zeros(n, bool))))
+        jobs += [Job("window_merge", b, functools.partial(
+            lambda n: runner.merge_rows(jax.device_put(idle(n), runner.device), idle(n), np.zeros(n, bool)), b))
+            for b in w.buckets if not w.standby_for(b)]
+    jobs += [Job("prefill", t, functools.partial(lambda t: runner.prefill(batches.prefill([], t)), t))
+             for t in reversed(s.token_buckets)]
+    jobs += [Job("loop", b, functools.partial(lambda b: runner.loop(batches.loop([], b)[0], 0).read(), b))
+             for b in s.row_buckets]
+    jobs += [Job("head", b, functools.partial(lambda b: runner.head(batches.head([], b), 0).read(), b))
+             for b in s.row_buckets]
+    if s.has_boundary:
+        jobs += [Job("embed", b, functools.partial(lambda b: runner.embed(batches.embed_padding(b)), b))
+                 for b in s.row_buckets]
     return jobs
-
-
-def run_job(runner, kind: str, n: int, block_tables, boundary_block_tables) -> None:
-    """One all-padding call of ``kind`` over ``n`` rows / tokens."""
-    zeros = lambda k: np.zeros(k, np.int32)
-    dummy = np.full(n, runner.dummy_slot, np.int32)
-    pad_rows = runner.padding_boundary_rows(n, boundary_block_tables)
-    if kind == "prefill":
-        runner.prefill(zeros(n), zeros(n), np.zeros((runner.prefill_write_planes, n), np.int32), zeros(n),
-                       np.zeros((runner.cfg.num_loops, n), np.int32), dummy, block_tables, pad_rows)
-    elif kind == "loop":
-        runner.loop(dummy, zeros(n), np.zeros(n, bool), zeros(n) - 1, np.zeros((runner.num_planes, n), np.int32),
-                    zeros(n), zeros(n), block_tables)
-    elif kind.startswith("window/"):
-        runner.window(idle_window_rows(n, runner.num_planes, runner.window_trace_width), block_tables,
-                      boundary_block_tables, sampler=kind.split("/")[1])
-    elif kind.startswith("window_mixed/"):
-        t = runner.prompt_tokens_for(n)
-        prompt = runner.window_prompt((zeros(t), zeros(t) - 1, np.zeros((runner.prefill_write_planes, t), np.int32),
-                                       zeros(t), np.zeros((runner.cfg.num_loops, t), np.int32),
-                                       np.full(t, runner.dummy_slot, np.int32)), np.zeros(n, bool))
-        idle = idle_window_rows(n, runner.num_planes, runner.window_trace_width)
-        runner.window_read(*runner.window_launch(idle, block_tables, boundary_block_tables,
-                                                 kind.split("/")[1], prompt), n)
-    elif kind == "window_merge":
-        idle = idle_window_rows(n, runner.num_planes, runner.window_trace_width)
-        runner.window_merge(jax.device_put(idle, runner.device), idle, np.zeros(n, bool))
-    elif kind == "standby_put":
-        runner.standby_put(idle_window_rows(n, runner.num_planes, runner.window_trace_width), np.zeros(n, bool))
-    elif kind == "embed":
-        runner.embed(dummy, zeros(n), zeros(n) - 1, zeros(n), pad_rows)
-    elif kind == "head":
-        runner.head(dummy, np.zeros(n, np.float32), zeros(n), np.ones(n, np.float32), np.zeros(n, np.uint32),
-                    np.zeros(n, np.uint32), zeros(n), zeros(n) - 1, pad_rows)
-    else:
-        raise ValueError(f"unknown executable kind {kind!r}")
 
 
 def _recording(step, table: StepTable, pool: ThreadPoolExecutor, futures: list, store: ExecutableStore | None):

@@ -82,7 +82,7 @@ def measure(engine, concurrency: int, args, params, outputs=None) -> dict:
     rng = np.random.default_rng(0)
     warm = dataclasses.replace(params, max_tokens=min(8, params.max_tokens))
     run_closed_loop(engine, concurrency, concurrency, args.prompt_len, warm, rng, f"warm{concurrency}")
-    from rltjax.benchmarks.compile_watch import CompileWatch
+    from rltjax.engine.compile_watch import CompileWatch
     engine.steps_by_kind.clear()
     n = max(concurrency, args.num_requests or concurrency)
     with CompileWatch() as compiles:
@@ -107,7 +107,7 @@ def profile_run(engine, concurrency: int, args, params, rng) -> dict:
 
     import jax
 
-    from rltjax.benchmarks.kernel_trace import format_summary, summarise_dir
+    from rltjax.profiling import format_summary, summarise_dir
     trace_dir = os.path.join(args.trace_dir, f"c{concurrency}")
     engine.steps_by_kind.clear()
     short = dataclasses.replace(params, max_tokens=min(args.trace_tokens, params.max_tokens))
@@ -139,7 +139,7 @@ def bench_engine(args: argparse.Namespace, outputs: dict) -> dict:
     receives each request's token ids."""
     import jax
 
-    from checkpoints.random_init import random_checkpoint
+    from rltjax.checkpoints.random_init import random_checkpoint
     from rltjax.entrypoints.llm import build_engine, setup_compilation_cache
     from rltjax.sampling_params import SamplingParams
 
@@ -177,7 +177,7 @@ def bench_engine(args: argparse.Namespace, outputs: dict) -> dict:
 def run_bench(args: argparse.Namespace) -> int:
     import jax
 
-    from rltjax.benchmarks.report import source_identity
+    from rltjax.source_files import source_identity
 
     variants = [variant_args(args, spec) for spec in args.variant]     # bad flags fail before any engine
     base_outputs: dict = {}

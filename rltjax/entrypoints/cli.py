@@ -44,7 +44,7 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _reference_outputs(model_dir, args, prompts, sp, configs):
-    from checkpoints.loader import load_checkpoint
+    from rltjax.checkpoints.loader import load_checkpoint
     from rltjax.models.base import get_model
     from rltjax.reference.generate import ReferenceModel
     from rltjax.tokenizer import Tokenizer
@@ -58,7 +58,7 @@ def _reference_outputs(model_dir, args, prompts, sp, configs):
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from checkpoints.tiny import default_demo_checkpoint
+    from rltjax.checkpoints.tiny import default_demo_checkpoint
     from rltjax.entrypoints.llm import LLM
     from rltjax.sampling_params import SamplingParams
 
@@ -97,7 +97,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from checkpoints import convert
+    from rltjax.checkpoints import convert
     from rltjax.entrypoints.bench import add_bench_arguments, run_bench
 
     parser = argparse.ArgumentParser(prog="rltjax", description="Serve looped language models with JAX.")
@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from checkpoints.safetensors_reader import CheckpointError
+    from rltjax.checkpoints.safetensors_reader import CheckpointError
     from rltjax.config import ConfigError
     from rltjax.engine_config import EngineConfigError
     from rltjax.engine.llm_engine import RequestRejectedError

@@ -36,6 +36,13 @@ def _int_or_rows_map(text: str) -> int | dict[int, int]:
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The engine flags shared by generate, serve and bench, one argument group per config."""
+    for add in (_model_arguments, _cache_arguments, _scheduler_arguments, _exit_arguments, _kernel_arguments,
+                _window_arguments, _compile_arguments):
+        add(p)
+
+
+def _model_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="parameter dtype (default: the checkpoint's)")
@@ -44,6 +51,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         'e.g. \'{"total_ut_steps": 2}\'')
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the model's position limit)")
+
+
+def _cache_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("KV cache")
     g.add_argument("--kv-layout", default="last_exited", choices=KV_LAYOUTS,
                    help="last_exited: one KV plane per loop depth (exact); shared: one plane (less memory)")
@@ -55,6 +65,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cache-max-loops", type=int, default=None,
                    help="deepest recurrence a request may ask for (default: the model's loop count R); "
                         "above R only for models that allow it (Huginn); last_exited keeps this many planes")
+
+
+def _scheduler_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("scheduler")
     g.add_argument("--scheduler-mode", default="refill", choices=SCHEDULER_MODES,
                    help="refill: Continuous Depth Batching; no_refill: a cohort loops until all rows exit")
@@ -68,11 +81,17 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="prefill batches in a row before a decode step runs, while requests decode")
     g.add_argument("--min-coda-batch-size", type=int, default=1,
                    help="heads wait for this many rows unless no loop work remains")
+
+
+def _exit_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("exits")
     g.add_argument("--exit-mode", default="ouro", choices=[m for m in EXIT_MODES if m != "trace"],
                    help="how a decode token picks its loop count (latent_diff: Huginn's relative latent change)")
     g.add_argument("--lookahead-seed", type=int, default=0, help="seed of random_lookahead's frozen head")
-    g = p.add_argument_group("execution")
+
+
+def _kernel_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("kernels")
     g.add_argument("--attn-impl", default="auto", choices=ATTN_IMPLS,
                    help="paged attention: auto = Pallas kernel on GPU, XLA elsewhere")
     g.add_argument("--attn-num-splits", type=parse_attn_splits, default=None, metavar="N | ROWS:N,...",
@@ -92,6 +111,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "engine always disables XLA's rematerialization pass, and XLA's Triton GEMMs where the decode "
                         "projections run on its kernels (Ouro's shapes on the Pallas kernels, --matmul-impl not "
                         "xla, up to 64 requests) unless xla_gpu_enable_triton_gemm is given)")
+
+
+def _window_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("decode windows")
     g.add_argument("--decode-window", type=int, default=None, metavar="K",
                    help="decode as device-side windows of up to K loop passes (0: one pass per step; "
                         f"default: {DEFAULT_DECODE_WINDOW} where windows can run)")
@@ -114,6 +137,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--async-scheduling", action="store_true",
                    help="launch each loop pass before reading the previous pass's exit signals "
                         "(exit modes ouro_delayed, random_lookahead, fixed)")
+
+
+def _compile_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("start-up")
     g.add_argument("--no-compile-ahead", action="store_true",
                    help="compile batch shapes on first use instead of at start-up")
     g.add_argument("--compilation-cache-dir", default=str(default_cache_dir()),

@@ -15,13 +15,14 @@ from typing import Any, Mapping, Sequence
 import jax
 import numpy as np
 
-from checkpoints.loader import load_checkpoint
+from rltjax.checkpoints.loader import load_checkpoint
 from rltjax.cache.block_tables import pages_needed
 from rltjax.cache.sizing import KVSizingError, allocate_paged_kv, boundary_num_pages, num_pages_for_memory
 from rltjax.engine.llm_engine import LLMEngine
 from rltjax.engine.outputs import RequestOutput
+from rltjax.engine.settings import resolve_settings
 from rltjax.engine_config import CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig
-from rltjax.models.base import boundary_kv_layers, get_model, loop_limit
+from rltjax.models.base import boundary_kv_layers, get_model
 from rltjax.models.layers import split_layer_stacks
 from rltjax.sampling_params import SamplingParams
 from rltjax.tokenizer import Tokenizer
@@ -59,26 +60,24 @@ def build_engine(model_dir, *, dtype=None, hf_overrides=None, cache_config: Cach
     max_model_len = min(cfg.max_position, scheduler_config.max_model_len or cfg.max_position)
     dtype = params.embed.dtype
     model = get_model(cfg)
-    cache_config.checked_loop_cap(cfg.num_loops, loop_limit(model), cfg.arch)   # before KV is sized by it
-    num_planes = cache_config.num_planes(cfg.num_loops)
+    settings = resolve_settings(model, cache=cache_config, scheduler=scheduler_config, exit_config=exit_config,
+                                execution=execution_config, max_model_len=max_model_len, kv_dtype=dtype)
     boundary_layers = boundary_kv_layers(model)      # Huginn's prelude + coda; 0 for plain models
     num_pages = cache_config.num_pages
     if num_pages is None:
         try:
             num_pages = num_pages_for_memory(cfg, cache_config.page_size, dtype,
                                              cache_config.gpu_memory_utilization,
-                                             boundary_layers=boundary_layers, num_planes=num_planes)
+                                             boundary_layers=boundary_layers, num_planes=settings.num_planes)
         except KVSizingError:   # no memory statistics (CPU): room for max_num_seqs full sequences
-            num_pages = 1 + scheduler_config.max_num_seqs * num_planes * pages_needed(
+            num_pages = 1 + settings.max_num_seqs * settings.num_planes * pages_needed(
                 max_model_len, cache_config.page_size)
     kv = allocate_paged_kv(cfg, num_pages, cache_config.page_size, dtype)
     boundary_kv = None
     if boundary_layers:
-        boundary_kv = allocate_paged_kv(cfg, boundary_num_pages(num_pages, num_planes), cache_config.page_size,
-                                        dtype, num_layers=boundary_layers)
-    return LLMEngine(model, params, kv, tokenizer=tokenizer, cache_config=cache_config,
-                     scheduler_config=scheduler_config, exit_config=exit_config,
-                     execution_config=execution_config, max_model_len=max_model_len, boundary_kv=boundary_kv)
+        boundary_kv = allocate_paged_kv(cfg, boundary_num_pages(num_pages, settings.num_planes),
+                                        cache_config.page_size, dtype, num_layers=boundary_layers)
+    return LLMEngine(model, params, kv, settings=settings, tokenizer=tokenizer, boundary_kv=boundary_kv)
 
 
 class LLM:

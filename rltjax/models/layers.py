@@ -13,12 +13,33 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from kernels.paged_attention_ref import rope_rotate_half_ref
-from kernels.residual_norm import rms_norm as upstream_rms_norm
-from kernels.skinny_matmul import silu_mul
 
 
-rms_norm = upstream_rms_norm     # the models' RMSNorm, shared with the fused kernel's oracle
+# The kernels' plain-JAX references (``rltjax.kernels``) compute these same three functions
+# for their own oracles; ``tests/test_model_math.py`` holds the two equal bit for bit.
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """[..., D] -> [..., D]; normalise in float32, cast back, then scale."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * y.astype(x.dtype)
+
+
+def silu_mul(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """silu(gate) * up in their dtype, computed in float32 and rounded once on every backend
+    (left to XLA, bf16 rounded after each op on a CPU and not inside a GPU fusion); upstream's
+    bfloat16 rounds twice (SiLU, then the product): at most one step apart."""
+    g32 = gate.astype(jnp.float32)
+    return (g32 / (1.0 + jnp.exp(-g32)) * up.astype(jnp.float32)).astype(gate.dtype)
+
+
+def rope_rotate_half(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE (Llama / Qwen): x [N, H, Dh], cos/sin [N, Dh / 2] float32 -> x's dtype;
+    with x = (lo, hi): (lo cos - hi sin, hi cos + lo sin) in float32, cast back once."""
+    half = x.shape[-1] // 2
+    x32 = x.astype(jnp.float32)
+    lo, hi = x32[..., :half], x32[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return jnp.concatenate([lo * c - hi * s, hi * c + lo * s], axis=-1).astype(x.dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float) -> jax.Array:
@@ -62,7 +83,7 @@ class Rope:
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """[N, H, Dh] -> [N, H, Dh] in x's dtype."""
-        return (rope_interleaved if self.interleaved else rope_rotate_half_ref)(x, self.cos, self.sin)
+        return (rope_interleaved if self.interleaved else rope_rotate_half)(x, self.cos, self.sin)
 
 
 def project_qkv(h: jax.Array, lw, matmul, cfg) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -118,7 +139,7 @@ def unfuse_qkv(layer, q_width: int, kv_width: int):
 def swiglu(x: jax.Array, matmul, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
     """[N, D] -> [N, D]; ``matmul(x, w)`` applies one projection (w_gate/w_up [.., D, F],
     w_down [.., F, D]: the backend's matmul picks the layer of stacked weights). x reaches the
-    up projection through a barrier, as in ``kernels.skinny_matmul.gated_up_ref``: XLA:GPU would
+    up projection through a barrier, as ``rltjax.kernels.gated_up_ref`` does: XLA:GPU would
     otherwise merge the two dots by concatenating their weights on every call."""
     x_up = jax.lax.optimization_barrier(x)
     return matmul(silu_mul(matmul(x, w_gate), matmul(x_up, w_up)), w_down)

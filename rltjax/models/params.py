@@ -8,7 +8,7 @@ the loading code.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -72,11 +72,6 @@ def unflatten_params(template: Any, flat: dict[str, Any]) -> Any:
         raise KeyError(f"parameter names do not match the model: missing {missing}, unexpected {extra}")
     treedef = jax.tree_util.tree_structure(template)
     return jax.tree_util.tree_unflatten(treedef, [flat[n] for n in names])
-
-
-def map_params(fn: Callable[[str, Any], Any], params: Any) -> Any:
-    flat = flatten_params(params)
-    return unflatten_params(params, {name: fn(name, leaf) for name, leaf in flat.items()})
 
 
 def llama_stack_specs(cfg, layer_norms: dict[str, str]) -> list[TensorSpec]:

@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels.residual_norm import residual_norm_ref
-from kernels.skinny_matmul import gated_up_ref, skinny_matmul_ref
+from rltjax.kernels.residual_norm import residual_norm_ref
+from rltjax.kernels.skinny_matmul import gated_up_ref, skinny_matmul_ref
 from rltjax.models.layers import causal_softmax_attention
 
 

@@ -17,12 +17,6 @@ F32 = np.float32
 REFERENCE_EXIT_MODES = EXIT_MODES
 
 
-def lookahead_weights(seed: int, hidden_size: int, initializer_range: float) -> np.ndarray:
-    """The frozen random Linear(h->1) of ``random_lookahead``: N(0, std) from the seed alone."""
-    rng = np.random.Generator(np.random.PCG64(seed))
-    return (rng.standard_normal(hidden_size) * initializer_range).astype(F32)
-
-
 class TokenExit:
     """Exit decision state for one decode token."""
 

@@ -25,7 +25,8 @@ import numpy as np
 from rltjax.engine_config import EngineConfigError, ExitConfig, check_kv_layout, validate_trace_depths
 from rltjax.models.base import boundary_kv_layers, loop_limit, signal_kind
 from rltjax.reference.dense_kv import DenseKVBackend, DenseMeta, empty_kv, read_planes_for
-from rltjax.reference.exits import REFERENCE_EXIT_MODES, TokenExit, lookahead_weights
+from rltjax.models.lookahead import lookahead_weights
+from rltjax.reference.exits import REFERENCE_EXIT_MODES, TokenExit
 from rltjax.reference.stages import BoundaryFns, BoundaryStages, PlainStages
 from rltjax.sampling import sample_one, token_logprobs
 from rltjax.sampling_params import SamplingParams, SamplingParamsError

@@ -1,0 +1,116 @@
+"""The one table of feature rules: which engine options combine, on which models.
+
+Each option on its own is checked by its config object (``rltjax.engine_config``); which
+options combine with each other and with the model is ``RULES``, checked once by
+``check_rules`` when the engine's settings are resolved (``engine.settings``). A rule names
+the flags it is about and how to fix the combination. New features add rows here, not
+``if``/``raise`` chains downstream.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from rltjax.engine.exit_policy import SAME_STEP_MODES
+from rltjax.engine_config import (DEFAULT_PREFILL_TOKENS_KERNEL, DEFAULT_PREFILL_TOKENS_XLA, CacheConfig,
+                                  EngineConfigError, ExecutionConfig, ExitConfig, SchedulerConfig)
+
+
+
+@dataclasses.dataclass(frozen=True)
+class RuleInputs:
+    """The configs, the model's facts and the two choices the rules depend on once resolved."""
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    exit: ExitConfig
+    execution: ExecutionConfig
+    arch: str
+    num_loops: int            # R
+    loop_limit: int           # the deepest recurrence the model allows
+    signal_kind: str          # "gate", "latent_diff" or "none" (models.base.signal_kind)
+    has_boundary: bool        # prelude / coda KV (Huginn)
+    window_passes: int        # K, resolved (0: no windows)
+    fixed_trip: bool          # resolved window_trip
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    what: str | Callable[[RuleInputs], str]    # the combination, in words (with the values given)
+    broken: Callable[[RuleInputs], bool]       # true when these inputs break the rule
+    fix: str                                   # what to change (flags named)
+
+
+def mixed_prefill_blocker(i: RuleInputs) -> str | None:
+    """Why this engine's windows cannot carry prompts (mixed prefill), None when they can."""
+    if not i.window_passes:
+        return "decode windows do not run here (ExecutionConfig.decode_window resolved to 0)"
+    if i.has_boundary:
+        return f"{i.arch} has boundary stages (its prelude / coda KV)"
+    if not i.fixed_trip:
+        return "the windows stop early (window_trip early_stop)"
+    if i.window_passes <= i.num_loops:
+        return f"decode_window={i.window_passes} leaves no pass after the prompts' R={i.num_loops} loops"
+    if i.cache.kv_layout != "last_exited":
+        return "the shared KV layout prefills one position at a time"
+    return None
+
+
+def _cap(i: RuleInputs) -> int:
+    return i.num_loops if i.cache.max_loops is None else i.cache.max_loops
+
+
+def _windows_asked(i: RuleInputs) -> bool:
+    return (i.execution.decode_window or 0) > 0
+
+
+RULES: tuple[Rule, ...] = (
+    Rule(lambda i: f"CacheConfig.max_loops={i.cache.max_loops}: must be in [R={i.num_loops}, {i.loop_limit}] for "
+         f"{i.arch} (prompt tokens run R loops; the model allows at most {i.loop_limit})",
+         lambda i: not i.num_loops <= _cap(i) <= i.loop_limit,
+         "set CacheConfig.max_loops within that range (None: R)"),
+    Rule("prefill_chunk_size cannot exceed max_num_batched_tokens",
+         lambda i: None not in (i.scheduler.prefill_chunk_size, i.scheduler.max_num_batched_tokens)
+         and i.scheduler.prefill_chunk_size > i.scheduler.max_num_batched_tokens,
+         "lower SchedulerConfig.prefill_chunk_size or raise max_num_batched_tokens (left unset, the budget is "
+         f"{DEFAULT_PREFILL_TOKENS_KERNEL} where prefill runs on the Pallas prefill kernel, else "
+         f"{DEFAULT_PREFILL_TOKENS_XLA})"),
+    Rule("min_coda_batch_size cannot exceed max_num_seqs (heads would wait forever)",
+         lambda i: i.scheduler.min_coda_batch_size > i.scheduler.max_num_seqs,
+         "lower SchedulerConfig.min_coda_batch_size"),
+    Rule("ExitConfig.mode='latent_diff' needs a model whose loop signal is the relative latent change (Huginn)",
+         lambda i: i.exit.mode == "latent_diff" and i.signal_kind != "latent_diff",
+         "use another ExitConfig.mode for this model"),
+    Rule("decode windows run refill scheduling only (no_refill cohorts wait on the host)",
+         lambda i: _windows_asked(i) and i.scheduler.mode != "refill",
+         "use SchedulerConfig.mode='refill' or ExecutionConfig.decode_window=0"),
+    Rule("decode windows run every head at once (min_coda_batch_size must be 1)",
+         lambda i: _windows_asked(i) and i.scheduler.min_coda_batch_size > 1,
+         "use SchedulerConfig.min_coda_batch_size=1 or ExecutionConfig.decode_window=0"),
+    Rule("async scheduling reads exit signals one pass late: the same-step modes ouro and latent_diff "
+         "need each pass's signal before the next pass",
+         lambda i: i.execution.async_scheduling and i.exit.mode in SAME_STEP_MODES,
+         "use ExitConfig.mode='ouro_delayed' (or random_lookahead) or ExecutionConfig.async_scheduling=False"),
+    Rule("decode_window_rows limits decode windows",
+         lambda i: i.execution.decode_window_rows is not None and i.execution.decode_window == 0,
+         "leave ExecutionConfig.decode_window unset (or > 0) or decode_window_rows=None"),
+    Rule("decode_window_rows places requests on the device, which mixed prefill's prompt rows cannot share",
+         lambda i: i.execution.decode_window_rows is not None and i.execution.asks_mixed_prefill,
+         "set ExecutionConfig.decode_window_rows=None or mixed_prefill_tokens=0"),
+    Rule(lambda i: f"ExecutionConfig.mixed_prefill_tokens={i.execution.mixed_prefill_tokens}: "
+         f"{mixed_prefill_blocker(i)}; mixed prefill runs inside decode windows (fixed-trip windows of more than R "
+         "passes, the last_exited KV layout, a model without boundary stages)",
+         lambda i: i.execution.asks_mixed_prefill and mixed_prefill_blocker(i) is not None,
+         "leave ExecutionConfig.decode_window and window_trip at their defaults (or K > R, 'fixed') and "
+         "CacheConfig.kv_layout='last_exited', or set mixed_prefill_tokens=0"),
+    Rule("the Pallas kernel needs page_size >= 8",
+         lambda i: i.execution.attn_impl == "pallas" and i.cache.page_size < 8,
+         "use CacheConfig.page_size >= 8 or ExecutionConfig.attn_impl='xla'"),
+)
+
+
+def check_rules(inputs: RuleInputs) -> None:
+    """Raise EngineConfigError for the first rule these inputs break."""
+    for rule in RULES:
+        if rule.broken(inputs):
+            what = rule.what(inputs) if callable(rule.what) else rule.what
+            raise EngineConfigError(f"unsupported option combination: {what}; {rule.fix}")

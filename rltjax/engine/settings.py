@@ -1,0 +1,279 @@
+"""Every engine option resolved once: ``EngineSettings``.
+
+``resolve_settings`` turns the user's configs (``rltjax.engine_config``), the model and the
+platform into one frozen record: the loop cap and KV planes, the exit mode as it runs, the
+prefill budgets, which attention and projection kernels run, the XLA options, the row and
+token buckets the executables are compiled for, and the decode windows (K, trip, mixed
+prefill per row bucket, standby entries). Every ``"auto"`` and every ``None`` default is
+decided here and nowhere else; the feature rules are checked here, from one table
+(``engine.rules``). The scheduler, executor, runner and warm-up read the record; none of
+them derives a setting again.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from rltjax.cache.paged_kv import PagedKVBackend
+from rltjax.engine.exit_policy import RAW_SIGNAL_MODES
+from rltjax.engine.rules import RuleInputs, check_rules, mixed_prefill_blocker
+from rltjax.engine_config import (AUTO_MIXED_PREFILL, DEFAULT_DECODE_WINDOW, DEFAULT_PREFILL_CHUNK,
+                                  DEFAULT_PREFILL_TOKENS_KERNEL, DEFAULT_PREFILL_TOKENS_XLA, CacheConfig,
+                                  ExecutionConfig, ExitConfig, SchedulerConfig)
+from rltjax.jit_options import engine_options
+from rltjax.kernels.paged_attention import kernel_unsupported
+from rltjax.kernels.prefill_attention import DEFAULT_BLOCK_Q
+from rltjax.kernels.skinny_matmul import MAX_ROWS, SINGLE_PASS_MAX_K
+from rltjax.models.base import boundary_kv_layers, loop_limit, signal_kind
+
+NUM_TOP_LOGPROBS = 20
+MIN_TOKEN_BUCKET = 32   # prefill token counts pad to >= this: fewer executables, negligible padding
+MIN_ROW_BUCKET = 8      # loop/head/window rows pad to >= this: a pass is weight-bound, 8 rows cost as 1
+PREFILL_BLOCK_Q = DEFAULT_BLOCK_Q   # prefill-kernel query rows: chunks start at multiples of it
+
+
+def bucket(n: int) -> int:
+    """Smallest power of two >= n."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def buckets_up_to(limit: int, smallest: int = 1) -> tuple[int, ...]:
+    """Powers of two from ``smallest`` (capped at bucket(limit)) up to bucket(limit)."""
+    top = bucket(limit)
+    return tuple(b for b in (1 << i for i in range(top.bit_length())) if min(smallest, top) <= b < limit) + (top,)
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowSettings:
+    """Decode windows as they run: K passes a window, its trip, and per row bucket whether
+    it carries prompts (mixed prefill) or takes requests as standby entries."""
+    num_passes: int                          # K
+    fixed_trip: bool                         # exactly K passes (no predicate read between passes)
+    trace_width: int                         # width of a row's recorded trace (trace mode)
+    buckets: tuple[int, ...]                 # the row buckets windows run
+    prompt_tokens: tuple[tuple[int, int], ...]   # (row bucket, prompt tokens it carries), mixed buckets only
+    swap_every_pass: bool                    # standby entries wait past a window's start
+
+    def prompt_tokens_for(self, rows: int) -> int:
+        """Prompt tokens a window of this row bucket carries (0: none; it takes standby entries)."""
+        return dict(self.prompt_tokens).get(rows, 0)
+
+    @property
+    def mixed_buckets(self) -> tuple[int, ...]:
+        return tuple(b for b, _ in self.prompt_tokens)
+
+    def standby_for(self, rows: int) -> bool:
+        return rows not in self.mixed_buckets
+
+    @property
+    def uses_standby(self) -> bool:
+        return any(self.standby_for(b) for b in self.buckets)
+
+    def bucket_for(self, n: int) -> int:
+        """The row bucket of a window over n requests (at most the largest)."""
+        return min(max(bucket(n), self.buckets[0]), self.buckets[-1])
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSettings:
+    arch: str
+    num_loops: int               # R
+    loop_limit: int              # the deepest recurrence the model allows
+    loop_cap: int                # the deepest this engine serves (CacheConfig.max_loops)
+    num_planes: int              # KV planes a request holds
+    layered: bool                # the last_exited layout (else shared)
+    has_boundary: bool           # prelude / coda KV (Huginn)
+    page_size: int
+    exit_mode: str               # as it runs (the ouro modes run fixed on models without a gate)
+    exit_config: ExitConfig      # lookahead seed, recorded traces
+    scheduler: SchedulerConfig   # prefill budgets filled in
+    max_model_len: int
+    max_prefill_chunk: int       # the longest chunk one request gets in a prefill batch
+    prefill_alignment: int       # prefill chunks start at multiples of this (1: anywhere)
+    attention_on_kernel: bool
+    decode_backend: PagedKVBackend
+    prefill_backend: PagedKVBackend
+    xla_options: tuple[tuple[str, object], ...]
+    row_buckets: tuple[int, ...]     # loop, head and embed steps
+    token_buckets: tuple[int, ...]   # prefill steps
+    window: WindowSettings | None    # None: no decode windows
+    async_scheduling: bool
+    compile_ahead: bool
+    show_progress: bool
+    store_dir: str | None        # the executable store's folder (None: no store)
+    num_top: int                 # top logprobs a head computes
+
+    @property
+    def kv_layout(self) -> str:
+        return "last_exited" if self.layered else "shared"
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.scheduler.max_num_seqs
+
+    @property
+    def dummy_slot(self) -> int:
+        """The per-slot buffers' last row, which padded rows name (their writes are dropped)."""
+        return self.scheduler.max_num_seqs
+
+    @property
+    def raw_signal(self) -> bool:
+        """Loop passes return the loop's raw signal instead of hazard and lookahead score."""
+        return self.exit_mode in RAW_SIGNAL_MODES
+
+    @property
+    def prefill_write_planes(self) -> int:
+        """Planes a prompt token's loops write: R, or the loop cap when planes reach past R."""
+        return max(self.num_loops, self.num_planes)
+
+
+def prefill_budgets(config: SchedulerConfig, prefill_kernel: bool) -> SchedulerConfig:
+    """The token budgets left unset, filled. A prefill step is a pass of its own (decode rows
+    wait) and each chunk reads the weights R times, so steps should be large: 128-token chunks
+    doubled a 256-token prompt's weight reads (H200, Ouro-1.4B, ShareGPT C = 32: 2,988.7 ->
+    3,111.1 tok/s with 1,024 / 512; ``docs/performance.md``, prefill). On the Pallas prefill
+    kernel: 1,024 tokens a step. XLA's dense attention gathers every prompt token's whole block
+    table (temporaries grow with tokens x max_model_len), so there: 256."""
+    budget = config.max_num_batched_tokens or (DEFAULT_PREFILL_TOKENS_KERNEL if prefill_kernel
+                                                else DEFAULT_PREFILL_TOKENS_XLA)
+    chunk = config.prefill_chunk_size or min(DEFAULT_PREFILL_CHUNK, budget)
+    return dataclasses.replace(config, max_num_batched_tokens=budget, prefill_chunk_size=chunk)
+
+
+def longest_prefill_chunk(config: SchedulerConfig, max_model_len: int, layered: bool) -> int:
+    """The longest chunk one request gets in a prefill batch: one position at a time with the
+    shared KV layout (a position finishes all its loops before the next one starts), else the
+    chunk size, and never more than a prompt can be (a request needs room for one output)."""
+    return min(config.prefill_chunk_size, max(1, max_model_len - 1)) if layered else 1
+
+
+def prefill_batch_bound(max_num_batched_tokens: int, max_num_seqs: int, max_chunk: int, alignment: int) -> int:
+    """The most tokens one prefill batch can hold, alignment padding included: the budget (or
+    one aligned chunk when the budget is smaller), unless max_num_seqs chunks of at most
+    max_chunk tokens each cannot fill it (no larger bucket is compiled)."""
+    padded_chunk = -(-max_chunk // alignment) * alignment
+    return min(max(max_num_batched_tokens, alignment), max_num_seqs * padded_chunk)
+
+
+def auto_matmul_shapes(cfg) -> tuple[tuple[int, int], ...]:
+    """matmul_impl "auto"'s kernel shapes: the fused q|k|v and the o projection, with K up to
+    the kernel's one pass (o may still split K in two where its consumer adds partial sums),
+    the regime it beat XLA in on an H200 (Ouro's shapes; none for Nanbeige's or Huginn's wider
+    K); only where attention runs on the Pallas kernels."""
+    shapes = ((cfg.hidden_size, cfg.q_width + 2 * cfg.kv_width), (cfg.q_width, cfg.hidden_size))
+    return tuple(shape for shape in shapes if shape[0] <= SINGLE_PASS_MAX_K)
+
+
+def auto_head_shapes(cfg) -> tuple[tuple[int, int], ...]:
+    """matmul_impl "auto"'s heads on the kernel: the lm_head where K <= the kernel's one pass
+    (Ouro's), which a fixed-trip window's head at few rows skips on passes where no row exits."""
+    return ((cfg.hidden_size, cfg.vocab_size),) if cfg.hidden_size <= SINGLE_PASS_MAX_K else ()
+
+
+def decode_projections_on_kernels(cfg, attention_on_kernel: bool, matmul_impl: str, max_num_seqs: int) -> bool:
+    """Whether every decode batch's projections run on the engine's kernels rather than XLA's
+    dot: Ouro's shapes under matmul_impl auto or pallas, where attention runs on the Pallas
+    kernels, and at most the kernels' MAX_ROWS requests (``jit_options.KERNEL_DECODE_OPTIONS``
+    then apply)."""
+    return (attention_on_kernel and matmul_impl != "xla" and max_num_seqs <= MAX_ROWS
+            and len(auto_matmul_shapes(cfg)) == 2 and bool(auto_head_shapes(cfg)))
+
+
+def attention_on_kernel(execution: ExecutionConfig, cfg, page_size: int, kv_dtype, platform: str) -> bool:
+    """Whether paged attention runs on the Pallas kernels ("auto": on a GPU, where they take
+    the model's shapes)."""
+    q = jax.ShapeDtypeStruct((1, cfg.num_heads, cfg.head_dim), kv_dtype)
+    k = jax.ShapeDtypeStruct((cfg.num_kv_heads, 1, page_size, cfg.head_dim), kv_dtype)
+    return execution.attn_impl == "pallas" or (execution.attn_impl == "auto" and platform == "gpu"
+                                               and kernel_unsupported(q, k) is None)
+
+
+def window_passes(execution: ExecutionConfig, scheduler: SchedulerConfig) -> int:
+    """K: as asked, or DEFAULT_DECODE_WINDOW where windows can run (refill, heads at once)."""
+    if execution.decode_window is not None:
+        return execution.decode_window
+    runs = scheduler.mode == "refill" and scheduler.min_coda_batch_size == 1
+    return DEFAULT_DECODE_WINDOW if runs else 0
+
+
+def fixed_trip(execution: ExecutionConfig, has_boundary: bool) -> bool:
+    """window_trip ``auto``: fixed, except for models with boundary stages, whose prelude would
+    then run every pass (on an H200 the fixed trip was 14% / 24% faster than early stop at 1 /
+    8 Ouro-1.4B streams: the GPU no longer waits on the host between passes)."""
+    return execution.window_trip == "fixed" or (execution.window_trip == "auto" and not has_boundary)
+
+
+def mixed_prompt_tokens(steps, window_buckets, most_tokens: int) -> tuple[tuple[int, int], ...]:
+    """((row bucket, prompt tokens its windows carry), ...) for mixed prefill's (rows, T) steps:
+    the T of the last step a bucket reaches, capped at the largest prefill batch; buckets below
+    the first step and steps of T = 0 carry none."""
+    carried = []
+    for rows in window_buckets:
+        reached = [t for at, t in sorted(steps) if rows >= at]
+        if reached and reached[-1]:
+            carried.append((rows, min(reached[-1], most_tokens)))
+    return tuple(carried)
+
+
+def resolve_settings(model, *, cache: CacheConfig, scheduler: SchedulerConfig, exit_config: ExitConfig,
+                     execution: ExecutionConfig, max_model_len: int, kv_dtype,
+                     platform: str | None = None) -> EngineSettings:
+    """The one place that resolves the configs against the model (``get_model``'s), the KV
+    dtype and the platform (default: jax's backend)."""
+    cfg, platform = model.cfg, platform or jax.default_backend()
+    R, has_boundary = cfg.num_loops, boundary_kv_layers(model) > 0
+    passes, fixed = window_passes(execution, scheduler), fixed_trip(execution, has_boundary)
+    inputs = RuleInputs(cache, scheduler, exit_config, execution, cfg.arch, R, loop_limit(model),
+                        signal_kind(model), has_boundary, passes, fixed)
+    check_rules(inputs)
+    layered = cache.kv_layout == "last_exited"
+    on_kernel = attention_on_kernel(execution, cfg, cache.page_size, kv_dtype, platform)
+    alignment = PREFILL_BLOCK_Q if layered and on_kernel else 1
+    scheduler = prefill_budgets(scheduler, prefill_kernel=alignment > 1)
+    check_rules(dataclasses.replace(inputs, scheduler=scheduler))      # the budgets as they run
+    longest_chunk = longest_prefill_chunk(scheduler, max_model_len, layered)
+    most_tokens = prefill_batch_bound(scheduler.max_num_batched_tokens, scheduler.max_num_seqs, longest_chunk,
+                                      alignment)
+    decode = PagedKVBackend(attn_impl=execution.attn_impl, interpret=execution.interpret,
+                            matmul_impl=execution.matmul_impl, decode_rows=True, num_splits=execution.attn_num_splits,
+                            kernel_shapes=auto_matmul_shapes(cfg) if on_kernel else (),
+                            head_shapes=auto_head_shapes(cfg) if on_kernel else (), fused_kernels=on_kernel)
+    # prefill is compute-bound: its projections stay on XLA's dot whatever matmul_impl says
+    prefill = dataclasses.replace(decode, matmul_impl="xla", decode_rows=False,
+                                  prefill_block_q=PREFILL_BLOCK_Q if alignment > 1 else 0)
+    on_kernels = decode_projections_on_kernels(cfg, on_kernel, execution.matmul_impl, scheduler.max_num_seqs)
+    row_buckets = buckets_up_to(scheduler.max_num_seqs, MIN_ROW_BUCKET)
+    token_buckets = buckets_up_to(most_tokens, MIN_TOKEN_BUCKET)
+    exit_mode = exit_config.mode
+    if exit_mode in ("ouro", "ouro_delayed") and not cfg.has_exit_gate:
+        exit_mode = "fixed"          # no learned signal: fixed depth (DESIGN section 2)
+    window = None
+    if passes:
+        rows_cap = execution.decode_window_rows
+        buckets = tuple(b for b in row_buckets if rows_cap is None or b <= rows_cap)
+        steps = execution.mixed_prefill_steps()
+        if steps is None:       # auto: where it can run (the rules refuse only an explicit T)
+            runs = rows_cap is None and mixed_prefill_blocker(inputs) is None
+            steps = AUTO_MIXED_PREFILL if runs else ()
+        prompt_tokens = mixed_prompt_tokens(steps, buckets, token_buckets[-1])
+        uses_standby = any(b not in dict(prompt_tokens) for b in buckets)
+        # trace mode carries each request's whole recorded trace (at most max_model_len outputs);
+        # entries wait past a window's start only when its rows cannot hold every request: the
+        # swap then runs every pass, else once a window (every pass cost the fixed-depth
+        # bench_cdb run 0.9% on an H200)
+        window = WindowSettings(passes, fixed, max_model_len if exit_mode == "trace" else 1, buckets, prompt_tokens,
+                                swap_every_pass=uses_standby and buckets[-1] < scheduler.max_num_seqs)
+    store_dir = None
+    if execution.compile_ahead and execution.executable_cache and execution.compilation_cache_dir:
+        store_dir = f"{execution.compilation_cache_dir}/executables"
+    return EngineSettings(
+        arch=cfg.arch, num_loops=R, loop_limit=loop_limit(model),
+        loop_cap=R if cache.max_loops is None else cache.max_loops, num_planes=cache.num_planes(R),
+        layered=layered, has_boundary=has_boundary, page_size=cache.page_size, exit_mode=exit_mode,
+        exit_config=exit_config, scheduler=scheduler, max_model_len=max_model_len, max_prefill_chunk=longest_chunk,
+        prefill_alignment=alignment, attention_on_kernel=on_kernel, decode_backend=decode, prefill_backend=prefill,
+        xla_options=engine_options(tuple(sorted(dict(execution.xla_options).items())), platform, on_kernels),
+        row_buckets=row_buckets, token_buckets=token_buckets, window=window,
+        async_scheduling=execution.async_scheduling, compile_ahead=execution.compile_ahead,
+        show_progress=execution.show_progress, store_dir=store_dir, num_top=min(NUM_TOP_LOGPROBS, cfg.vocab_size))

@@ -25,6 +25,7 @@ find_python() {
 }
 
 stamp="$venv/.rltjax-installed"
+log="$venv/install.log"
 want="$(cat "$root/pyproject.toml" | sha256sum | cut -d' ' -f1)-$extras"
 if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   if [ ! -x "$venv/bin/python" ]; then
@@ -32,10 +33,19 @@ if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; 
     echo "[venv.sh] creating $venv with $py" >&2
     "$py" -m venv "$venv"
   fi
-  echo "[venv.sh] installing rltjax[$extras] into $venv" >&2
-  "$venv/bin/python" -m pip install --quiet --upgrade pip >&2
-  "$venv/bin/python" -m pip install --quiet -e "$root[$extras]" >&2
+  # pip's own output goes to a log: shown only when the install fails
+  echo "[venv.sh] installing rltjax[$extras] and its dependencies into $venv (a few minutes the first time)" >&2
+  # setuptools notes that every editable install of kernels/ and checkpoints/ as rltjax.* (a
+  # package-dir mapping, found by an import hook) could be shadowed by same-named folders: not here
+  if ! { "$venv/bin/python" -m pip install --upgrade pip && PYTHONWARNINGS="ignore:Editable installation" \
+         "$venv/bin/python" -m pip install -e "$root[$extras]"; } > "$log" 2>&1; then
+    tail -n 25 "$log" >&2
+    echo "error: installing rltjax[$extras] into $venv failed (pip's whole output: $log); fix the cause above" \
+         "and run again" >&2
+    exit 1
+  fi
   echo "$want" > "$stamp"
+  echo "[venv.sh] ready" >&2
 fi
 export PATH="$venv/bin:$PATH"
 cd "$root"

@@ -85,6 +85,7 @@ def build_engine_from_args(args, *, max_num_seqs: int, max_model_len: int, cache
                         compiled_late=engine.warm_up.compiled_late if engine.warm_up else 0,
                         loaded_from_store=engine.warm_up.loaded if engine.warm_up else 0,
                         saved_to_store=engine.warm_up.stored if engine.warm_up else 0,
+                        from_xla_cache=engine.warm_up.from_xla_cache if engine.warm_up else 0,
                         compile_phases=engine.warm_up.phase_seconds if engine.warm_up else {},
                         lower_seconds_by_kind=engine.warm_up.lower_seconds_by_kind if engine.warm_up else {},
                         engine=dict(max_num_seqs=sched.config.max_num_seqs, max_model_len=sched.max_model_len,

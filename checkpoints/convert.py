@@ -40,9 +40,10 @@ def _prepare_dst(src: Path, dst: Path, overwrite: bool) -> None:
     dst.mkdir(parents=True, exist_ok=True)
 
 
-def convert_checkpoint(src: str | Path, dst: str | Path, dtype: Any = "bfloat16",
+def convert_checkpoint(src: str | Path, dst: str | Path, dtype: Any = None,
                        overwrite: bool = False) -> Path:
-    """Convert ``src`` to an Orbax checkpoint in ``dst`` at ``dtype``; returns ``dst``."""
+    """Convert ``src`` to an Orbax checkpoint in ``dst`` at ``dtype`` (None: the source's own);
+    returns ``dst``."""
     src, dst = Path(src).expanduser(), Path(dst).expanduser()
     loaded = load_checkpoint(src, dtype)  # validates src fully before dst is touched
     _prepare_dst(src, dst, overwrite)
@@ -62,8 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Arguments of ``rltjax convert`` (the CLI module owns the subparser)."""
     parser.add_argument("src", help="Hugging Face model dir (config.json + safetensors) or a converted dir")
     parser.add_argument("dst", help="output directory (must be empty unless --overwrite)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16",
-                        help="dtype of the stored weights (default: bfloat16)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                        help="dtype of the stored weights (default: the source's)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing conversion in DST")
     return parser
 
@@ -74,8 +75,9 @@ def run(args: argparse.Namespace) -> int:
         dst = convert_checkpoint(args.src, args.dst, args.dtype, overwrite=args.overwrite)
     except (CheckpointError, ConfigError, NotImplementedError) as exc:
         print(f"rltjax convert: error: {exc}", file=sys.stderr)
-        return 1
-    print(f"converted {args.src} -> {dst} ({args.dtype})")
+        return 2
+    dtype = json.loads((dst / MARKER_FILE).read_text())["dtype"]
+    print(f"converted {args.src} -> {dst} ({dtype})")
     return 0
 
 

@@ -26,6 +26,7 @@ from rltjax.checkpoints.safetensors_reader import (INDEX_FILE, SINGLE_FILE, Chec
 from rltjax.config import ModelConfig
 from rltjax.models.base import arch_module
 from rltjax.models.params import flatten_params, unflatten_params
+from rltjax.progress import progress
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -63,7 +64,9 @@ def load_hf_params(model_dir: str | Path, cfg: ModelConfig, dtype: Any = "bfloat
     validate(infos, expected, ignored)
     shapes = flatten_params(template)
     flat = {}
+    bar = progress(len(specs), f"loading {Path(model_dir).name}")
     for spec in specs:
+        bar.update(1)
         target = shapes[spec.param]
         leaf = spec.to_leaf([read_tensor(infos[name]) for name in spec.hf_names()])
         if leaf.shape != target.shape:  # a spec/init_params disagreement: a bug in the model module
@@ -72,6 +75,7 @@ def load_hf_params(model_dir: str | Path, cfg: ModelConfig, dtype: Any = "bfloat
         # Cast on the device: bf16 -> f32 is exact and f32 -> bf16 rounds to nearest even either way,
         # but the device does it far faster than ml_dtypes on the host.
         flat[spec.param] = jnp.asarray(leaf).astype(target.dtype)
+    bar.close()
     return unflatten_params(template, flat)
 
 

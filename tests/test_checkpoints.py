@@ -160,12 +160,13 @@ def test_convert_refuses_non_empty_dst(tmp_path):
     (dst / "notes.txt").write_text("keep me")
     with pytest.raises(CheckpointError, match="not empty"):
         convert_checkpoint(OURO, dst)
-    assert convert_cli.main([str(OURO), str(dst)]) == 1
-    assert convert_cli.main([str(OURO), str(dst), "--dtype", "float32", "--overwrite"]) == 0
+    assert convert_cli.main([str(OURO), str(dst)]) == 2
+    assert convert_cli.main([str(OURO), str(dst), "--dtype", "bfloat16", "--overwrite"]) == 0
     assert (dst / "notes.txt").read_text() == "keep me"
-    assert load_checkpoint(dst).dtype == np.float32
-    assert convert_cli.main([str(OURO), str(dst), "--overwrite"]) == 0   # bf16 over the fp32 one
     assert load_checkpoint(dst).dtype == jnp.bfloat16
+    assert load_checkpoint(OURO).dtype == np.float32
+    assert convert_cli.main([str(OURO), str(dst), "--overwrite"]) == 0   # no --dtype: the source's float32
+    assert load_checkpoint(dst).dtype == np.float32
     with pytest.raises(CheckpointError, match="source"):
         convert_checkpoint(dst, dst, overwrite=True)
 

@@ -27,18 +27,19 @@ def test_generate_greedy_matches_the_reference_oracle(capsys):
         out = capsys.readouterr().out
         assert rc == 0
         assert f"output: {tok.decode(ref.token_ids)!r}" in out
-        assert "exit_depths: [4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4]" in out
+        assert "exit depths: 4 4 4 4 4 4 4 4 4 4 4 4 " in out
 
 
 def test_generate_adaptive_depths_are_reported(capsys):
     rc = main(["generate", "--model", str(FIXTURES / "ouro-tiny"), "--max-tokens", "8", "--ignore-eos",
                "--exit-threshold", "0.3", "--temperature", "1.0", "--seed", "5", "--prompt", "a", "--prompt", "bb",
                *FAST])
-    found = re.findall(r"exit_depths: \[(.*)\]", capsys.readouterr().out)
+    found = re.findall(r"exit depths: ([0-9 ]+)\(loops each token ran; mean ([0-9.]+)\)", capsys.readouterr().out)
     assert rc == 0 and len(found) == 2
-    for depths in found:
-        depths = [int(d) for d in depths.split(",")]
+    for depths, mean in found:
+        depths = [int(d) for d in depths.split()]
         assert depths[0] == 4 and all(1 <= d <= 4 for d in depths)
+        assert float(mean) == pytest.approx(sum(depths) / len(depths), abs=0.005)
 
 
 def test_generate_errors_are_reported_not_raised(capsys, tmp_path):
@@ -54,7 +55,7 @@ def test_convert_then_generate(tmp_path, capsys):
     dst = tmp_path / "converted"
     assert main(["convert", str(FIXTURES / "ouro-tiny"), str(dst), "--dtype", "float32"]) == 0
     assert main(["generate", "--model", str(dst), "--max-tokens", "4", "--ignore-eos", *FAST]) == 0
-    assert "finish_reason: length; 4 tokens" in capsys.readouterr().out
+    assert "finish: length, 4 tokens" in capsys.readouterr().out
 
 
 def test_python_dash_m_entry_point():

@@ -43,11 +43,12 @@ def test_the_fingerprint_keys_the_code_as_imported_not_the_files_read_again(monk
     assert engine_fingerprint() == before
 
 
-def test_a_store_whose_code_cannot_be_hashed_is_not_opened(tmp_path, monkeypatch, capsys):
+def test_a_store_whose_code_cannot_be_hashed_is_not_opened(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(executable_store, "_CODE_DIGEST", None)
     monkeypatch.setattr(executable_store, "_DIGEST_ERROR", PermissionError("rltjax/__init__.py"))
-    assert ExecutableStore.open(tmp_path / "executables") is None
-    err = capsys.readouterr().err
+    with caplog.at_level("WARNING", logger="rltjax"):
+        assert ExecutableStore.open(tmp_path / "executables") is None
+    err = caplog.text
     assert "no executable store" in err and "could not be hashed" in err and "PermissionError" in err
     assert not (tmp_path / "executables").exists()
 

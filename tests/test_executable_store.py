@@ -232,9 +232,8 @@ def test_steps_served_by_xla_cache_are_not_stored_and_the_start_says_so(tmp_path
     # XLA's cache holds every step that took over jax_persistent_cache_min_compile_time_secs
     # (0.5 s) to compile: those come from it and are not stored; the quicker ones compile afresh
     second, log = _start(tmp_path)
-    served = re.search(r"(\d+) compiled steps came from XLA's persistent cache", log)
-    assert second["loaded_from_store"] == 0 and served is not None, log[-2000:]
-    assert int(served.group(1)) + second["saved_to_store"] == second["executables"]
+    assert second["loaded_from_store"] == 0 and second["from_xla_cache"] > 0, log[-2000:]
+    assert second["from_xla_cache"] + second["saved_to_store"] == second["executables"]
 
 
 @engine_jit(static_argnums=(2,))

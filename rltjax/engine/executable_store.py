@@ -3,7 +3,7 @@
 JAX's persistent compilation cache is keyed on the lowered program, so a warm start
 still traces and lowers every bucket's step in Python before it finds the executable;
 on an H200 that was 13 of the 18 s a warm start took with mixed-prefill windows
-(thirty-first session, docs/performance.md). This store keeps each compiled step
+(``scripts/bench_serving.py --startup-cache-dir``). This store keeps each compiled step
 (``jax.experimental.serialize_executable``) under a key computed *before* tracing,
 from everything tracing reads:
 
@@ -31,10 +31,10 @@ would trace again on a first call).
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import pickle
 import shutil
-import sys
 import threading
 import warnings
 from pathlib import Path
@@ -44,6 +44,7 @@ import jax
 
 from rltjax.source_files import engine_code_digest
 
+log = logging.getLogger(__name__)
 STORE_FORMAT = 1          # bump when what a file holds changes
 KEEP_FINGERPRINTS = 4     # folders of other code / settings kept beside the current one's
 
@@ -129,7 +130,7 @@ class ExecutableStore:
             store = cls(directory)
             store.prune()
         except Exception as exc:  # noqa: BLE001 - the engine starts without the store
-            print(f"[rltjax] no executable store in {directory} ({type(exc).__name__}: {exc})", file=sys.stderr)
+            log.warning(f"no executable store in {directory} ({type(exc).__name__}: {exc})")
             return None
         return store
 
@@ -202,8 +203,7 @@ class ExecutableStore:
             finally:
                 tmp.unlink(missing_ok=True)
         except Exception as exc:  # noqa: BLE001 - storing is an optimisation, never an error
-            print(f"[rltjax] not storing a compiled step ({type(exc).__name__}: {exc}); the next start "
-                  "compiles it again", file=sys.stderr)
+            log.warning(f"not storing a compiled step ({type(exc).__name__}: {exc}); the next start compiles it again")
             with self._lock:
                 self.failed += 1
             return

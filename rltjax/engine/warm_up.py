@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
-import sys
 import time
 from collections import defaultdict, deque
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -42,9 +42,11 @@ from rltjax.engine.compile_watch import CompileWatch
 from rltjax.engine.dispatch import DispatchedStep, StepTable, call_signature, program_key, split_static
 from rltjax.engine.executable_store import ExecutableStore, compile_fresh
 from rltjax.engine.window.rows import idle_window_rows
+from rltjax.progress import progress
 from rltjax.sampling import SAMPLERS
 
 COMPILE_THREADS = max(1, min(16, os.cpu_count() or 1))
+log = logging.getLogger(__name__)
 
 
 class WarmUp(NamedTuple):
@@ -58,6 +60,7 @@ class WarmUp(NamedTuple):
     lower_seconds_by_kind: dict[str, float] = {}
     loaded: int = 0        # of the executables, found in the ExecutableStore (not traced)
     stored: int = 0        # of the executables, compiled and saved to the ExecutableStore
+    from_xla_cache: int = 0   # of the executables, served by XLA's own cache: not stored, traced at every start
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,12 +100,11 @@ def warm_up(runner, batches, *, show_progress: bool = True, threads: int = COMPI
                                               for step, table in zip(real_steps, tables)))
             runner.kv, runner.slot_state, runner.bkv, runner.slot_inject, runner.slot_tokens, runner.standby = state
         t_lowered = time.perf_counter()
-        for done, future in enumerate(as_completed(futures), 1):
+        bar = progress(len(futures), "compiling", enabled=show_progress)
+        for future in as_completed(futures):
             future.result()
-            if show_progress:
-                print(f"\r[rltjax] compiling or loading {len(futures)} executables on {threads} threads "
-                      f"({done} done)",
-                      end="", file=sys.stderr, flush=True)
+            bar.update(1)
+        bar.close()
     t_compiled = time.perf_counter()
     with CompileWatch() as late:
         for job in jobs:
@@ -110,19 +112,16 @@ def warm_up(runner, batches, *, show_progress: bool = True, threads: int = COMPI
         jax.block_until_ready(runner.kv)
     elapsed = time.perf_counter() - t0
     loaded, stored = (store.loaded - loaded_before, store.saved - saved_before) if store else (0, 0)
-    if show_progress:
-        print(f"\r[rltjax] {len(futures)} executables ready in {elapsed:.1f}s ({loaded} loaded from "
-              f"{store.directory}, {stored} stored)" if store else
-              f"\r[rltjax] compiled {len(futures)} executables in {elapsed:.1f}s" + " " * 20, file=sys.stderr)
+    log.info(f"{len(futures)} executables ready in {elapsed:.1f}s" +
+             (f" ({loaded} loaded, {stored} stored in {store.directory})" if store else ""))
     if store and store.not_fresh:
-        print(f"[rltjax] {store.not_fresh} compiled steps came from XLA's persistent cache (or this process's "
-              f"jit cache) and were not stored in {store.directory} (only fresh compiles are); later starts "
-              "trace them again until XLA compiles them afresh (e.g. with an emptied cache directory)",
-              file=sys.stderr)
+        log.debug(f"{store.not_fresh} compiled steps came from XLA's persistent cache and were not stored in "
+                  f"{store.directory}: later starts trace them again before XLA's cache finds them")
     phases = dict(trace_and_lower=t_lowered - t0, compile_wait=t_compiled - t_lowered,
                   run=elapsed - (t_compiled - t0))
     return WarmUp(elapsed, len(futures), late.count, {k: round(v, 3) for k, v in phases.items()},
-                  {k: round(v, 3) for k, v in lower_by_kind.items()}, loaded, stored)
+                  {k: round(v, 3) for k, v in lower_by_kind.items()}, loaded, stored,
+                  store.not_fresh if store else 0)
 
 
 def bucket_jobs(runner, batches) -> list[Job]:

@@ -41,23 +41,25 @@ def preset_config_from_args(args):
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", default=None, help="model directory (weights are loaded)")
-    src.add_argument("--preset", default="ouro-1.4b",
-                     help="random weights at a named model's shape (default: ouro-1.4b)")
-    p.add_argument("--quick", action="store_true", help="shrink the preset to a tiny config (CPU smoke runs)")
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    p.add_argument("--num-requests", type=int, default=None, help="per concurrency (default: = concurrency)")
-    p.add_argument("--prompt-len", type=int, default=256)
-    p.add_argument("--output-len", type=int, default=256)
-    p.add_argument("--exit-threshold", type=float, default=1.0, help="1 = fixed depth R")
-    p.add_argument("--out", help="write results as JSON here")
-    p.add_argument("--trace-dir", help="after each measured run, profile one more closed loop of C requests "
-                                       "(--trace-tokens outputs each) here and print its GPU kernels per loop pass")
-    p.add_argument("--trace-tokens", type=int, default=64)
-    p.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
-                   help="also run an engine built with these engine flags over the base ones, e.g. "
-                        "'s1=--attn-num-splits 1' (repeatable; compared with the base run)")
+    g = p.add_argument_group("workload")
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("--model", default=None, metavar="DIR", help="model directory (its weights are loaded)")
+    src.add_argument("--preset", default="ouro-1.4b", metavar="NAME", help="random weights at a named model's shape")
+    g.add_argument("--quick", action="store_true", help="shrink the preset to a tiny config (CPU smoke runs)")
+    g.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32], metavar="C",
+                   help="closed-loop streams, one run each")
+    g.add_argument("--num-requests", type=int, default=None, metavar="N",
+                   help="requests per run (default: the concurrency)")
+    g.add_argument("--prompt-len", type=int, default=256, metavar="N", help="prompt tokens per request")
+    g.add_argument("--output-len", type=int, default=256, metavar="N", help="output tokens per request")
+    g.add_argument("--exit-threshold", type=float, default=1.0, metavar="Q", help="1: fixed depth R")
+    g = p.add_argument_group("output")
+    g.add_argument("--out", metavar="FILE", help="write the results as JSON here")
+    g.add_argument("--trace-dir", metavar="DIR",
+                   help="profile one more run per concurrency here and print its GPU kernels per loop pass")
+    g.add_argument("--trace-tokens", type=int, default=64, metavar="N", help="output tokens per profiled request")
+    g.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                   help="also run with these engine flags, e.g. 's1=--attn-num-splits 1' (repeatable)")
     add_engine_arguments(p)
 
 

@@ -10,37 +10,43 @@ command works on a fresh machine: its text is gibberish by construction.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
 from typing import Sequence
 
+from rltjax.entrypoints.cli_format import HelpFormatter, add_log_level, setup_logging
 from rltjax.entrypoints.engine_args import add_engine_arguments, configs_from_args
 from rltjax.entrypoints.server.launcher import add_serve_arguments, run_serve
+
+log = logging.getLogger("rltjax")
 
 DEFAULT_PROMPT = "The looped model thinks in loops:"
 
 
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None,
-                   help="model directory (Hugging Face safetensors or `rltjax convert` output); "
-                        "default: a tiny random-weight Ouro checkpoint written to ~/.cache/rltjax")
-    p.add_argument("--prompt", action="append", default=None,
-                   help=f"prompt text; repeat for several prompts (default: {DEFAULT_PROMPT!r})")
-    p.add_argument("--chat", action="store_true", help="wrap each prompt in the checkpoint's chat template")
-    p.add_argument("--engine", default="batched", choices=["batched", "reference"],
-                   help="batched: the continuous-batching engine; reference: the dense oracle")
-    g = p.add_argument_group("sampling (per request)")
-    g.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-k", type=int, default=0, help="0 = off")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=0, help="per-request sampling seed")
-    g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
-    g.add_argument("--exit-threshold", type=float, default=1.0,
-                   help="exit threshold q in [0, 1]; 1 = always run max-loops")
-    g.add_argument("--min-loops", type=int, default=1)
-    g.add_argument("--max-loops", type=int, default=None, help="default: the model's loop count")
-    add_engine_arguments(p)
+    g = p.add_argument_group("input")
+    g.add_argument("--model", default=None, metavar="DIR",
+                   help="model directory (Hugging Face or `rltjax convert`; default: a tiny random-weight Ouro)")
+    g.add_argument("--prompt", action="append", default=None, metavar="TEXT",
+                   help=f"a prompt; repeat for several (default: {DEFAULT_PROMPT!r})")
+    g.add_argument("--chat", action="store_true", help="wrap each prompt in the checkpoint's chat template")
+    g.add_argument("--engine", default="batched", choices=["batched", "reference"],
+                   help="batched: the serving engine; reference: the dense oracle (exact, slow)")
+    g = p.add_argument_group("sampling (every prompt)")
+    g.add_argument("--max-tokens", type=int, default=32, metavar="N", help="tokens to generate per prompt")
+    g.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0: greedy")
+    g.add_argument("--top-k", type=int, default=0, metavar="K", help="keep the K most likely tokens (0: all)")
+    g.add_argument("--top-p", type=float, default=1.0, metavar="P", help="keep the smallest set of mass P")
+    g.add_argument("--seed", type=int, default=0, metavar="N", help="sampling seed of each request")
+    g.add_argument("--ignore-eos", action="store_true", help="go on past end-of-sequence tokens")
+    g = p.add_argument_group("loops (every prompt)")
+    g.add_argument("--exit-threshold", type=float, default=1.0, metavar="Q",
+                   help="exit once the exit probability reaches Q (1: always --max-loops)")
+    g.add_argument("--min-loops", type=int, default=1, metavar="N", help="loops every token runs at least")
+    g.add_argument("--max-loops", type=int, default=None, metavar="N",
+                   help="loops a token runs at most (default: the model's loop count)")
+    add_engine_arguments(p, compile_ahead=False)
 
 
 def _reference_outputs(model_dir, args, prompts, sp, configs):
@@ -65,8 +71,8 @@ def run_generate(args: argparse.Namespace) -> int:
     model_dir = args.model
     if model_dir is None:
         model_dir = default_demo_checkpoint()
-        print(f"[rltjax] no --model given: using the built-in tiny Ouro checkpoint with RANDOM weights "
-              f"({model_dir}); expect gibberish text", file=sys.stderr)
+        log.info(f"no --model given: the built-in tiny Ouro checkpoint with RANDOM weights ({model_dir}): "
+                 f"expect gibberish text; the exit depths are real")
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                         top_p=args.top_p, seed=args.seed, min_loops=args.min_loops,
                         max_loops=args.max_loops, exit_threshold=args.exit_threshold,
@@ -88,37 +94,35 @@ def run_generate(args: argparse.Namespace) -> int:
     for prompt, text, depths, reason, n in results:
         print(f"prompt: {prompt!r}")
         print(f"output: {text!r}")
-        print(f"exit_depths: {depths}")
-        print(f"finish_reason: {reason}; {n} tokens")
+        print(f"exit depths: {' '.join(map(str, depths))}   (loops each token ran; "
+              f"mean {sum(depths) / max(1, len(depths)):.2f})")
+        print(f"finish: {reason}, {n} tokens")
     total = sum(r[4] for r in results)
-    print(f"[rltjax] {len(results)} prompt(s), {total} tokens in {elapsed:.2f}s including start-up "
-          f"(engine: {args.engine})", file=sys.stderr)
+    log.info(f"{len(results)} prompt(s), {total} tokens in {elapsed:.2f}s including start-up (engine: {args.engine})")
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The ``rltjax`` parser and its subcommands' parsers by name."""
     from rltjax.checkpoints import convert
     from rltjax.entrypoints.bench import add_bench_arguments, run_bench
 
-    parser = argparse.ArgumentParser(prog="rltjax", description="Serve looped language models with JAX.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate text from prompts",
-                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_generate_arguments(gen)
-    gen.set_defaults(func=run_generate)
-    srv = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
-                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_serve_arguments(srv)
-    srv.set_defaults(func=run_serve)
-    bench = sub.add_parser("bench", help="offline throughput at fixed concurrency (random weights by default)",
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_bench_arguments(bench)
-    bench.set_defaults(func=run_bench)
-    conv = sub.add_parser("convert", help="convert a Hugging Face checkpoint to rltjax's Orbax layout",
-                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    convert.add_arguments(conv)
-    conv.set_defaults(func=convert.run)
-    return parser
+    parser = argparse.ArgumentParser(prog="rltjax", description="Serve looped language models with JAX.",
+                                     formatter_class=HelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,serve,bench,convert}")
+    commands = {}
+    for name, summary, add, run in (
+            ("generate", "generate text from prompts", add_generate_arguments, run_generate),
+            ("serve", "serve a model over an OpenAI-compatible HTTP API", add_serve_arguments, run_serve),
+            ("bench", "offline throughput at fixed concurrency (random weights by default)", add_bench_arguments,
+             run_bench),
+            ("convert", "convert a Hugging Face checkpoint to rltjax's Orbax layout", convert.add_arguments,
+             convert.run)):
+        commands[name] = sub.add_parser(name, help=summary, description=summary, formatter_class=HelpFormatter)
+        add(commands[name])
+        add_log_level(commands[name])
+        commands[name].set_defaults(func=run)
+    return parser, commands
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -128,7 +132,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from rltjax.engine.llm_engine import RequestRejectedError
     from rltjax.sampling_params import SamplingParamsError
 
-    args = build_parser().parse_args(argv)
+    parser, commands = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:        # the subcommand's usage, not the top level's
+        commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    setup_logging(args.log_level)
     try:
         return args.func(args)
     except (CheckpointError, ConfigError, EngineConfigError, SamplingParamsError, RequestRejectedError,

@@ -35,120 +35,97 @@ def _int_or_rows_map(text: str) -> int | dict[int, int]:
     return values
 
 
-def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    """The engine flags shared by generate, serve and bench, one argument group per config."""
+def add_engine_arguments(p: argparse.ArgumentParser, *, compile_ahead: bool = True) -> None:
+    """The engine flags shared by generate, serve and bench, one argument group per config.
+    Each help is one line; the config classes' docstrings (``rltjax.engine_config``) say more.
+    compile_ahead: this command's default for ``--compile-ahead``."""
     for add in (_model_arguments, _cache_arguments, _scheduler_arguments, _exit_arguments, _kernel_arguments,
-                _window_arguments, _compile_arguments):
+                _window_arguments):
         add(p)
+    _compile_arguments(p, compile_ahead)
 
 
 def _model_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="parameter dtype (default: the checkpoint's)")
-    g.add_argument("--hf-overrides", default=None,
-                   help='JSON object of config.json fields to override (of --model, or of a benchmark\'s --preset), '
-                        'e.g. \'{"total_ut_steps": 2}\'')
-    g.add_argument("--max-model-len", type=int, default=None,
+    g.add_argument("--hf-overrides", default=None, metavar="JSON",
+                   help='config.json fields to override, e.g. \'{"total_ut_steps": 2}\'')
+    g.add_argument("--max-model-len", type=int, default=None, metavar="N",
                    help="longest prompt + output in tokens (default: the model's position limit)")
 
 
 def _cache_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("KV cache")
     g.add_argument("--kv-layout", default="last_exited", choices=KV_LAYOUTS,
-                   help="last_exited: one KV plane per loop depth (exact); shared: one plane (less memory)")
-    g.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-    g.add_argument("--num-pages", type=int, default=None, help="KV pool size in pages (overrides "
-                   "--gpu-memory-utilization)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="fraction of free device memory (after weights) given to the KV pool")
-    g.add_argument("--cache-max-loops", type=int, default=None,
-                   help="deepest recurrence a request may ask for (default: the model's loop count R); "
-                        "above R only for models that allow it (Huginn); last_exited keeps this many planes")
+                   help="last_exited: a KV plane per loop depth (exact); shared: one plane (less memory)")
+    g.add_argument("--page-size", type=int, default=16, metavar="N", help="tokens per KV page")
+    g.add_argument("--num-pages", type=int, default=None, metavar="N",
+                   help="KV pool size in pages (default: from --gpu-memory-utilization)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F",
+                   help="fraction of free device memory, after the weights, for the KV pool")
+    g.add_argument("--cache-max-loops", type=int, default=None, metavar="N",
+                   help="deepest recurrence a request may ask for (default: the model's R; above R: Huginn)")
 
 
 def _scheduler_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("scheduler")
     g.add_argument("--scheduler-mode", default="refill", choices=SCHEDULER_MODES,
-                   help="refill: Continuous Depth Batching; no_refill: a cohort loops until all rows exit")
-    g.add_argument("--max-num-seqs", type=int, default=16, help="requests running at once")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help=f"prefill tokens per step (default: {DEFAULT_PREFILL_TOKENS_KERNEL} where prefill attention "
-                        f"runs on the Pallas prefill kernel, else {DEFAULT_PREFILL_TOKENS_XLA})")
-    g.add_argument("--prefill-chunk-size", type=int, default=None,
+                   help="refill: Continuous Depth Batching; no_refill: a cohort loops until all its rows exit")
+    g.add_argument("--max-num-seqs", type=int, default=16, metavar="N", help="requests running at once")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
+                   help=f"prefill tokens per step (default: {DEFAULT_PREFILL_TOKENS_KERNEL} on the prefill kernel, "
+                        f"else {DEFAULT_PREFILL_TOKENS_XLA})")
+    g.add_argument("--prefill-chunk-size", type=int, default=None, metavar="N",
                    help=f"prompt tokens per request per step (default: min({DEFAULT_PREFILL_CHUNK}, the budget))")
-    g.add_argument("--max-prefill-batches-before-decode", type=int, default=1,
-                   help="prefill batches in a row before a decode step runs, while requests decode")
-    g.add_argument("--min-coda-batch-size", type=int, default=1,
+    g.add_argument("--max-prefill-batches-before-decode", type=int, default=1, metavar="N",
+                   help="prefill batches in a row before decoding requests get a step")
+    g.add_argument("--min-coda-batch-size", type=int, default=1, metavar="N",
                    help="heads wait for this many rows unless no loop work remains")
 
 
 def _exit_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("exits")
     g.add_argument("--exit-mode", default="ouro", choices=[m for m in EXIT_MODES if m != "trace"],
-                   help="how a decode token picks its loop count (latent_diff: Huginn's relative latent change)")
-    g.add_argument("--lookahead-seed", type=int, default=0, help="seed of random_lookahead's frozen head")
+                   help="how a token picks its loop count (latent_diff: Huginn's relative latent change)")
+    g.add_argument("--lookahead-seed", type=int, default=0, metavar="N", help="seed of random_lookahead's head")
 
 
 def _kernel_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("kernels")
     g.add_argument("--attn-impl", default="auto", choices=ATTN_IMPLS,
-                   help="paged attention: auto = Pallas kernel on GPU, XLA elsewhere")
-    g.add_argument("--attn-num-splits", type=parse_attn_splits, default=None, metavar="N | ROWS:N,...",
-                   help="decode attention kernel: key splits per row, for every decode batch (N) or per decode "
-                        "row bucket (e.g. 32:1,64:1; the buckets not named keep the default); default: "
-                        "picked per batch bucket")
+                   help="paged attention: auto = the Pallas kernels on a GPU, XLA elsewhere")
+    g.add_argument("--attn-num-splits", type=parse_attn_splits, default=None, metavar="N|ROWS:N,...",
+                   help="decode attention key splits per row, for all or per row bucket (default: per bucket)")
     g.add_argument("--matmul-impl", default="auto", choices=MATMUL_IMPLS,
-                   help="decode projections: auto = on GPU where attention runs on the Pallas kernels, "
-                        "q|k|v and o of <= 64 decode rows on the weight-streaming Pallas kernel, Ouro's "
-                        "gate|up with its activation on one kernel and its o and down handing split-K partial "
-                        "sums to the residual-norm kernel, Ouro's heads of <= 8 rows on the kernel, which a "
-                        "fixed-trip window skips on passes where no row exits, XLA's dot for the rest; "
-                        "xla = XLA's dot; pallas = the kernels for every projection of <= 64 rows and the heads")
+                   help="decode projections: auto = the Pallas kernels where they win (Ouro's shapes, GPU)")
     g.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
-                   help="an XLA compiler option for every engine executable (repeatable), e.g. "
-                        "xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUSTOM_CALL,WHILE,CONDITIONAL (on a GPU the "
-                        "engine always disables XLA's rematerialization pass, and XLA's Triton GEMMs where the decode "
-                        "projections run on its kernels (Ouro's shapes on the Pallas kernels, --matmul-impl not "
-                        "xla, up to 64 requests) unless xla_gpu_enable_triton_gemm is given)")
+                   help="an XLA compiler option for every engine executable (repeatable)")
 
 
 def _window_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("decode windows")
     g.add_argument("--decode-window", type=int, default=None, metavar="K",
-                   help="decode as device-side windows of up to K loop passes (0: one pass per step; "
-                        f"default: {DEFAULT_DECODE_WINDOW} where windows can run)")
+                   help=f"loop passes per device-side decode window (0: one pass per step; "
+                        f"default: {DEFAULT_DECODE_WINDOW} where windows run)")
     g.add_argument("--decode-window-rows", type=int, default=None, metavar="N",
-                   help="the most rows a decode window runs (a power of two >= 8): requests admitted beyond "
-                        "them (up to --max-num-seqs) wait prefilled on the device and take the row of the next "
-                        "request to finish, in the pass after it (default: a row for every admitted request)")
+                   help="most rows a window runs; the other requests wait prefilled on the device")
     g.add_argument("--window-trip", default="auto", choices=WINDOW_TRIPS,
-                   help="decode windows: stop when no row is active, heads only on exit passes "
-                        "(early_stop), or run exactly K passes with a head every pass (fixed: "
-                        "nothing for the GPU to wait on the host for between passes); auto: fixed, "
-                        "except early_stop for models with boundary stages (Huginn)")
-    g.add_argument("--mixed-prefill-tokens", type=mixed_prefill_tokens, default=None, metavar="T | ROWS:T,...",
-                   help="prompts admitted while a window runs, up to T tokens in all (a power of two), run "
-                        "their loops inside the next window's first passes with the decoding rows instead of "
-                        "a prefill step (0: off; auto, the default: 128, capped at the largest prefill batch, in "
-                        "windows of 32+ rows where windows can take them); ROWS:T,... sets a T per window size, "
-                        "from ROWS rows up to the next ROWS (0: off there), e.g. 8:32,16:0,32:128; smaller windows "
-                        "keep standby entries")
+                   help="fixed: exactly K passes; early_stop: stop when no row is active; auto: fixed but Huginn")
+    g.add_argument("--mixed-prefill-tokens", type=mixed_prefill_tokens, default=None, metavar="T|ROWS:T,...",
+                   help="prompt tokens a window carries in its first passes (0: off; default: auto)")
     g.add_argument("--async-scheduling", action="store_true",
-                   help="launch each loop pass before reading the previous pass's exit signals "
-                        "(exit modes ouro_delayed, random_lookahead, fixed)")
+                   help="launch each pass before reading the last one's exit signals (delayed exit modes)")
 
 
-def _compile_arguments(p: argparse.ArgumentParser) -> None:
+def _compile_arguments(p: argparse.ArgumentParser, compile_ahead: bool) -> None:
     g = p.add_argument_group("start-up")
-    g.add_argument("--no-compile-ahead", action="store_true",
-                   help="compile batch shapes on first use instead of at start-up")
-    g.add_argument("--compilation-cache-dir", default=str(default_cache_dir()),
-                   help="XLA persistent compilation cache, and the engine's compiled steps in its 'executables' "
-                        "folder ('' disables both)")
+    g.add_argument("--compile-ahead", action=argparse.BooleanOptionalAction, default=compile_ahead,
+                   help="compile every batch shape at start-up (off: each on first use)")
+    g.add_argument("--compilation-cache-dir", default=str(default_cache_dir()), metavar="DIR",
+                   help="XLA's persistent cache and the engine's compiled steps ('' disables both)")
     g.add_argument("--no-executable-cache", action="store_true",
-                   help="do not keep compiled steps in the cache directory's 'executables' folder (a warm "
-                        "start then traces and lowers every step again before XLA's cache finds it)")
+                   help="keep no compiled steps in the cache directory's 'executables' folder")
 
 
 def parse_attn_splits(text: str):
@@ -203,7 +180,7 @@ def configs_from_args(args: argparse.Namespace) -> dict:
         execution_config=ExecutionConfig(attn_impl=args.attn_impl, attn_num_splits=args.attn_num_splits,
                                          matmul_impl=args.matmul_impl,
                                          xla_options=parse_xla_options(args.xla_option),
-                                         compile_ahead=not args.no_compile_ahead,
+                                         compile_ahead=args.compile_ahead,
                                          executable_cache=not args.no_executable_cache,
                                          decode_window=args.decode_window, window_trip=args.window_trip,
                                          decode_window_rows=args.decode_window_rows,

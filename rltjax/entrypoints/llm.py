@@ -8,7 +8,7 @@
 """
 from __future__ import annotations
 
-import sys
+import logging
 import time
 from typing import Any, Mapping, Sequence
 
@@ -24,10 +24,12 @@ from rltjax.engine.settings import resolve_settings
 from rltjax.engine_config import CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig
 from rltjax.models.base import boundary_kv_layers, get_model
 from rltjax.models.layers import split_layer_stacks
+from rltjax.progress import progress
 from rltjax.sampling_params import SamplingParams
 from rltjax.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int] | Mapping[str, Any]
+log = logging.getLogger(__name__)
 
 
 def setup_compilation_cache(path: str | None) -> None:
@@ -49,8 +51,10 @@ def build_engine(model_dir, *, dtype=None, hf_overrides=None, cache_config: Cach
     exit_config = exit_config or ExitConfig()
     execution_config = execution_config or ExecutionConfig()
     setup_compilation_cache(execution_config.compilation_cache_dir)
+    t0 = time.perf_counter()
     if params is None:
         ckpt = load_checkpoint(model_dir, dtype=dtype, hf_overrides=hf_overrides)
+        log.info(f"loaded {ckpt.cfg.arch} from {ckpt.model_dir} ({ckpt.dtype.name}) in {time.perf_counter() - t0:.1f}s")
         cfg, params = ckpt.cfg, ckpt.params
         tokenizer = tokenizer or Tokenizer.from_dir(ckpt.model_dir)
         del ckpt
@@ -73,6 +77,8 @@ def build_engine(model_dir, *, dtype=None, hf_overrides=None, cache_config: Cach
             num_pages = 1 + settings.max_num_seqs * settings.num_planes * pages_needed(
                 max_model_len, cache_config.page_size)
     kv = allocate_paged_kv(cfg, num_pages, cache_config.page_size, dtype)
+    log.info(f"KV pool: {num_pages} pages of {cache_config.page_size} tokens x {settings.num_planes} plane(s) "
+             f"({settings.kv_layout}); {settings.max_num_seqs} requests at once")
     boundary_kv = None
     if boundary_layers:
         boundary_kv = allocate_paged_kv(cfg, boundary_num_pages(num_pages, settings.num_planes),
@@ -125,15 +131,10 @@ class LLM:
                 self.engine.abort_request(rid)
                 self.engine.forget(rid)
 
-    def _run(self, ids: set[str], progress: bool) -> None:
-        done, t0 = 0, time.perf_counter()
+    def _run(self, ids: set[str], show: bool) -> None:
+        bar = progress(len(ids), "requests", enabled=show)
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
                 if out.finished and out.request_id in ids:
-                    done += 1
-                    if progress:
-                        rate = done / max(time.perf_counter() - t0, 1e-9)
-                        print(f"\r[rltjax] {done}/{len(ids)} requests ({rate:.1f} req/s)", end="",
-                              file=sys.stderr, flush=True)
-        if progress:
-            print(file=sys.stderr)
+                    bar.update(1)
+        bar.close()

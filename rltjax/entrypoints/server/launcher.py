@@ -9,7 +9,6 @@ to completion (a second Ctrl+C forces the exit), then the engine stops.
 from __future__ import annotations
 
 import argparse
-import sys
 
 from rltjax.entrypoints.engine_args import add_engine_arguments, configs_from_args
 
@@ -18,15 +17,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="model directory (Hugging Face safetensors or `rltjax convert` output)")
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes the server)")
-    g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--served-model-name", nargs="+", default=None,
-                   help="model name(s) the API accepts; the first is reported (default: MODEL as given)")
-    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
-    g.add_argument("--max-waiting-requests", type=int, default=1024,
-                   help="queued (not yet running) requests before new ones get 429")
-    g.add_argument("--max-request-bytes", type=int, default=10 * 1024 * 1024,
+    g.add_argument("--port", type=int, default=8000, help="port to listen on")
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="model name(s) the API accepts, the first reported (default: MODEL as given)")
+    g.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1 routes")
+    g.add_argument("--max-waiting-requests", type=int, default=1024, metavar="N",
+                   help="queued requests before new ones get 429")
+    g.add_argument("--max-request-bytes", type=int, default=10 * 1024 * 1024, metavar="N",
                    help="largest request body accepted (413 beyond)")
-    g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_engine_arguments(p)
 
 
@@ -48,14 +47,18 @@ def run_serve(args: argparse.Namespace) -> int:
     from rltjax.entrypoints.server.app import build_app
     from rltjax.entrypoints.server.async_engine import AsyncEngine
 
+    from rltjax.checkpoints.loader import check_model_dir
+    from rltjax.config import load_hf_config
+
     configs = configs_from_args(args)   # bad flags fail here, before anything starts
     for flag in ("max_waiting_requests", "max_request_bytes"):
         if getattr(args, flag) < 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 0")
+    # a model that cannot load fails here, with one error, before the HTTP server starts
+    load_hf_config(check_model_dir(args.model), configs["hf_overrides"])
     server = None
 
-    def fatal(message: str) -> None:
-        print(f"[rltjax] {message}", file=sys.stderr)
+    def fatal(message: str) -> None:     # reported once, by the command, after the server stops
         if server is not None:
             server.should_exit = True
 

@@ -1,7 +1,7 @@
 """Launch defaults of the decode attention kernel (``kernels.paged_attention_pallas``), tuned on an
 H200 (bf16, 16 KV heads x 128, page 16) with scripts/bench_attention.py and, for the fused
 decode kernel at 32-64 rows, a sweep of blocks x warps x stages x splits at the engine's
-Ouro-1.4B shapes (docs/performance.md, eighteenth session)."""
+Ouro-1.4B shapes (docs/performance.md, "Kernels")."""
 from __future__ import annotations
 
 from typing import NamedTuple

@@ -17,8 +17,7 @@ tensor cores.
 
 Grid (program block, query head). A program takes ``program_rows`` rows (a power-of-two
 multiple of ``block_q``; by default 64, over the engine's 32-row blocks: 1.2-2.8x faster than
-32-row programs on an H200 at engine-shaped prefill batches, docs/performance.md, twenty-first
-session), so it holds up to program_rows / block_q aligned blocks and as many tables. For
+32-row programs on an H200 at engine-shaped prefill batches: scripts/bench_prefill.py), so it holds up to program_rows / block_q aligned blocks and as many tables. For
 each block whose table no earlier block of the program has, it loops over that table's key
 blocks up to its longest row (online softmax in float32, per-row causal mask ``key < length``,
 rows of other tables masked out); blocks of one chunk share a table and cost one loop. It

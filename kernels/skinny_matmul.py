@@ -12,17 +12,17 @@ Semantics: x @ w[layer] with float32 accumulation (`skinny_matmul_ref`). impl:
   "pallas" the weight-streaming Pallas Triton kernel (`kernels.skinny_matmul_pallas`);
            interpret=True runs it on CPU.
 `kernel_config` picks the kernel's blocks and K splits from the shape. Measured on an
-H200 at 1-8 rows (docs/performance.md, ninth session): for K <= 2048 one pass over K
+H200 at 1-8 rows (scripts/bench_skinny.py): for K <= 2048 one pass over K
 (no split, narrow column tiles, the output rounded in the kernel) took 8.7 us at
 Ouro-1.4B's q|k|v (2048 x 6144) and 5.3 us at o (2048 x 2048), against XLA's split-K
 GEMM plus its reduction, 9.8 and 5.8 us, so the engine's "auto" puts the attention
-projections here (``PagedKVBackend.kernel_shapes``) and, since the fifteenth session, the
-gate / up pair through ``gated_up``'s kernel, which also applies the activation. Since the
-sixteenth every decode projection of Ouro runs here up to 64 rows (wider tiles from 32 rows:
+projections here (``PagedKVBackend.kernel_shapes``), the gate / up pair through
+``gated_up``'s kernel, which also applies the activation, and every decode projection of Ouro
+up to 64 rows (wider tiles from 32 rows:
 q|k|v 9.9 / 10.2 us against XLA's 10.9 / 12.7 at 32 / 64 rows), o and down as split-K partial
 sums that the residual-norm kernel adds (with the norm at 8 rows: o 6.8 against 7.6 us in one
-pass, down 10.3 against 11.2 for XLA's GEMM, reduction and norm). Since the seventeenth a
-decode head of up to 8 rows runs here too, skipped (``skip``) on a window's passes where no
+pass, down 10.3 against 11.2 for XLA's GEMM, reduction and norm). A decode head of up to 8
+rows runs here too, skipped (``skip``) on a window's passes where no
 row exits (``PagedKVBackend.head_matmul``).
 Kernel-supported: M <= MAX_ROWS, K and N multiples of 16 (blocks are the largest powers
 of two up to the configured ones that divide them), bfloat16 / float16 / float32
@@ -64,7 +64,7 @@ def gated_up_ref(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, layer=None) -
     activation, each product rounded to x's dtype first (as two projections are)."""
     # Two dots that share x: XLA:GPU's dot merger would make them one by concatenating the two
     # weights on every call (92 MB of copy traffic and an f32 [M, 2F] product a layer at Ouro-1.4B's
-    # prefill of 1,024 rows on an H200, docs/performance.md); the barrier gives up its own x.
+    # prefill of 1,024 rows on an H200: scripts/bench_prefill.py); the barrier gives up its own x.
     x_up = jax.lax.optimization_barrier(x)
     return silu_mul(skinny_matmul_ref(x, w_gate, layer), skinny_matmul_ref(x_up, w_up, layer))
 
@@ -149,7 +149,7 @@ def kernel_config(m: int, k: int, n: int, block_n: int | None = None, block_k: i
                   partial_sums: bool = False, itemsize: int = 2) -> dict:
     """The kernel's blocks, K splits, warps and pipeline stages for an [m, k] @ [k, n] product
     (m: the padded, power-of-two row count); explicit arguments override. Measured on an
-    H200 (docs/performance.md: `bench_skinny.py`, `bench_mlp.py --sweep`):
+    H200 (`scripts/bench_skinny.py`, `scripts/bench_mlp.py --sweep`):
     - K <= SINGLE_PASS_MAX_K, up to 16 rows: one pass over K in narrow tiles (16 or 32 x 256 / 128);
       from 32 rows 64- (N > 2048) or 32-column tiles x 256, four warps.
     - partial_sums (the consumer adds split-K partial sums: ``kernels.residual_norm``) with
@@ -240,8 +240,7 @@ def gated_config(m: int, k: int, f: int, block_n: int | None = None, block_k: in
                  num_warps: int | None = None, num_stages: int | None = None, itemsize: int = 2) -> dict:
     """``gated_up``'s blocks, warps and stages: one pass over K in 64 x 128 tiles of each weight,
     four warps, 4 stages (the best of sweeps on an H200 at Ouro's 2048 x 5632 pair,
-    `scripts/bench_mlp.py --sweep`, docs/performance.md: two warps, the fifteenth session's pick
-    up to 8 rows, took 14.85 us at 8 rows in the twenty-eighth against 13.57 with four).
+    `scripts/bench_mlp.py --sweep`: two warps took 14.85 us at 8 rows against 13.57 with four).
     Fewer stages where the buffers would pass SMEM_BYTES, each stage an x tile and two weight
     tiles (bf16 64 x 256 tiles at 32 rows and 4 stages asked for 240 KB of the 232 KB): float32
     gets 3 up to 32 rows and 2 at 64. (bf16 at 64 rows: 15.2 us at 4 stages, 26.3 at 2.)"""

@@ -117,7 +117,7 @@ def _gated_kernel(layer_ref, x_ref, wg_ref, wu_ref, o_ref, *, block_n: int, bloc
     rows = max(m, DOT_ROWS)
     # Fewer than 16 rows are read as 16 with the rest masked to zero, not replicated as in
     # ``_kernel``: on an H200 replication cost this kernel 0.6-1.0 us a layer at 1-8 rows (the
-    # single-product kernel lost 0.4-0.9 us with masking instead; docs/performance.md).
+    # single-product kernel lost 0.4-0.9 us with masking instead; scripts/bench_mlp.py).
     live = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0) < m                 # [16, 1]
 
     def body(i, accs):

@@ -5,8 +5,8 @@ Each split of a (row, head) leaves a normalized partial output o [Dh] and its lo
 with no keys (lse = -inf) weighs 0, and a row with no keys at all comes out 0.
 
 It runs in XLA after the kernel (one small fusion a layer). Merging inside the kernel instead
-(the last split of a (row, head) to finish, told by an atomic counter) was built and measured in
-the nineteenth / twentieth sessions and was slower at every shape (docs/performance.md).
+(the last split of a (row, head) to finish, told by an atomic counter) was slower at every shape
+measured (scripts/bench_decode_attention.py; docs/performance.md, "Tried and rejected").
 """
 from __future__ import annotations
 

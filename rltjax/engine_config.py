@@ -22,18 +22,18 @@ WINDOW_TRIPS = ("auto", "early_stop", "fixed")
 # one window late), about 1.5 K idle passes a finish, so a shorter window keeps rows fuller;
 # each window boundary costs a little. On an H200 (Ouro-1.4B shapes, ShareGPT closed loop,
 # alternating on one machine) K=8 against 16: +0.6% at 8 streams (K=4: +0.3%), +0.3% at 32,
-# and a third less time to first token (docs/performance.md, thirty-second session). K=16
-# beat step-by-step at 1, 8 and 32 streams in earlier sessions.
+# and a third less time to first token; K = 16 windows beat step-by-step passes at 1, 8 and 32
+# streams (scripts/bench_serving.py, scripts/bench_cdb.py).
 DEFAULT_DECODE_WINDOW = 8
 # ExecutionConfig.mixed_prefill_tokens=None (auto): (rows, T) steps, ascending: windows of at
 # least `rows` rows carry prompts of up to T tokens (the last step a window's rows reach);
 # smaller ones keep standby entries. On an H200 (Ouro-1.4B shapes, ShareGPT closed loop,
 # alternating on one machine) T=128 against off: +1.6% at 32 streams and +2.0% at 64, mean
-# TTFT +20 ms; at 8 streams within a run's noise in two sessions; its executables made
-# start-up 65 s cold / 17.5 s warm in every bucket (docs/performance.md, thirtieth session).
+# TTFT +20 ms; at 8 streams within a run's noise; in every row bucket its executables made
+# start-up 65 s cold / 17.5 s warm (scripts/bench_serving.py).
 # ShareGPT's prompts are short (p50 24 tokens): most fit 128. T=32 from 8 rows ({8: 32, 32:
 # 128}) gave +1.1% at 8 streams, but its 7 more executables put the cold start at 64 rows at
-# 55-64 s against the 60 s target (thirty-second to thirty-fourth sessions): a user's choice.
+# 55-64 s against the 60 s target: a user's choice.
 AUTO_MIXED_PREFILL = ((32, 128),)
 
 

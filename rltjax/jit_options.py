@@ -29,15 +29,15 @@ def engine_jit(**jit_kwargs):
 # aliasing (an H200 engine's 92 GiB pool counted three times: 275.7 GiB against a 101.7 GiB
 # limit), cannot reach its limit, and recomputes a few small values anyway. In the decode
 # window, with a full-size pool, the recomputed take of standby entries left an entry waiting
-# after a row had taken it, so one request ran in two rows (twenty-fifth and twenty-sixth
-# sessions, docs/performance.md); with the pass off the same run is right. The pass saves no
+# after a row had taken it, so one request ran in two rows (tests/test_window_compile_gpu.py);
+# with the pass off the same run is right. The pass saves no
 # memory here, so the engine turns it off.
 GPU_DEFAULT_OPTIONS = (("xla_disable_hlo_passes", "rematerialization"),)
 
 # Where the decode projections run on the engine's own kernels (Ouro's shapes, up to 64 rows:
 # ``runner.decode_projections_on_kernels``), XLA's GEMMs are the prefill's and the heads' of
 # more than 8 rows; autotuning Triton tilings for each of their shapes was most of a cold
-# start's compile. With cuBLAS alone, on one H200 (thirty-third session): start-up at
+# start's compile. With cuBLAS alone, on one H200 (scripts/bench_serving.py): start-up at
 # max_num_seqs 64 54.7 -> 45.8 s cold, ShareGPT at 32 streams 3,732.6 -> 3,738.8 tok/s,
 # bench_throughput at 1 / 8 streams 213.9 / 1,493.1 -> 214.1 / 1,496.7. Elsewhere (Nanbeige's
 # and Huginn's wider K, batches past 64 rows) decode GEMMs stay on XLA's choice: not measured.

@@ -4,7 +4,7 @@ Linear) against the engine's [K, N], kernel time per layer on a GPU.
     python scripts/explore_weight_layout.py --out layout.json      # GPU, Ouro-1.4B shapes
     python scripts/explore_weight_layout.py --quick                # CPU smoke run (interpret mode)
 
-Kept to reproduce the thirteenth session's table in docs/performance.md (the layout did
+Kept to reproduce the weight-layout finding in docs/performance.md (the layout did
 not pay: the engine keeps [K, N]); the kernel here is not part of the engine. Variants
 per (projection, rows): XLA's dot on either layout (and on cuBLAS instead of XLA's Triton
 GEMMs), the engine's weight-streaming kernel (``kernels.skinny_matmul`` at its

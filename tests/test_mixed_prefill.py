@@ -37,7 +37,7 @@ def mixed_engine(exit_mode="ouro_delayed", depths=None, **kw):
 
 # two exit modes (CI time): a rule decided one pass ahead, and trace replay, whose recorded
 # depths ride in the window's rows (windows under the same-step rule: test_decode_window; at
-# fixed depth: test_async_scheduling; mixed prefill under both ran here until the seventeenth session)
+# fixed depth: test_async_scheduling)
 @pytest.mark.parametrize("exit_mode", ["ouro_delayed", "trace"])
 def test_prompts_ride_the_window_and_equal_the_oracle(exit_mode):
     """A closed loop of 14 requests (prompts of 1-11 tokens, some of them max_tokens 1): after

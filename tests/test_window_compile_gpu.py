@@ -2,8 +2,8 @@
 
 With the pass on, XLA sized an H200 engine's window program without the donated KV pool's
 aliasing (the pool counted three times against its memory limit) and recomputed small values
-in it; a recomputed standby take placed one request in two rows (twenty-fifth and
-twenty-sixth sessions, docs/performance.md). The engine turns the pass off on GPUs
+in it; a recomputed standby take placed one request in two rows on an H200. The engine turns
+the pass off on GPUs
 (``jit_options.GPU_DEFAULT_OPTIONS``). This compiles the window as served, Ouro-1.4B shapes
 with the pool sized from free memory as ``rltjax serve`` sizes it, and reads its optimized
 HLO: no instruction may carry the pass's ``.remat`` suffix. The same window compiled without

@@ -75,7 +75,7 @@ def test_failed_window_errors_its_requests_once(standby, call, fail_at, monkeypa
 
 def test_a_standby_entry_taken_twice_errors_instead_of_duplicating(monkeypatch):
     """A window read whose outputs put one request in two rows (its standby entry taken twice,
-    as H200 runs produced: ``docs/performance.md``, twenty-fifth session) must not
+    as XLA's rematerialization pass made an H200 engine do; the engine turns that pass off) must not
     replay the request twice (two finishes, twice the tokens): its window's requests error once
     each, the rest of the workload runs on, no page leaks."""
     engine = make_engine(exit_mode="ouro_delayed", page_size=4, max_num_seqs=16, num_pages=512,
@@ -108,8 +108,8 @@ def test_a_standby_entry_taken_twice_errors_instead_of_duplicating(monkeypatch):
 @pytest.mark.parametrize("standby", [True, False])
 @pytest.mark.parametrize("fail_at", [1, 2])
 def test_a_failed_drain_errors_its_window_and_streams_every_finish(standby, fail_at, monkeypatch):
-    """A window whose read fails while the host drains it (before another kind of step; the
-    H200 failure of the twenty-sixth session came this way) errors its requests instead of
+    """A window whose read fails while the host drains it (before another kind of step; an
+    H200 failure came this way) errors its requests instead of
     raising out of ``step``, and every request's finish is among the outputs ``step`` returned
     (a server streams only those), once."""
     rows = dict(decode_window_rows=8) if standby else {}

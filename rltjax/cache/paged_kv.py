@@ -50,7 +50,7 @@ from rltjax.kernels.skinny_matmul import MAX_ROWS, gated_unsupported, gated_up, 
 
 # "auto" runs a decode head on the kernel up to this many rows: on an H200 the kernel streams
 # Ouro's lm_head about as fast as XLA's GEMM there (48.4 against 47.6 us at 8 rows; slower from 32)
-# and skips it on passes where no row exits (docs/performance.md, seventeenth session)
+# and skips it on passes where no row exits (scripts/bench_skinny.py)
 HEAD_KERNEL_ROWS = 8
 
 
@@ -106,7 +106,7 @@ class PagedKVBackend:
     split kernel with no reduction kernel after it. The runner sets it where attention runs on
     the Pallas kernels. (On an H200 in isolation at 8 rows, o with the norm took 6.76 us in two
     K splits against 7.57 in one pass, and down with the norm 10.30 on the split kernel against
-    11.20 for XLA's GEMM, its reduction and the norm: docs/performance.md, sixteenth session.)
+    11.20 for XLA's GEMM, its reduction and the norm: scripts/bench_mlp.py.)
     num_splits: the decode attention kernel's key splits per row: None (its default per
     batch), an int, or per decode row bucket ((rows, splits), ...) (a {rows: splits} mapping
     is taken too) with the default for the buckets not named.

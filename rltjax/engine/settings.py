@@ -132,7 +132,7 @@ def prefill_budgets(config: SchedulerConfig, prefill_kernel: bool) -> SchedulerC
     """The token budgets left unset, filled. A prefill step is a pass of its own (decode rows
     wait) and each chunk reads the weights R times, so steps should be large: 128-token chunks
     doubled a 256-token prompt's weight reads (H200, Ouro-1.4B, ShareGPT C = 32: 2,988.7 ->
-    3,111.1 tok/s with 1,024 / 512; ``docs/performance.md``, prefill). On the Pallas prefill
+    3,111.1 tok/s with 1,024 / 512: scripts/bench_serving.py). On the Pallas prefill
     kernel: 1,024 tokens a step. XLA's dense attention gathers every prompt token's whole block
     table (temporaries grow with tokens x max_model_len), so there: 256."""
     budget = config.max_num_batched_tokens or (DEFAULT_PREFILL_TOKENS_KERNEL if prefill_kernel

@@ -123,7 +123,7 @@ class OuroModel:
 
         # Unrolled: static layer slices of the stacked weights. With a rolled scan the
         # per-layer dynamic slices made the projections ~2x slower on an H200
-        # (docs/performance.md, "loop pass").
+        # (scripts/bench_loop_pass.py).
         layers = params.layers
         if isinstance(layers, SplitLayers):
             first_norm = layers.layers[0].attn_norm

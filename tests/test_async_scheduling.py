@@ -77,6 +77,59 @@ def test_reused_id_ignores_the_aborted_requests_signals():
     assert_all_pages_free(engine)
 
 
+@pytest.mark.parametrize("threshold,min_loops", [(0.3, 1), (0.6, 1), (0.3, 2), (0.6, 2)])
+def test_fresh_window_reads_the_async_pass_first(threshold, min_loops):
+    """A window launched from host rows while an async pass's exit signals are unread (a
+    still-prefilling request aborted right after that pass) reads them first: no pass's
+    signal is lost, so exit depths and tokens equal the oracle's."""
+    engine = make_engine(exit_mode="ouro_delayed", async_scheduling=True, decode_window=4, max_num_seqs=3,
+                         num_pages=256, prefill_chunk_size=8, max_num_batched_tokens=8)
+    params = SamplingParams(max_tokens=14, temperature=0.0, exit_threshold=threshold, min_loops=min_loops,
+                            ignore_eos=True)
+    engine.add_request("a", TOKENS[:5], params)
+    while len(engine.requests["a"].output_token_ids) < 2:
+        engine.step()
+    engine.add_request("b", TOKENS[10:50], SamplingParams(max_tokens=4, ignore_eos=True))  # 5 chunks
+    async_pass_unread = lambda: any(isinstance(p.step, LoopStep) for p in engine._pending)
+    while not (engine.requests["b"].num_prefilled and async_pass_unread()):
+        engine.step()
+    engine.abort_request("b")        # the prefill step that would have read the signals never comes
+    while engine.has_unfinished_requests():
+        engine.step()
+    check_equal(engine.get_output("a"),
+                reference_for("last_exited", "ouro_delayed").generate(TOKENS[:5], params, request_id="a"))
+    assert_all_pages_free(engine)
+
+
+def test_a_failed_signal_read_errors_only_its_pass():
+    """The async pass's signals read during another request's prefill fail: the pass's request
+    errors; the prefilling request, which had nothing in flight, finishes as the oracle's."""
+    engine = make_engine(exit_mode="ouro_delayed", async_scheduling=True, max_num_seqs=3, num_pages=256,
+                         prefill_chunk_size=8, max_num_batched_tokens=8)
+    params = SamplingParams(max_tokens=8, temperature=0.0, exit_threshold=0.6, ignore_eos=True)
+    engine.add_request("a", TOKENS[:5], params)
+    while len(engine.requests["a"].output_token_ids) < 2:
+        engine.step()
+    engine.add_request("b", TOKENS[10:40], params)     # chunked prefill: prefill and loop steps alternate
+    failed = []
+
+    def fail_once_during_a_prefill(read, step):
+        def read_or_fail():
+            if not failed and engine.requests["b"].num_prefilled < engine.requests["b"].prompt_len:
+                failed.append(step.rows)
+                raise RuntimeError("injected read failure")
+            return read()
+        return read_or_fail
+    wrap_reads(engine, LoopStep, fail_once_during_a_prefill)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert failed and [r.request_id for r in failed[0]] == ["a"]
+    assert engine.get_output("a").finish_reason == "error"
+    check_equal(engine.get_output("b"),
+                reference_for("last_exited", "ouro_delayed").generate(TOKENS[10:40], params, request_id="b"))
+    assert_all_pages_free(engine)
+
+
 def test_trace_replay_async():
     depths = {"a": [4, 1, 3, 2, 4, 1, 2], "b": [4, 2, 2, 3, 1, 4, 4]}
     engine = make_engine(exit_mode="trace", depths_by_request=depths, async_scheduling=True)

@@ -144,8 +144,10 @@ class LLMEngine:
             self._launched(plan)
         except _LaunchFailed as failed:   # what was in flight before the plan is still whole
             return self._outputs(changed) + self._fail(list(plan.affected), failed.exc) + self._drain()
-        except Exception as exc:       # a read failed: everything in flight is lost
-            lost = list(plan.affected) + self._in_flight()
+        except Exception as exc:
+            # a read failed: that handle and everything launched after it are lost (this plan's
+            # prefill chunks, which leave nothing to read, are not)
+            lost = self._in_flight()
             self._forget_in_flight()
             return self._outputs(self._finished_now) + self._fail(lost, exc)
         return self._outputs(changed)
@@ -166,10 +168,9 @@ class LLMEngine:
         """Read the n oldest pending handles and apply them; returns the requests they changed."""
         changed = []
         for _ in range(n):
-            pending = self._pending[0]
-            result = pending.read()
+            pending = self._pending[0]      # stays in flight until applied: a failure errors its rows
+            changed += self._apply(pending, pending.read())
             self._pending.pop(0)
-            changed += self._apply(pending, result)
         return changed
 
     def _drain(self) -> list[RequestOutput]:

@@ -114,9 +114,11 @@ class Scheduler:
         if kind == "prefill":
             return self._prefill_plan(chunks)
         if w is not None and kind == "loop" and len(rows) == len(self.running):
-            step = w.continued() if w.inflight else w.fresh(list(self.running))
-            # a fresh window's rows are built from the host's state: what is in flight is read first
-            return Plan((step,), settle=not w.inflight, keep_last=True, counts=("window",),
+            # a fresh window's rows are built from the host's state: what is in flight (an
+            # async pass's exit signals) is read first; planning it marks the window in flight
+            fresh = not w.inflight
+            step = w.fresh(list(self.running)) if fresh else w.continued()
+            return Plan((step,), settle=fresh, keep_last=True, counts=("window",),
                         affected=tuple(self.running))
         if w is not None and kind == "head" and all(
                 r.status is Status.LOOPING or (r.status is Status.AWAITING_HEAD and not r.output_token_ids)

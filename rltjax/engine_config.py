@@ -13,7 +13,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 EXIT_MODES = ("ouro", "ouro_delayed", "random_lookahead", "trace", "fixed", "latent_diff")
 KV_LAYOUTS = ("last_exited", "shared")
+KV_ALLOCATIONS = ("incremental", "lifetime")
 SCHEDULER_MODES = ("refill", "no_refill")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+PREEMPTION_MODES = ("recompute", "swap")
 ATTN_IMPLS = ("auto", "xla", "pallas")
 MATMUL_IMPLS = ("auto", "xla", "pallas")
 WINDOW_TRIPS = ("auto", "early_stop", "fixed")
@@ -94,12 +97,27 @@ class CacheConfig:
     Models with boundary stages (Huginn's prelude/coda) get a second pool with one
     plane of P + K layers and the same page size; it is sized in proportion to this
     one (1 + (num_pages - 1) // planes pages), so it never limits admission.
+
+    kv_cache_memory_bytes: the pool's size in bytes (boundary pool included), instead of
+    num_pages or gpu_memory_utilization.
+    kv_allocation: ``incremental`` (pages are taken as positions are written; admission
+    leaves ``kv_watermark`` of the pool free; the running requests are preempted when it
+    runs short) or ``lifetime`` (a request's pages for its prompt and max_tokens are taken
+    at admission: no preemption for pages, fewer requests at once).
+    enable_prefix_caching: full pages of prompt KV are kept after their request ends and
+    mapped by later requests whose prompts start with the same tokens (a chained hash).
+    swap_space: GiB of host memory for swap preemption (SchedulerConfig.preemption_mode).
     """
     kv_layout: str = "last_exited"
     page_size: int = 16
     num_pages: int | None = None
     gpu_memory_utilization: float = 0.9
     max_loops: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    kv_allocation: str = "incremental"
+    kv_watermark: float = 0.01
+    enable_prefix_caching: bool = False
+    swap_space: float = 4.0
 
     def __post_init__(self) -> None:
         if self.kv_layout not in KV_LAYOUTS:
@@ -111,6 +129,18 @@ class CacheConfig:
             _bad("CacheConfig", "num_pages", self.num_pages, "needs >= 2 (page 0 is scratch)")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             _bad("CacheConfig", "gpu_memory_utilization", self.gpu_memory_utilization, "must be in (0, 1]")
+        _positive("CacheConfig", kv_cache_memory_bytes=self.kv_cache_memory_bytes)
+        if self.kv_cache_memory_bytes is not None and self.num_pages is not None:
+            _bad("CacheConfig", "kv_cache_memory_bytes", self.kv_cache_memory_bytes,
+                 "give the pool's size once: num_pages or kv_cache_memory_bytes, not both")
+        if self.kv_allocation not in KV_ALLOCATIONS:
+            _bad("CacheConfig", "kv_allocation", self.kv_allocation, f"choose one of {KV_ALLOCATIONS}")
+        if not (isinstance(self.kv_watermark, (int, float)) and 0.0 <= self.kv_watermark < 1.0):
+            _bad("CacheConfig", "kv_watermark", self.kv_watermark, "must be a fraction in [0, 1)")
+        if not isinstance(self.enable_prefix_caching, bool):
+            _bad("CacheConfig", "enable_prefix_caching", self.enable_prefix_caching, "must be True or False")
+        if not (isinstance(self.swap_space, (int, float)) and self.swap_space >= 0):
+            _bad("CacheConfig", "swap_space", self.swap_space, "must be >= 0 (GiB of host memory)")
 
     def num_planes(self, num_loops: int) -> int:
         """Core KV planes per request: one per depth up to the cap (last_exited) or one (shared)."""
@@ -135,10 +165,16 @@ class SchedulerConfig:
     max_admission_bypasses: int = 8
     min_coda_batch_size: int = 1
     max_model_len: int | None = None        # None: the model's position limit
+    policy: str = "fcfs"                    # "priority": SamplingParams.priority orders and preempts
+    preemption_mode: str = "swap"           # how a preempted request keeps its work (engine.preemption)
 
     def __post_init__(self) -> None:
         if self.mode not in SCHEDULER_MODES:
             _bad("SchedulerConfig", "mode", self.mode, f"choose one of {SCHEDULER_MODES}")
+        if self.policy not in SCHEDULING_POLICIES:
+            _bad("SchedulerConfig", "policy", self.policy, f"choose one of {SCHEDULING_POLICIES}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            _bad("SchedulerConfig", "preemption_mode", self.preemption_mode, f"choose one of {PREEMPTION_MODES}")
         _positive("SchedulerConfig", max_num_seqs=self.max_num_seqs,
                   max_num_batched_tokens=self.max_num_batched_tokens,
                   prefill_chunk_size=self.prefill_chunk_size,

@@ -41,7 +41,7 @@ class SamplingParams:
     stop_token_ids: Sequence[int] = ()
     stop: Sequence[str] | str = ()
     logprobs: int | None = None     # number of top logprobs besides the chosen token
-    priority: int = 0
+    priority: int = 0               # lower runs first (SchedulerConfig(policy="priority") only)
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str):

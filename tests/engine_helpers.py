@@ -18,25 +18,29 @@ def make_engine(*, kv_layout="last_exited", page_size=4, mode="refill", max_num_
                 max_prefill_batches_before_decode=1, lookahead_seed=0, hf_overrides=None, max_loops=None,
                 decode_window=0, async_scheduling=False, xla_options=None, window_trip="early_stop",
                 mixed_prefill_tokens=0, attn_impl="auto", interpret=False, decode_window_rows=None,
-                compilation_cache_dir=None, executable_cache=True):
+                compilation_cache_dir=None, executable_cache=True, kv_allocation="incremental", kv_watermark=0.0,
+                enable_prefix_caching=False, swap_space=4.0, policy="fcfs", preemption_mode="recompute"):
     """hf_overrides: config overrides (a dict), e.g. {"state_init": "zero"} for Huginn;
     max_loops: CacheConfig.max_loops (the engine's loop cap; None = R); decode_window: K passes
     per device-side window (0: step by step); window_trip: how a window's loop runs;
     mixed_prefill_tokens: prompts admitted into windows (0: off); decode_window_rows: the
     most rows a window runs (the rest of max_num_seqs wait as standby entries);
     compilation_cache_dir: XLA's cache and the engine's executable store (None: neither);
-    executable_cache: False keeps XLA's cache only."""
+    executable_cache: False keeps XLA's cache only; kv_allocation .. preemption_mode: the KV
+    memory manager's options (``CacheConfig``, ``SchedulerConfig``)."""
     ckpt = load_fixture(name, "float32", tuple(sorted((hf_overrides or {}).items())))
     return build_engine(
         None, params=ckpt.params, cfg=ckpt.cfg,
         tokenizer=Tokenizer.from_dir(FIXTURES / name) if tokenizer else None,
         cache_config=CacheConfig(kv_layout=kv_layout, page_size=page_size, num_pages=num_pages,
-                                 max_loops=max_loops),
+                                 max_loops=max_loops, kv_allocation=kv_allocation, kv_watermark=kv_watermark,
+                                 enable_prefix_caching=enable_prefix_caching, swap_space=swap_space),
         scheduler_config=SchedulerConfig(
             mode=mode, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             prefill_chunk_size=prefill_chunk_size, min_coda_batch_size=min_coda_batch_size,
             max_admission_bypasses=max_admission_bypasses, admission_scan_limit=admission_scan_limit,
-            max_prefill_batches_before_decode=max_prefill_batches_before_decode),
+            max_prefill_batches_before_decode=max_prefill_batches_before_decode, policy=policy,
+            preemption_mode=preemption_mode),
         exit_config=ExitConfig(mode=exit_mode, depths_by_request=depths_by_request,
                                lookahead_seed=lookahead_seed),
         execution_config=ExecutionConfig(compile_ahead=compile_ahead, compilation_cache_dir=compilation_cache_dir,
@@ -80,11 +84,19 @@ def run_with_abort(engine, arrivals, abort_at, victim, max_steps=5000):
 
 
 def assert_all_pages_free(engine):
-    for alloc in (engine.scheduler.allocator, engine.scheduler.boundary_allocator):
+    """Nothing runs or waits, and every page is free or held only by the prefix cache with
+    no request using it (evictable); the allocators' and the cache's invariants hold."""
+    blocks = engine.scheduler.blocks
+    blocks.check_invariants()
+    cache = blocks.cache
+    for alloc, cached in ((blocks.allocator, cache.num_evictable_pages if cache is not None else 0),
+                          (blocks.boundary_allocator, cache.num_evictable_boundary_pages if cache is not None else 0)):
         if alloc is None:      # no boundary pool (models without prelude/coda KV)
             continue
-        alloc.check_invariants()
-        assert alloc.num_free == alloc.num_pages - 1 and alloc.num_used == 0 and alloc.num_reserved == 0
+        assert alloc.num_free + cached == alloc.num_pages - 1 and alloc.num_reserved == 0
+        assert alloc.num_used == cached
+    if cache is not None:
+        assert cache.num_blocks_in_use == 0
     assert len(engine.scheduler.free_slots) == engine.scheduler.config.max_num_seqs
     assert not engine.scheduler.running and not engine.scheduler.waiting
 
@@ -241,3 +253,52 @@ def wrap_reads(engine, kind, wrapper):
             pending.read = wrapper(pending.read, step)
         return pending
     engine.executor.launch = launched
+
+
+def check_page_accounting(engine):
+    """Every page's refcount is exactly the running requests' table entries naming it plus
+    one if the prefix cache holds it; no page is both free and mapped; waiting requests hold
+    nothing; the allocators' and the cache's own invariants hold."""
+    import collections
+    blocks = engine.scheduler.blocks
+    blocks.check_invariants()
+    cache = blocks.cache
+    cached = collections.Counter()
+    if cache is not None:
+        for block in cache._blocks.values():
+            cached.update(block.pages)
+    bcached = collections.Counter(b.boundary_page for b in (cache._blocks.values() if cache is not None else ())
+                                  if b.boundary_page is not None)
+    refs, brefs = collections.Counter(), collections.Counter()
+    for r in engine.scheduler.running:
+        core, boundary = blocks.pages_of(r)
+        for plane in core:
+            refs.update(plane)
+        brefs.update(boundary)
+    for r in engine.scheduler.waiting:
+        assert not r.tables and r.boundary_table is None, f"waiting request {r.request_id} holds a block table"
+    for alloc, mapped, held in ((blocks.allocator, refs, cached), (blocks.boundary_allocator, brefs, bcached)):
+        if alloc is None:
+            continue
+        free = set(alloc._free)
+        for page in range(1, alloc.num_pages):
+            assert alloc.refcount(page) == mapped[page] + held[page], \
+                f"page {page}: refcount {alloc.refcount(page)}, {mapped[page]} table(s) + {held[page]} cache"
+            assert (page in free) == (alloc.refcount(page) == 0), f"page {page} free and mapped"
+
+
+def run_checked(engine, arrivals, max_steps=10_000, aborts=None):
+    """run_workload with ``check_page_accounting`` after every step; aborts: {step: rid}."""
+    pending = sorted(arrivals, key=lambda a: a[0])
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0][0] <= step:
+            _, rid, prompt, params = pending.pop(0)
+            engine.add_request(rid, prompt, params)
+        if aborts and step in aborts:
+            engine.abort_request(aborts[step])
+        engine.step()
+        check_page_accounting(engine)
+        step += 1
+        assert step < max_steps, "workload did not finish"
+    return {rid: engine.get_output(rid) for _, rid, _, _ in arrivals}

@@ -28,9 +28,11 @@ def check_against_reference(outputs, arrivals, ref, skip=()):
 
 def plan_kind(plan) -> str:
     """A plan's kind as the scheduling traces name it: its one step's (prefill, loop, head),
-    "window" for any plan that launches a decode window, "idle" for none."""
-    from rltjax.engine.plan import HeadStep, LoopStep, PrefillStep, WindowStep
-    kinds = {PrefillStep: "prefill", LoopStep: "loop", HeadStep: "head", WindowStep: "window"}
+    "window" for any plan that launches a decode window, "idle" for none; swaps queued
+    before a step count as "swap" only when nothing else runs."""
+    from rltjax.engine.plan import HeadStep, LoopStep, PrefillStep, SwapInStep, SwapOutStep, WindowStep
+    kinds = {PrefillStep: "prefill", LoopStep: "loop", HeadStep: "head", WindowStep: "window",
+             SwapOutStep: "swap", SwapInStep: "swap"}
     steps = [kinds[type(step)] for step in plan.steps]
     return "window" if "window" in steps else (steps[-1] if steps else "idle")
 

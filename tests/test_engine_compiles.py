@@ -29,8 +29,11 @@ def varied_workload():
 
 
 def test_no_compilation_after_warm_up():
-    engines = [make_engine(compile_ahead=True), make_engine(compile_ahead=True, mode="no_refill", min_coda_batch_size=2,
-                                                            max_prefill_batches_before_decode=2)]
+    engines = [make_engine(compile_ahead=True, policy="priority"),
+               make_engine(compile_ahead=True, mode="no_refill", min_coda_batch_size=2, policy="priority",
+                           max_prefill_batches_before_decode=2),
+               # a pool of 2 requests' pages: preempts, swapping (the copies compile at start-up)
+               make_engine(compile_ahead=True, policy="priority", preemption_mode="swap", num_pages=120)]
     arrivals = varied_workload()
     aborts = {"v3": lambda r: r.status is Status.LOOPING and r.loops_done == 1,
               "v7": lambda r: r.status is Status.PREFILLING}
@@ -60,6 +63,7 @@ def test_no_compilation_after_warm_up():
     assert {n for k, n in batch_sizes if k == "loop"} == {1, 2, 3, 4}
     assert {n for k, n in batch_sizes if k == "head"} >= {1, 2, 3}
     ref = reference_for("last_exited")
+    assert engines[2].scheduler.preemptor.num_swapped > 0
     for engine, (outputs, seen, _) in zip(engines, results):
         assert seen.keys() == aborts.keys()
         check_against_reference(outputs, arrivals, ref, skip=aborts)

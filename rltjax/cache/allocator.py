@@ -4,8 +4,8 @@ Page 0 is never handed out: padded batch rows write their K/V there, so a
 padded row can never clobber a live page. Usable pages = num_pages - 1.
 
 Every page reference has a holder: an *owner* (a request id; `release(owner)`
-drops all of its references at once) or nobody (an *unowned* reference, e.g.
-a future prefix cache). refcount[p] = unowned refs + owner refs, and a page
+drops all of its references at once) or nobody (an *unowned* reference: the
+prefix cache's). refcount[p] = unowned refs + owner refs, and a page
 returns to the free list when it reaches zero.
 
 A *reservation* sets pages aside for an owner without picking them, so
@@ -14,15 +14,10 @@ from the owner's reservation first, and nobody else can allocate into it.
 Accounting: num_free + num_used + num_reserved + 1 (scratch) == num_pages,
 where num_free counts only pages that nobody has reserved.
 
-Extensions this layout is ready for:
-- incremental allocation: skip `reserve`; call `allocate(owner, n)` as the
-  sequence grows (it draws from the unreserved pool) and preempt when
-  `can_allocate(n)` is false.
-- prefix caching: the cache keeps an unowned reference to each full page
-  (`incref(pages)`); a request reusing them calls `incref(pages, owner=rid)`,
-  so `release(rid)` only drops its own reference; eviction is `free(pages)`.
-- preemption: `release(owner)` returns its pages and reservation; re-admit
-  later with a fresh `reserve`/`allocate` (recompute the prefix).
+The engine's block manager (``rltjax.engine.block_manager``) allocates as sequences grow
+(``allocate``), and its prefix cache (``rltjax.cache.prefix_cache``) keeps an unowned
+reference to each cached page while the requests mapping it hold owned ones, so
+``release(rid)`` drops only the request's references and eviction is ``free(pages)``.
 """
 from __future__ import annotations
 
@@ -85,6 +80,10 @@ class PageAllocator:
     def can_allocate(self, num_pages: int) -> bool:
         """Whether an owner with no reservation could allocate num_pages now."""
         return num_pages <= self.num_free
+
+    def holds(self, owner: Hashable) -> bool:
+        """Whether owner holds any page reference or reservation."""
+        return owner in self._owners
 
     def reserved_for(self, owner: Hashable) -> int:
         return self._owner(owner).reserved

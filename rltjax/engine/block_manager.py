@@ -1,72 +1,226 @@
-"""KV pages of requests: the page allocators and block tables of both pools.
+"""KV pages of requests: the page allocators, block tables and prefix cache of both pools.
 
 A request holds one block table per plane in the core pool (``last_exited``: one per depth
 up to the loop cap; ``shared``: one) and, for models with boundary stages, one table in the
-boundary pool. Pages are reserved for a request's whole lifetime at admission (its prompt
-and max_tokens), so a decode window never runs out of pages on the device.
+boundary pool; every table covers the same positions. With ``incremental`` allocation (the
+default) admission takes pages for the prompt, and the tables grow as tokens are written: a
+token's page on every plane when it starts its loops, and before a decode window launches,
+the pages its K passes can reach (``grow``). Admission leaves ``watermark`` of the pool and a
+page a plane per running request free for the running requests' growth (``keep_free``). ``lifetime`` allocation (for comparison) takes the pages
+of the prompt and every output at admission and never grows.
+
+With prefix caching a prompt's full pages map cached blocks (``cache.prefix_cache``) at
+admission, up to the page before its last token (the last prompt token always runs, so its
+head has a state); the request prefills the rest and publishes each full prompt page once
+its prefill is launched. Pages run short: evictable blocks are freed first.
 """
 from __future__ import annotations
 
 from rltjax.cache.allocator import PageAllocator
 from rltjax.cache.block_tables import BlockTables, pages_needed
+from rltjax.cache.prefix_cache import PrefixCache, block_keys, root_key
 from rltjax.engine.sequence import Request
+from rltjax.engine_config import KV_ALLOCATIONS
 
 
 class BlockManager:
     def __init__(self, *, num_pages: int, page_size: int, num_planes: int, max_num_seqs: int, max_model_len: int,
-                 boundary_num_pages: int = 0):
-        """boundary_num_pages: size of the boundary pool (0: the model has none)."""
-        self.page_size = page_size
-        self.num_planes = num_planes
+                 boundary_num_pages: int = 0, allocation: str = "incremental", watermark: float = 0.0,
+                 prefix_context: bytes | None = None):
+        """boundary_num_pages: size of the boundary pool (0: the model has none);
+        prefix_context: the prefix cache's root context (None: no prefix caching)."""
+        if allocation not in KV_ALLOCATIONS:
+            raise ValueError(f"allocation={allocation!r}: choose one of {KV_ALLOCATIONS}")
+        self.page_size, self.num_planes, self.allocation = page_size, num_planes, allocation
         self.allocator = PageAllocator(num_pages)
         self.block_tables = BlockTables(max_num_seqs * num_planes, pages_needed(max_model_len, page_size))
         self.boundary_allocator = self.boundary_tables = None
         if boundary_num_pages:
             self.boundary_allocator = PageAllocator(boundary_num_pages)
             self.boundary_tables = BlockTables(max_num_seqs, pages_needed(max_model_len, page_size))
+        self.watermark_pages = int(watermark * (num_pages - 1)) if allocation == "incremental" else 0
+        self.prefix_context = prefix_context
+        self.cache = PrefixCache(self.allocator, self.boundary_allocator) if prefix_context is not None else None
+
+    # -- accounting -----------------------------------------------------------------
+    @property
+    def usable_pages(self) -> int:
+        return self.allocator.num_pages - 1
+
+    @property
+    def num_free_pages(self) -> int:
+        """Core pages free now or once the prefix cache evicts what no request uses."""
+        return self.allocator.num_free + (self.cache.num_evictable_pages if self.cache is not None else 0)
+
+    @property
+    def num_used_pages(self) -> int:
+        """Core pages requests hold (cached pages no request uses count as free)."""
+        return self.usable_pages - self.num_free_pages
+
+    @property
+    def max_request_pages(self) -> int:
+        """Core pages a request of max_model_len positions holds."""
+        return self.block_tables.max_pages_per_table * self.num_planes
 
     def pages_for(self, req: Request) -> int:
+        """Core pages the request holds at its longest."""
         return pages_needed(req.max_positions, self.page_size) * self.num_planes
-
-    def boundary_pages_for(self, req: Request) -> int:
-        """Boundary-pool pages (one plane); 0 without a boundary pool."""
-        return pages_needed(req.max_positions, self.page_size) if self.boundary_allocator else 0
 
     def never_fits(self, req: Request) -> str | None:
         """Why the request's pages can never fit the pools (None if they can)."""
-        usable = self.allocator.num_pages - 1
-        if self.pages_for(req) > usable:
+        if self.pages_for(req) > self.usable_pages:
             return (f"request needs {self.pages_for(req)} KV pages ({self.num_planes} plane(s) x "
-                    f"{pages_needed(req.max_positions, self.page_size)}) but the cache has {usable}")
-        if self.boundary_allocator and self.boundary_pages_for(req) > self.boundary_allocator.num_pages - 1:
-            return (f"request needs {self.boundary_pages_for(req)} boundary KV pages but the boundary cache "
+                    f"{pages_needed(req.max_positions, self.page_size)}) but the cache has {self.usable_pages}")
+        bneed = pages_needed(req.max_positions, self.page_size)
+        if self.boundary_allocator and bneed > self.boundary_allocator.num_pages - 1:
+            return (f"request needs {bneed} boundary KV pages but the boundary cache "
                     f"has {self.boundary_allocator.num_pages - 1}")
         return None
 
-    def can_allocate(self, req: Request) -> bool:
-        bneed = self.boundary_pages_for(req)
-        return (self.allocator.can_allocate(self.pages_for(req))
-                and (not bneed or self.boundary_allocator.can_allocate(bneed)))
+    def covered(self, req: Request) -> int:
+        """Positions the request's tables hold pages for."""
+        return len(self.block_tables.pages_of(req.tables[0])) * self.page_size if req.tables else 0
 
-    def allocate(self, req: Request) -> None:
-        """The request's pages for its lifetime, on every plane and the boundary pool."""
-        need, bneed = self.pages_for(req), self.boundary_pages_for(req)
-        pages = self.allocator.allocate(req.request_id, need)
-        per_plane = need // self.num_planes
+    # -- admission ------------------------------------------------------------------
+    def keep_free(self, running: int) -> int:
+        """Core pages admission leaves free while ``running`` requests run: the watermark, and
+        (incremental) a page a plane for each of them to grow into, so a request admitted into
+        the last free pages does not preempt another at its next token (none into an empty
+        engine: it must be able to start)."""
+        if not running or self.allocation == "lifetime":
+            return 0
+        return self.watermark_pages + running * self.num_planes
+
+    def admit(self, req: Request, request_part: bytes = b"", keep: int = 0) -> bool:
+        """Map the request's cached prefix and take pages for the rest of its prompt (lifetime
+        allocation: for every position it can write). False, with nothing taken, when that
+        would leave fewer than ``keep`` core pages free (``keep_free``). request_part: what the request adds to the prefix cache's root key
+        (Huginn's seeded state initialisation)."""
+        P = self.page_size
+        blocks = []
+        if self.cache is not None:
+            if req.block_keys is None:
+                req.block_keys = block_keys(root_key(self.prefix_context, request_part), req.prompt_token_ids, P,
+                                            req.prompt_len // P)
+            blocks = self.cache.match(req.block_keys[:(req.prompt_len - 1) // P])
+        # a recomputed request takes the pages of every output it rebuilds too: admitted on its
+        # prompt's alone it would preempt others as it replays (and be preempted again)
+        target = req.max_positions if self.allocation == "lifetime" else req.prompt_len + req.replay_left
+        fresh = pages_needed(target, P) - len(blocks)
+        if not self._can_take(fresh, keep):
+            if blocks:
+                self.cache.release(blocks)
+            return False
+        if self.cache is not None:
+            self.cache.record(len(req.block_keys[:(req.prompt_len - 1) // P]) * P, len(blocks) * P)
+        self._assign(req)
+        for plane, table in enumerate(req.tables):
+            pages = [b.pages[plane] for b in blocks]
+            self.allocator.incref(pages, owner=req.request_id)
+            self.block_tables.append_pages(table, pages)
+        if self.boundary_tables is not None and blocks:
+            bpages = [b.boundary_page for b in blocks]
+            self.boundary_allocator.incref(bpages, owner=req.request_id)
+            self.boundary_tables.append_pages(req.boundary_table, bpages)
+        req.cache_blocks = list(blocks)
+        req.num_prefilled = len(blocks) * P
+        if not req.num_preemptions:      # what the user is told: the first admission's hit
+            req.num_cached_tokens = req.num_prefilled
+        req.num_published = len(blocks)
+        self._take(req, fresh)
+        return True
+
+    def restore(self, req: Request, positions: int, keep: int = 0) -> bool:
+        """Fresh pages for the first ``positions`` of a request coming back from swap (lifetime
+        allocation: every position it can write); False, with nothing taken, if they do not
+        fit with ``keep`` core pages left free."""
+        target = req.max_positions if self.allocation == "lifetime" else positions
+        fresh = pages_needed(target, self.page_size)
+        if not self._can_take(fresh, keep):
+            return False
+        self._assign(req)
+        self._take(req, fresh)
+        req.num_published = 0        # its pages are fresh copies: a prefill still running publishes them again
+        return True
+
+    def _assign(self, req: Request) -> None:
         req.tables = self.block_tables.assign(req.request_id, self.num_planes)
-        for i, table in enumerate(req.tables):
-            self.block_tables.append_pages(table, pages[i * per_plane:(i + 1) * per_plane])
-        if bneed:
+        if self.boundary_tables is not None:
             [req.boundary_table] = self.boundary_tables.assign(req.request_id, 1)
-            self.boundary_tables.append_pages(req.boundary_table,
-                                              self.boundary_allocator.allocate(req.request_id, bneed))
 
+    # -- growth ---------------------------------------------------------------------
+    def grow(self, req: Request, positions: int) -> bool:
+        """Pages for the request's first ``positions`` (capped at what it can write) on every
+        plane; False, with nothing taken, when the pools cannot supply them."""
+        need = pages_needed(min(positions, req.max_positions), self.page_size) - self.covered(req) // self.page_size
+        if need <= 0:
+            return True
+        if not self._can_take(need):
+            return False
+        self._take(req, need)
+        return True
+
+    def _can_take(self, pages_per_plane: int, keep: int = 0) -> bool:
+        core = pages_per_plane * self.num_planes
+        ok = self.num_free_pages - core >= keep
+        if ok and self.boundary_allocator is not None:
+            evictable = self.cache.num_evictable_boundary_pages if self.cache is not None else 0
+            ok = self.boundary_allocator.num_free + evictable >= pages_per_plane
+        return ok
+
+    def _take(self, req: Request, pages_per_plane: int) -> None:
+        """Append pages_per_plane fresh pages to each of the request's tables (``_can_take``
+        said they exist: the prefix cache evicts what it must)."""
+        if pages_per_plane <= 0:
+            return
+        core = pages_per_plane * self.num_planes
+        if self.cache is not None:
+            self.cache.evict(core, pages_per_plane if self.boundary_allocator is not None else 0)
+        pages = self.allocator.allocate(req.request_id, core)
+        for i, table in enumerate(req.tables):
+            self.block_tables.append_pages(table, pages[i * pages_per_plane:(i + 1) * pages_per_plane])
+        if self.boundary_tables is not None:
+            self.boundary_tables.append_pages(req.boundary_table,
+                                              self.boundary_allocator.allocate(req.request_id, pages_per_plane))
+
+    # -- prefix cache ---------------------------------------------------------------
+    def publish(self, req: Request) -> None:
+        """Offer the prompt pages the request's launched prefill has completed to the cache."""
+        if self.cache is None or req.block_keys is None:
+            return
+        full = min(req.num_prefilled, req.prompt_len) // self.page_size
+        for i in range(req.num_published, full):
+            pages = tuple(self.block_tables.pages_of(t)[i] for t in req.tables)
+            bpage = self.boundary_tables.pages_of(req.boundary_table)[i] if self.boundary_tables else None
+            block = self.cache.publish(req.block_keys[i], pages, bpage)
+            if block is not None:
+                req.cache_blocks.append(block)
+        req.num_published = max(req.num_published, full)
+
+    # -- release --------------------------------------------------------------------
     def release(self, req: Request) -> None:
-        """Every page and table the request holds."""
-        self.allocator.release(req.request_id)
-        self.block_tables.release(req.request_id)
+        """Every page, table and cached block the request holds. Idempotent."""
+        if self.allocator.holds(req.request_id):
+            self.allocator.release(req.request_id)
+        if req.tables:
+            self.block_tables.release(req.request_id)
         if req.boundary_table is not None:
-            self.boundary_allocator.release(req.request_id)
+            if self.boundary_allocator.holds(req.request_id):
+                self.boundary_allocator.release(req.request_id)
             self.boundary_tables.release(req.request_id)
-        req.tables = []
-        req.boundary_table = None
+        if self.cache is not None and req.cache_blocks:
+            self.cache.release(req.cache_blocks)
+        req.tables, req.boundary_table, req.cache_blocks = [], None, []
+
+    def pages_of(self, req: Request) -> tuple[list[list[int]], list[int]]:
+        """The request's pages per core plane, and its boundary pages ([] without a pool)."""
+        core = [self.block_tables.pages_of(t) for t in req.tables]
+        boundary = self.boundary_tables.pages_of(req.boundary_table) if req.boundary_table is not None else []
+        return core, boundary
+
+    def check_invariants(self) -> None:
+        self.allocator.check_invariants()
+        if self.boundary_allocator is not None:
+            self.boundary_allocator.check_invariants()
+        if self.cache is not None:
+            self.cache.check_invariants()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from rltjax.engine.host_batches import HostBatches
-from rltjax.engine.plan import HeadStep, LoopStep, PrefillStep, Step, WindowStep
+from rltjax.engine.plan import HeadStep, LoopStep, PrefillStep, Step, SwapInStep, SwapOutStep, WindowStep
 from rltjax.engine.runner import DeviceRead, ModelRunner
 from rltjax.engine.settings import EngineSettings
 from rltjax.engine.window.launch import WindowLauncher
@@ -47,4 +47,9 @@ class Executor:
             return Pending(step, self.runner.head(self.batches.head(step.rows), len(step.rows)))
         if isinstance(step, WindowStep):
             return Pending(step, self.windows.launch(step))
+        if isinstance(step, SwapOutStep):
+            return Pending(step, self.runner.swap_out(step.pages, step.boundary_pages, step.slot))
+        if isinstance(step, SwapInStep):
+            self.runner.swap_in(step.pages, step.boundary_pages, step.slot, step.data)
+            return None
         raise TypeError(f"no executor for {type(step).__name__}")

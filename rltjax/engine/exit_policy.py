@@ -64,7 +64,13 @@ SAME_STEP_MODES = ("ouro", "latent_diff")
 
 def _trace_depths(rows: Sequence[Request]) -> np.ndarray:
     """Trace mode: each row's recorded depth for the token now looping."""
-    return np.array([row.trace_depths[len(row.output_token_ids)] for row in rows])
+    return np.array([row.trace_depths[row.cursor + 1] for row in rows])
+
+
+def _forced(rows: Sequence[Request]) -> np.ndarray:
+    """Each row's recorded exit depth where its token is replayed (a recomputed request
+    rebuilding its KV), else 0."""
+    return np.array([row.forced_depth or 0 for row in rows], np.int64)
 
 
 class ExitPolicy:
@@ -82,10 +88,14 @@ class ExitPolicy:
         hazard / score: sigmoid(gate) and the lookahead score (None when ``raw_signal``);
         signal: the loop's raw signal (only when ``raw_signal``)."""
         r = np.array([row.loops_done for row in rows])
+        forced = _forced(rows)
         if self.mode == "trace":
             return r >= _trace_depths(rows)
+        if forced.all():
+            return r >= forced
         triggered = np.array([row.exit_triggered for row in rows], bool)
-        return self._apply_rule(rows, r, hazard, score, signal, triggered)
+        exit_now = self._apply_rule(rows, r, hazard, score, signal, triggered)
+        return np.where(forced > 0, r >= forced, exit_now)
 
     def _apply_rule(self, rows, r, hazard, score, signal, triggered) -> np.ndarray:
         """The mode's rule at pass r (per row): stores exit_remaining and exit_triggered on the
@@ -111,7 +121,8 @@ class ExitPolicy:
         r = np.array([row.loops_done for row in rows])
         if self.mode == "trace":
             return r >= _trace_depths(rows)
-        return r >= np.array([row.max_loops for row in rows])
+        forced = _forced(rows)
+        return np.where(forced > 0, r >= forced, r >= np.array([row.max_loops for row in rows]))
 
     def read_signals(self, rows: Sequence[Request], depths: np.ndarray, hazard: np.ndarray | None,
                      score: np.ndarray | None) -> None:
@@ -148,7 +159,8 @@ class ExitPolicy:
         computed for, still looping at that position; a row that exited, finished or was
         aborted since (``current`` false: its id names another request now) is skipped."""
         live = [i for i, (r, pos, depth) in enumerate(tags)
-                if r.status is Status.LOOPING and current(r) and r.decode_position == pos and r.loops_done >= depth]
+                if r.status is Status.LOOPING and current(r) and r.decode_position == pos and r.loops_done >= depth
+                and r.forced_depth is None]
         if live:
             idx = np.asarray(live)
             self.read_signals([tags[i][0] for i in live], np.array([tags[i][2] for i in live]),
@@ -161,5 +173,6 @@ def _exit(rows: Sequence[Request], exits) -> None:
     planes: an exit needs no copy)."""
     for r, exit_now in zip(rows, exits):
         if exit_now:
+            if r.forced_depth is None:      # a replayed token's exit is on record already
+                r.exit_depths.append(r.loops_done)
             r.status = Status.AWAITING_HEAD
-            r.exit_depths.append(r.loops_done)

@@ -146,7 +146,7 @@ class HostBatches:
         write_page = write_through_pages(plane_tables, planes, caps, positions, np.ones(len(rows), bool),
                                          self.tables.array, page_size)
         slots = np.array([r.slot for r in rows], np.int32)
-        tokens = np.array([r.output_token_ids[-1] for r in rows], np.int32)
+        tokens = np.array([r.current_token for r in rows], np.int32)
         starting = np.array([r.loops_done == 0 for r in rows], bool)
         offset = positions % page_size
         b = size or self.rows_bucket(len(rows))
@@ -180,4 +180,4 @@ class HostBatches:
         return HeadBatch(p(lambda r: r.slot, np.int32, self.s.dummy_slot), p(lambda r: r.params.temperature, np.float32),
                          p(lambda r: r.params.top_k, np.int32), p(lambda r: r.params.top_p, np.float32, 1.0),
                          pad_rows(seeds[:, 0], b), pad_rows(seeds[:, 1], b),
-                         p(lambda r: len(r.output_token_ids), np.int32), None if boundary is None else boundary.meta)
+                         p(lambda r: r.cursor + 1, np.int32), None if boundary is None else boundary.meta)

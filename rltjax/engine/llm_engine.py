@@ -10,6 +10,7 @@ and applies what they hold: exit decisions after a loop pass, sampled tokens and
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -24,14 +25,19 @@ from rltjax.engine.exit_trace import model_fingerprint
 from rltjax.engine.host_batches import HostBatches
 from rltjax.engine.output_processor import OutputProcessor
 from rltjax.engine.outputs import RequestOutput
-from rltjax.engine.plan import HeadStep, LoopStep, Plan, TokenRun, WindowStep
+from rltjax.engine.plan import HeadStep, LoopStep, Plan, SwapOutStep, TokenRun, WindowStep
 from rltjax.engine.request_intake import new_request
 from rltjax.engine.runner import ModelRunner
 from rltjax.engine.scheduler import Scheduler
+from rltjax.engine.stats import EngineStats, scheduler_stats
+from rltjax.engine.swap import swap_sizes
 from rltjax.engine.sequence import Request, RequestRejectedError, Status
 from rltjax.engine.settings import EngineSettings
 from rltjax.engine.warm_up import WarmUp, warm_up
 from rltjax.sampling_params import SamplingParams
+
+
+log = logging.getLogger(__name__)
 
 
 class _LaunchFailed(Exception):
@@ -48,8 +54,11 @@ class LLMEngine:
         self.cfg = model.cfg
         self.tokenizer = tokenizer
         self.runner = ModelRunner(model, params, kv, boundary_kv, settings)
+        self._fingerprint: str | None = None
         self.scheduler = Scheduler(settings, num_pages=kv.num_pages, vocab_size=self.cfg.vocab_size,
-                                   boundary_num_pages=0 if boundary_kv is None else boundary_kv.num_pages)
+                                   boundary_num_pages=0 if boundary_kv is None else boundary_kv.num_pages,
+                                   prefix_context=self._prefix_context() if settings.prefix_caching else None,
+                                   **self.runner.swap_bytes())
         blocks = self.scheduler.blocks
         self.batches = HostBatches(settings, blocks.block_tables, blocks.boundary_tables)
         self.executor = Executor(self.runner, self.batches, settings)
@@ -63,11 +72,15 @@ class LLMEngine:
         self.steps_by_kind: dict[str, int] = {}
         self.compile_seconds = 0.0
         self.warm_up: WarmUp | None = None     # what the start-up compile did (compile_ahead)
-        self._fingerprint: str | None = None
+        self.replay_mismatches = 0             # recompute replays whose head disagreed with the record
         if settings.compile_ahead:
             store = ExecutableStore.open(Path(settings.store_dir)) if settings.store_dir else None
             self.warm_up = warm_up(self.runner, self.batches, show_progress=settings.show_progress, store=store)
             self.compile_seconds = self.warm_up.seconds
+            if self.scheduler.config.preemption_mode == "swap":
+                t0 = time.perf_counter()
+                self.runner.warm_swaps(swap_sizes(self.scheduler.blocks.max_request_pages))
+                self.compile_seconds += time.perf_counter() - t0
 
     @property
     def dtype_name(self) -> str:
@@ -79,6 +92,13 @@ class LLMEngine:
             self._fingerprint = model_fingerprint(self.cfg, self.runner.params)
         return self._fingerprint
 
+    def _prefix_context(self) -> bytes:
+        """What every prompt page's content depends on besides its tokens (the prefix cache's
+        root key): the weights, their dtype, the KV layout and planes, R and the page size."""
+        s = self.settings
+        return (f"{self.model_fingerprint()}|{self.dtype_name}|{s.kv_layout}|{s.num_planes}|{s.num_loops}|"
+                f"{s.prefill_write_planes}|{s.page_size}|{s.arch}|{getattr(self.cfg, 'state_init', '')}").encode()
+
     # -- requests -------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | Sequence[int] | Mapping[str, Any],
                     params: SamplingParams | None = None) -> None:
@@ -88,7 +108,7 @@ class LLMEngine:
         s = self.settings
         req = new_request(request_id, prompt, params, tokenizer=self.tokenizer, cfg=self.cfg,
                           loop_limit=s.loop_limit, loop_cap=s.loop_cap, exit_config=s.exit_config,
-                          arrivals=self._arrivals)
+                          arrivals=self._arrivals, policy=s.scheduler.policy)
         why = self.scheduler.never_fits(req)
         if why:
             raise RequestRejectedError(f"request {request_id!r} can never run: {why}")
@@ -122,6 +142,10 @@ class LLMEngine:
             raise ValueError(f"request {str(request_id)!r} is not finished: abort_request it before forget")
         self.requests.pop(str(request_id), None)
         self.outputs.forget(str(request_id))
+
+    def stats(self) -> EngineStats:
+        """Queue, KV pages, prefix cache and preemptions now (``engine.stats``)."""
+        return scheduler_stats(self.scheduler)
 
     @property
     def windows_in_flight(self) -> int:
@@ -205,6 +229,10 @@ class LLMEngine:
             return []
         if isinstance(step, HeadStep):
             return self._accept_heads(list(step.rows), result)
+        if isinstance(step, SwapOutStep):
+            if step.request.swapped is step.record:     # not aborted meanwhile
+                step.record.data = result
+            return []
         self._count("window_passes", int(result.out.passes))
         return self._apply_runs(self.scheduler.windows.read(step, result))
 
@@ -256,6 +284,9 @@ class LLMEngine:
 
     def _accept_token(self, r: Request, token: int, chosen, top_ids, top_lp, now: float) -> bool:
         """A sampled token joins the request's output; stop checks. Returns whether it finished."""
+        if r.replay_left:
+            self._replayed(r, token)
+            return False
         finished, reason, stop_reason = self.outputs.accept(r, token, chosen, top_ids, top_lp, now)
         if finished:
             r.stop_reason = stop_reason
@@ -265,6 +296,16 @@ class LLMEngine:
         else:
             r.start_token()
         return r.finished
+
+    def _replayed(self, r: Request, token: int) -> None:
+        """A recomputed request's head, sampled again with the key of an output it has: the
+        token is on record (and was streamed); the next one's KV is rebuilt next."""
+        if token != r.output_token_ids[r.cursor + 1]:
+            self.replay_mismatches += 1
+            log.warning(f"request {r.request_id!r}: output {r.cursor + 1} sampled {token} when replayed after a "
+                        f"preemption, {r.output_token_ids[r.cursor + 1]} before (the record is kept)")
+        r.replay_left -= 1
+        r.start_token()
 
     # -- endings ------------------------------------------------------------------------
     def _fail(self, affected: list[Request], exc: Exception) -> list[RequestOutput]:
@@ -282,6 +323,8 @@ class LLMEngine:
             self._finish(req, "error")
             failed.append(req)
         if lost:
+            if self.scheduler.blocks.cache is not None:
+                self.scheduler.blocks.cache.clear()      # the pages it names hold nothing now
             raise exc
         return self._outputs(failed)
 

@@ -59,7 +59,7 @@ class OutputProcessor:
             token_ids=list(req.output_token_ids), text=self._texts.get(req.request_id, ""),
             exit_depths=list(req.exit_depths[:len(req.output_token_ids)]),
             finish_reason=req.finish_reason, logprobs=req.logprobs, finished=req.finished,
-            stop_reason=req.stop_reason, error=req.error,
+            stop_reason=req.stop_reason, error=req.error, num_cached_tokens=req.num_cached_tokens,
             metrics=dict(arrival_time=req.arrival_time, first_token_time=req.first_token_time,
                          finished_time=req.finished_time))
 

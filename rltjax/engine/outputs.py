@@ -40,6 +40,7 @@ class RequestOutput:
     finished: bool = False
     stop_reason: int | str | None = None  # stop token id or stop string; None for EOS
     error: str | None = None
+    num_cached_tokens: int = 0        # prompt tokens whose KV came from the prefix cache
     metrics: dict[str, float | None] = dataclasses.field(default_factory=lambda: {
         "arrival_time": None, "first_token_time": None, "finished_time": None})
 

@@ -73,7 +73,33 @@ class WindowStep:
     sampler: str = "truncate"
 
 
-Step = Union[PrefillStep, LoopStep, HeadStep, WindowStep]
+@dataclasses.dataclass(frozen=True, eq=False)
+class SwapOutStep:
+    """Copy a preempted request's pages (padded page lists, ``engine.swap``) and slot rows to
+    the host; its ``Swapped`` record gets the copy when the step is read."""
+    request: Request
+    pages: np.ndarray
+    boundary_pages: np.ndarray
+    slot: int
+    record: object                # the request's ``swap.Swapped``
+
+    @property
+    def rows(self) -> tuple:
+        """Whose work a failed read loses (the copy: the request could not resume)."""
+        return (self.request,)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SwapInStep:
+    """Write a swapped request's host copy into its fresh pages and slot."""
+    request: Request
+    pages: np.ndarray
+    boundary_pages: np.ndarray
+    slot: int
+    data: object                  # the ``swap.SwapData`` copy (numpy)
+
+
+Step = Union[PrefillStep, LoopStep, HeadStep, WindowStep, SwapOutStep, SwapInStep]
 
 
 @dataclasses.dataclass(frozen=True)

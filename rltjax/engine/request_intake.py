@@ -13,7 +13,7 @@ from rltjax.sampling_params import SamplingParams, SamplingParamsError
 
 def new_request(request_id: str, prompt: str | Sequence[int] | Mapping[str, Any], params: SamplingParams | None,
                 *, tokenizer, cfg, loop_limit: int, loop_cap: int, exit_config: ExitConfig,
-                arrivals: Iterator[int]) -> Request:
+                arrivals: Iterator[int], policy: str = "fcfs") -> Request:
     """The Request for ``add_request``'s arguments. loop_limit: the model's deepest loop;
     loop_cap: this engine's (CacheConfig.max_loops, which sized the KV planes); arrivals: the
     engine's arrival counter (a request rejected here takes no number)."""
@@ -31,6 +31,10 @@ def new_request(request_id: str, prompt: str | Sequence[int] | Mapping[str, Any]
                 f"CacheConfig.max_loops={loop_cap} (the model allows up to {loop_limit}; "
                 f"raise CacheConfig.max_loops to serve deeper requests)")
         params.token_vocab_check(cfg.vocab_size)
+        if params.priority != 0 and policy != "priority":
+            raise SamplingParamsError(
+                f"SamplingParams.priority={params.priority}: this engine schedules first come, first served; "
+                f"start it with --scheduling-policy priority (SchedulerConfig(policy='priority')) to use priorities")
         trace = None
         if exit_config.mode == "trace":
             trace = validate_trace_depths(

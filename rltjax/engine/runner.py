@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rltjax.cache.paged_kv import PagedKV
+from rltjax.engine import swap
 from rltjax.engine.batches import EmbedBatch, HeadBatch, LoopBatch, PrefillBatch
 from rltjax.engine.device_steps import DeviceSteps
 from rltjax.engine.settings import EngineSettings
@@ -54,11 +55,12 @@ class DeviceRead:
     """Device arrays on their way to the host (copies started); ``read`` cuts them to the
     call's real rows and wraps them in their result type."""
     arrays: object
-    num_rows: int
+    num_rows: int | None          # None: the arrays are read whole
     wrap: object
 
     def read(self):
-        cut = lambda a: np.asarray(a)[:self.num_rows] if np.ndim(a) else np.asarray(a)   # noqa: E731
+        def cut(a):
+            return np.asarray(a)[:self.num_rows] if np.ndim(a) and self.num_rows is not None else np.asarray(a)
         return self.wrap(jax.tree.map(cut, self.arrays))
 
 
@@ -99,6 +101,13 @@ class ModelRunner:
         if w is not None and w.uses_standby:
             self.standby = jax.device_put(idle_window_rows(slots, settings.num_planes, w.trace_width), self.device)
 
+    def swap_bytes(self) -> dict:
+        """Bytes of one core page, one boundary page and one slot's rows (swap's host budget)."""
+        page = 2 * self.kv.k.nbytes // self.kv.num_pages
+        bpage = 0 if self.bkv is None else 2 * self.bkv.k.nbytes // self.bkv.num_pages
+        slot = (self.slot_state[0].nbytes * (1 if self.slot_inject is None else 2)) + self.slot_tokens[0].nbytes
+        return dict(page_bytes=page, boundary_page_bytes=bpage, slot_bytes=slot)
+
     def device_state_lost(self) -> bool:
         """Whether a failed call consumed (donated) a KV pool: nothing on the device is usable."""
         return self.kv.k.is_deleted() or (self.bkv is not None and self.bkv.k.is_deleted())
@@ -131,6 +140,25 @@ class ModelRunner:
             self.params, self.slot_state, self.slot_tokens, self.bkv, batch, model=self.model,
             backend=self.s.decode_backend, num_top=self.s.num_top)
         return DeviceRead(_started(out), num_rows, lambda a: HeadResult(*a))
+
+    # -- swap preemption (``engine.swap``) ----------------------------------------------
+    def swap_out(self, pages: np.ndarray, boundary_pages: np.ndarray, slot: int) -> DeviceRead:
+        """A request's pages and slot rows, copied; the host copy on its way."""
+        data = swap.swap_out(self.kv, self.bkv, self.slot_state, self.slot_inject, self.slot_tokens,
+                             *jax.device_put((pages, boundary_pages, np.int32(slot)), self.device))
+        return DeviceRead(_started(data), None, lambda a: a)   # whole: nothing to cut
+
+    def swap_in(self, pages: np.ndarray, boundary_pages: np.ndarray, slot: int, data) -> None:
+        """A host copy written into (fresh) pages and a slot."""
+        pages, boundary_pages, slot, data = jax.device_put((pages, boundary_pages, np.int32(slot), data), self.device)
+        self.kv, self.bkv, self.slot_state, self.slot_inject, self.slot_tokens = swap.swap_in(
+            self.kv, self.bkv, self.slot_state, self.slot_inject, self.slot_tokens, pages, boundary_pages, slot, data)
+
+    def warm_swaps(self, sizes) -> None:
+        """Compile the swap copies for every padded page count (scratch page, dummy slot)."""
+        for n in sizes:
+            pages = np.zeros(n, np.int32)
+            self.swap_in(pages, pages, self.s.dummy_slot, self.swap_out(pages, pages, self.s.dummy_slot).read())
 
     # -- decode windows -----------------------------------------------------------------
     def window(self, rows: WindowRows, block_tables, boundary_tables, owners: np.ndarray, sampler: str,

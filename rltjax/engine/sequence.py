@@ -50,6 +50,14 @@ class Request:
     exit_triggered: bool = False         # delayed modes: exit after the next loop
     cohort: int | None = None            # no_refill: the cohort this token loops with
     bypassed: int = 0                    # admissions that went past this waiting request
+    # KV memory (``engine.block_manager``, ``engine.preemption``)
+    num_cached_tokens: int = 0           # prompt tokens whose KV came from the prefix cache
+    cache_blocks: list = dataclasses.field(default_factory=list)   # prefix-cache blocks its tables hold
+    block_keys: list[bytes] | None = None   # the prompt's full pages' prefix-cache keys (computed once)
+    num_published: int = 0               # prompt pages offered to the prefix cache so far
+    num_preemptions: int = 0
+    replay_left: int = 0                 # recompute: outputs whose tokens are rebuilt before it goes on
+    swapped: object | None = None        # swap: its KV and slot state on the host while preempted
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
@@ -61,9 +69,27 @@ class Request:
         return len(self.prompt_token_ids)
 
     @property
+    def cursor(self) -> int:
+        """Output index of the token now looping or awaiting its head (-1: the last prompt
+        token's head): the newest sampled token, or while a recomputed request rebuilds its
+        KV (``replay_left``) the one being replayed."""
+        return len(self.output_token_ids) - 1 - self.replay_left
+
+    @property
     def decode_position(self) -> int:
-        """Position of the token now looping: the newest sampled token."""
-        return self.prompt_len + len(self.output_token_ids) - 1
+        """Position of the token now looping."""
+        return self.prompt_len + self.cursor
+
+    @property
+    def current_token(self) -> int:
+        return self.output_token_ids[self.cursor]
+
+    @property
+    def forced_depth(self) -> int | None:
+        """The depth the token now looping exits at when it is replayed (its exit was
+        recorded before a recompute preemption); None: its exit rule decides."""
+        i = self.cursor + 1
+        return self.exit_depths[i] if i < len(self.exit_depths) else None
 
     @property
     def max_positions(self) -> int:

@@ -103,6 +103,11 @@ class EngineSettings:
     show_progress: bool
     store_dir: str | None        # the executable store's folder (None: no store)
     num_top: int                 # top logprobs a head computes
+    kv_allocation: str = "incremental"   # pages as positions grow, or for a request's lifetime
+    kv_watermark: float = 0.0    # fraction of the pool admission leaves free (incremental)
+    prefix_caching: bool = False
+    swap_space_bytes: int = 0    # host memory for swap preemption
+    state_seeded: bool = False   # a prompt's KV depends on the request's seed (Huginn's like-init state)
 
     @property
     def kv_layout(self) -> str:
@@ -276,4 +281,7 @@ def resolve_settings(model, *, cache: CacheConfig, scheduler: SchedulerConfig, e
         xla_options=engine_options(tuple(sorted(dict(execution.xla_options).items())), platform, on_kernels),
         row_buckets=row_buckets, token_buckets=token_buckets, window=window,
         async_scheduling=execution.async_scheduling, compile_ahead=execution.compile_ahead,
-        show_progress=execution.show_progress, store_dir=store_dir, num_top=min(NUM_TOP_LOGPROBS, cfg.vocab_size))
+        show_progress=execution.show_progress, store_dir=store_dir, num_top=min(NUM_TOP_LOGPROBS, cfg.vocab_size),
+        kv_allocation=cache.kv_allocation, kv_watermark=float(cache.kv_watermark),
+        prefix_caching=cache.enable_prefix_caching, swap_space_bytes=int(cache.swap_space * 2**30),
+        state_seeded=cfg.arch == "huginn" and cfg.state_init != "zero")

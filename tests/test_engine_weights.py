@@ -25,7 +25,7 @@ def test_engine_from_a_checkpoint_keeps_only_the_split_weights(monkeypatch):
         return ckpt
 
     alive_at_sizing = []
-    real_sizing = llm_module.num_pages_for_memory
+    real_sizing = llm_module.plan_memory
 
     def recording_sizing(*args, **kwargs):     # the KV pool is sized from the free memory now
         gc.collect()
@@ -33,7 +33,7 @@ def test_engine_from_a_checkpoint_keeps_only_the_split_weights(monkeypatch):
         return real_sizing(*args, **kwargs)    # no memory statistics on CPU: the engine falls back
 
     monkeypatch.setattr(llm_module, "load_checkpoint", recording_load)
-    monkeypatch.setattr(llm_module, "num_pages_for_memory", recording_sizing)
+    monkeypatch.setattr(llm_module, "plan_memory", recording_sizing)
     engine = llm_module.build_engine(
         str(FIXTURES / "ouro-tiny"), dtype="float32", cache_config=CacheConfig(page_size=8),
         scheduler_config=SchedulerConfig(max_num_seqs=2),

@@ -7,8 +7,7 @@ P - 1 pages of live tokens.
 
 Models with boundary stages (Huginn) have a second pool of P + K layers and one
 plane; ``boundary_num_pages`` sizes it in proportion to the core pool so that it
-never limits admission, and ``num_pages_for_memory`` then charges each core page
-its share of the boundary pool.
+never limits admission (``engine.memory_plan`` charges each core page its share).
 """
 from __future__ import annotations
 
@@ -36,34 +35,6 @@ def boundary_num_pages(num_pages: int, num_planes: int) -> int:
     """Boundary pool size for a core pool of ``num_pages``: a request holds n pages per core
     plane and n boundary pages, so (num_pages - 1) // num_planes usable pages always suffice."""
     return 1 + max(1, (num_pages - 1) // num_planes)
-
-
-def num_pages_for_memory(cfg, page_size: int, dtype, fraction: float, device=None, *,
-                         boundary_layers: int = 0, num_planes: int = 1) -> int:
-    """Pages that fit in ``fraction`` of the device's free memory (scratch page included).
-
-    Call after the weights are loaded and a warm-up step has run, so
-    ``bytes_in_use`` already covers weights, activations and compiled
-    workspace; free = bytes_limit - bytes_in_use.
-    """
-    if not 0.0 < fraction <= 1.0:
-        raise KVSizingError(f"fraction={fraction!r}: must be in (0, 1]")
-    device = device if device is not None else jax.devices()[0]
-    stats = device.memory_stats()
-    if not stats or "bytes_limit" not in stats or "bytes_in_use" not in stats:
-        raise KVSizingError(
-            f"device {device} ({device.platform}) reports no memory statistics, so the KV pool cannot "
-            "be sized from free memory; pass an explicit num_pages instead")
-    free = int(stats["bytes_limit"]) - int(stats["bytes_in_use"])
-    page_bytes = bytes_per_page(cfg, page_size, dtype)
-    if boundary_layers:   # each core page carries 1 / num_planes of a boundary page
-        page_bytes += -(-bytes_per_page(cfg, page_size, dtype, boundary_layers) // num_planes)
-    pages = int(free * fraction) // page_bytes
-    if pages < 2:
-        raise KVSizingError(
-            f"only {max(free, 0)} free bytes on {device} (fraction {fraction}): room for {pages} KV pages of "
-            f"{page_bytes} bytes; need at least 2 (page 0 is scratch)")
-    return pages
 
 
 def allocate_paged_kv(cfg, num_pages: int, page_size: int, dtype, device=None,

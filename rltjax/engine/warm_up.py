@@ -168,11 +168,11 @@ def _recording(step, table: StepTable, pool: ThreadPoolExecutor, futures: list, 
         if split is None:       # a static argument passed by position: jit's own path
             lowered = step.lower(*args, **kwargs)
             futures.append(pool.submit(lowered.compile))
-            return _stand_ins(lowered.out_info, args)
+            return stand_ins(lowered.out_info, args)
         static, dynamic = split
         signature, program = call_signature(static, args, dynamic), program_key(step, static, args, dynamic)
         if program in table.out_info:      # called again in this pass (e.g. a launch, then its read)
-            return _stand_ins(table.out_info[program], args)
+            return stand_ins(table.out_info[program], args)
         file_key = store.file_key(program) if store else None
         stored = store.read(file_key) if file_key else None
         if stored is not None:          # XLA's deserialization on the pool, like a compile
@@ -184,7 +184,7 @@ def _recording(step, table: StepTable, pool: ThreadPoolExecutor, futures: list, 
                     table.add(signature, program, compiled)
             futures.append(pool.submit(load_and_keep))
             table.out_info[program] = out_specs
-            return _stand_ins(out_specs, args)
+            return stand_ins(out_specs, args)
         lowered = step.lower(*args, **kwargs)
         table.out_info[program] = lowered.out_info
 
@@ -196,11 +196,11 @@ def _recording(step, table: StepTable, pool: ThreadPoolExecutor, futures: list, 
             elif file_key:
                 store.count_not_fresh()
         futures.append(pool.submit(compile_and_keep))
-        return _stand_ins(lowered.out_info, args)
+        return stand_ins(lowered.out_info, args)
     return call
 
 
-def _stand_ins(out_info, args):
+def stand_ins(out_info, args):
     """Arrays shaped like the outputs: input arrays of the same shape and dtype, taken in
     order (the donated state comes back as itself), else zeros on the inputs' device."""
     spare = defaultdict(deque)

@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Any, Mapping, Sequence
@@ -16,9 +17,10 @@ import jax
 import numpy as np
 
 from rltjax.checkpoints.loader import load_checkpoint
-from rltjax.cache.block_tables import pages_needed
-from rltjax.cache.sizing import KVSizingError, allocate_paged_kv, boundary_num_pages, num_pages_for_memory
+from rltjax.cache.sizing import allocate_paged_kv
+from rltjax.engine.executable_store import ExecutableStore
 from rltjax.engine.llm_engine import LLMEngine
+from rltjax.engine.memory_plan import measure_peak, plan_memory
 from rltjax.engine.outputs import RequestOutput
 from rltjax.engine.settings import resolve_settings
 from rltjax.engine_config import CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig
@@ -67,23 +69,26 @@ def build_engine(model_dir, *, dtype=None, hf_overrides=None, cache_config: Cach
     settings = resolve_settings(model, cache=cache_config, scheduler=scheduler_config, exit_config=exit_config,
                                 execution=execution_config, max_model_len=max_model_len, kv_dtype=dtype)
     boundary_layers = boundary_kv_layers(model)      # Huginn's prelude + coda; 0 for plain models
-    num_pages = cache_config.num_pages
-    if num_pages is None:
-        try:
-            num_pages = num_pages_for_memory(cfg, cache_config.page_size, dtype,
-                                             cache_config.gpu_memory_utilization,
-                                             boundary_layers=boundary_layers, num_planes=settings.num_planes)
-        except KVSizingError:   # no memory statistics (CPU): room for max_num_seqs full sequences
-            num_pages = 1 + settings.max_num_seqs * settings.num_planes * pages_needed(
-                max_model_len, cache_config.page_size)
-    kv = allocate_paged_kv(cfg, num_pages, cache_config.page_size, dtype)
-    log.info(f"KV pool: {num_pages} pages of {cache_config.page_size} tokens x {settings.num_planes} plane(s) "
+    measure = functools.partial(measure_peak, model, params, settings, cfg, dtype, boundary_layers=boundary_layers,
+                                store_dir=_peaks_dir(settings))
+    plan = plan_memory(cache_config, settings, cfg, params, dtype, boundary_layers=boundary_layers, measure=measure)
+    log.info(plan.line())
+    kv = allocate_paged_kv(cfg, plan.num_pages, cache_config.page_size, dtype)
+    log.info(f"KV pool: {plan.num_pages} pages of {cache_config.page_size} tokens x {settings.num_planes} plane(s) "
              f"({settings.kv_layout}); {settings.max_num_seqs} requests at once")
     boundary_kv = None
     if boundary_layers:
-        boundary_kv = allocate_paged_kv(cfg, boundary_num_pages(num_pages, settings.num_planes),
-                                        cache_config.page_size, dtype, num_layers=boundary_layers)
+        boundary_kv = allocate_paged_kv(cfg, plan.boundary_pages, cache_config.page_size, dtype,
+                                        num_layers=boundary_layers)
     return LLMEngine(model, params, kv, settings=settings, tokenizer=tokenizer, boundary_kv=boundary_kv)
+
+
+def _peaks_dir(settings) -> str | None:
+    """The executable store's folder for this code and device (the measured peaks live there)."""
+    if not settings.store_dir:
+        return None
+    store = ExecutableStore.open(settings.store_dir)
+    return str(store.directory) if store is not None else None
 
 
 class LLM:

@@ -65,7 +65,7 @@ class LiveServer:
         eng, deadline = self.engine, time.monotonic() + timeout
         while time.monotonic() < deadline:
             s = eng.scheduler
-            if (not s.running and not s.waiting and not eng.requests and s.allocator.num_used == 0
+            if (not s.running and not s.waiting and not eng.requests and eng.stats().kv_pages_used == 0
                     and s.allocator.num_reserved == 0 and self.async_engine.in_flight == 0):
                 break
             time.sleep(0.02)

@@ -194,3 +194,28 @@ def test_gpu_engines_compile_with_the_gpu_default_options():
     assert on["xla_gpu_enable_triton_gemm"] is True
     joined = dict(engine_options((("xla_disable_hlo_passes", "algsimp, rematerialization"),), "gpu"))
     assert joined == {"xla_disable_hlo_passes": "rematerialization,algsimp"}
+
+
+def test_memory_flags_reach_the_engine_config():
+    import argparse
+
+    from rltjax.engine_config import EngineConfigError
+    from rltjax.entrypoints.engine_args import add_engine_arguments, configs_from_args
+    p = argparse.ArgumentParser()
+    add_engine_arguments(p)
+    default = configs_from_args(p.parse_args([]))
+    cache, sched = default["cache_config"], default["scheduler_config"]
+    assert (cache.kv_allocation, cache.kv_watermark, cache.enable_prefix_caching, cache.swap_space,
+            cache.kv_cache_memory_bytes) == ("incremental", 0.01, False, 4.0, None)
+    assert (sched.policy, sched.preemption_mode) == ("fcfs", "swap")
+    got = configs_from_args(p.parse_args([
+        "--enable-prefix-caching", "--kv-allocation", "lifetime", "--kv-watermark", "0.05", "--swap-space", "1.5",
+        "--kv-cache-memory-bytes", "1000000", "--scheduling-policy", "priority", "--preemption-mode", "recompute"]))
+    cache, sched = got["cache_config"], got["scheduler_config"]
+    assert (cache.kv_allocation, cache.kv_watermark, cache.enable_prefix_caching, cache.swap_space,
+            cache.kv_cache_memory_bytes) == ("lifetime", 0.05, True, 1.5, 1_000_000)
+    assert (sched.policy, sched.preemption_mode) == ("priority", "recompute")
+    with pytest.raises(EngineConfigError, match="kv_cache_memory_bytes"):
+        configs_from_args(p.parse_args(["--num-pages", "100", "--kv-cache-memory-bytes", "1000000"]))
+    with pytest.raises(EngineConfigError, match="kv_watermark"):
+        configs_from_args(p.parse_args(["--kv-watermark", "1.5"]))

@@ -194,3 +194,33 @@ def test_metrics_after_requests(server):
     assert value("rltjax:request_success", "_total") > 0
 
 
+
+
+def test_prefix_caching_priority_and_their_metrics(tok):
+    """A server with prefix caching and priority scheduling: a repeated prompt reports its
+    cached tokens in usage and equals the oracle; priority is a request field; /metrics
+    counts the lookups, hits and preemptions. Under fcfs a priority is a 400 naming it."""
+    text = "Rivers carry stones to the sea, and the sea keeps them. " * 3
+    greedy = dict(max_tokens=4, temperature=0.0, extra_body={"ignore_eos": True, "priority": 2})
+    with LiveServer({"enable_prefix_caching": True, "policy": "priority"}) as srv:
+        client = srv.client()
+        first = client.completions.create(model=MODEL, prompt=text, **greedy)
+        again = client.completions.create(model=MODEL, prompt=text, **greedy)
+        n = len(tok.encode(text))
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        assert again.usage.prompt_tokens_details.cached_tokens == (n - 1) // 8 * 8 > 0
+        ref = reference_model(MODEL).generate(tok.encode(text), SamplingParams(max_tokens=4, temperature=0.0,
+                                                                               ignore_eos=True))
+        assert first.choices[0].text == again.choices[0].text == tok.decode(ref.token_ids)
+        families = {f.name: f for f in text_string_to_metric_families(httpx.get(srv.url + "/metrics").text)}
+        value = lambda name: sum(s.value for s in families[name].samples if s.name in (name, name + "_total"))
+        assert value("rltjax:prefix_cache_queries") == 2 * ((n - 1) // 8 * 8)
+        assert value("rltjax:prefix_cache_hits") == (n - 1) // 8 * 8
+        assert value("rltjax:num_preemptions") == 0 and "rltjax:kv_cache_usage_perc" in families
+        srv.wait_idle()
+
+
+def test_priority_needs_the_priority_policy(server):
+    res = post(server, C, {**OK, "priority": 1})
+    assert res.status_code == 400 and res.json()["error"]["param"] == "priority"
+    assert "--scheduling-policy priority" in res.json()["error"]["message"]

@@ -6,8 +6,9 @@ import json
 
 from rltjax.engine_config import (ATTN_IMPLS, DEFAULT_DECODE_WINDOW, DEFAULT_PREFILL_CHUNK,
                                   DEFAULT_PREFILL_TOKENS_KERNEL, DEFAULT_PREFILL_TOKENS_XLA, EXIT_MODES, MATMUL_IMPLS,
-                                  KV_LAYOUTS, SCHEDULER_MODES, WINDOW_TRIPS, CacheConfig, ExecutionConfig, ExitConfig,
-                                  SchedulerConfig, default_cache_dir)
+                                  KV_ALLOCATIONS, KV_LAYOUTS, PREEMPTION_MODES, SCHEDULER_MODES, SCHEDULING_POLICIES,
+                                  WINDOW_TRIPS, CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig,
+                                  default_cache_dir)
 
 
 def mixed_prefill_tokens(text: str) -> int | dict[int, int] | None:
@@ -62,8 +63,19 @@ def _cache_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--page-size", type=int, default=16, metavar="N", help="tokens per KV page")
     g.add_argument("--num-pages", type=int, default=None, metavar="N",
                    help="KV pool size in pages (default: from --gpu-memory-utilization)")
+    g.add_argument("--kv-cache-memory-bytes", type=int, default=None, metavar="BYTES",
+                   help="KV pool size in bytes, boundary pool included (instead of --num-pages)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F",
-                   help="fraction of free device memory, after the weights, for the KV pool")
+                   help="fraction of device memory for weights, the largest step's peak and the KV pool")
+    g.add_argument("--kv-allocation", default="incremental", choices=KV_ALLOCATIONS,
+                   help="incremental: pages as tokens are written (preempts when short); "
+                        "lifetime: a request's pages for prompt + max_tokens at admission")
+    g.add_argument("--kv-watermark", type=float, default=0.01, metavar="F",
+                   help="fraction of the pool admission leaves free for running requests to grow")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
+                   help="share full pages of prompt KV between requests with the same prompt prefix")
+    g.add_argument("--swap-space", type=float, default=4.0, metavar="GiB",
+                   help="host memory for swapped requests (--preemption-mode swap)")
     g.add_argument("--cache-max-loops", type=int, default=None, metavar="N",
                    help="deepest recurrence a request may ask for (default: the model's R; above R: Huginn)")
 
@@ -82,6 +94,11 @@ def _scheduler_arguments(p: argparse.ArgumentParser) -> None:
                    help="prefill batches in a row before decoding requests get a step")
     g.add_argument("--min-coda-batch-size", type=int, default=1, metavar="N",
                    help="heads wait for this many rows unless no loop work remains")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES,
+                   help="priority: a request's priority (lower first) orders admission and may preempt")
+    g.add_argument("--preemption-mode", default="swap", choices=PREEMPTION_MODES,
+                   help="how a preempted request keeps its work: swap (a host copy; recompute when --swap-space is "
+                        "full) or recompute (replay its recorded depths)")
 
 
 def _exit_arguments(p: argparse.ArgumentParser) -> None:
@@ -170,12 +187,15 @@ def configs_from_args(args: argparse.Namespace) -> dict:
         hf_overrides=hf_overrides_from_args(args),
         cache_config=CacheConfig(kv_layout=args.kv_layout, page_size=args.page_size, num_pages=args.num_pages,
                                  gpu_memory_utilization=args.gpu_memory_utilization,
-                                 max_loops=args.cache_max_loops),
+                                 max_loops=args.cache_max_loops, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                                 kv_allocation=args.kv_allocation, kv_watermark=args.kv_watermark,
+                                 enable_prefix_caching=args.enable_prefix_caching, swap_space=args.swap_space),
         scheduler_config=SchedulerConfig(
             mode=args.scheduler_mode, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, prefill_chunk_size=args.prefill_chunk_size,
             max_prefill_batches_before_decode=args.max_prefill_batches_before_decode,
-            min_coda_batch_size=args.min_coda_batch_size, max_model_len=args.max_model_len),
+            min_coda_batch_size=args.min_coda_batch_size, max_model_len=args.max_model_len,
+            policy=args.scheduling_policy, preemption_mode=args.preemption_mode),
         exit_config=ExitConfig(mode=args.exit_mode, lookahead_seed=args.lookahead_seed),
         execution_config=ExecutionConfig(attn_impl=args.attn_impl, attn_num_splits=args.attn_num_splits,
                                          matmul_impl=args.matmul_impl,

@@ -182,13 +182,10 @@ class AsyncEngine:
             self.engine.forget(out.request_id)
 
     def _publish(self) -> None:
-        sched = self.engine.scheduler
-        self.num_running = len(sched.running)
-        self.num_waiting = len(sched.waiting)
+        stats = self.engine.stats()
+        self.num_running, self.num_waiting = stats.num_running, stats.num_waiting
         if self.metrics is not None:
-            alloc = sched.allocator
-            self.metrics.set_state(self.num_waiting, self.num_running,
-                                   alloc.num_pages - 1 - alloc.num_free, alloc.num_pages - 1)
+            self.metrics.set_state(stats)
 
     def _fail_all(self, message: str) -> None:
         """Finish every tracked request with an error (the engine cannot go on), then die."""

@@ -34,7 +34,8 @@ class TokenStrings:
 
 def usage(out: RequestOutput) -> dict[str, int]:
     p, c = len(out.prompt_token_ids), len(out.token_ids)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
 
 
 class _Format:

@@ -36,8 +36,15 @@ class ServerMetrics:
                                     buckets=_DEPTHS, registry=r)
         self.waiting = Gauge(p + "num_requests_waiting", "Requests queued for admission.", registry=r)
         self.running = Gauge(p + "num_requests_running", "Requests holding a KV slot.", registry=r)
-        self.pages_used = Gauge(p + "kv_cache_pages_used", "KV pages allocated or reserved.", registry=r)
+        self.pages_used = Gauge(p + "kv_cache_pages_used", "KV pages requests hold.", registry=r)
         self.pages_total = Gauge(p + "kv_cache_pages_total", "Usable KV pages.", registry=r)
+        self.kv_usage = Gauge(p + "kv_cache_usage_perc", "Fraction of the usable KV pages requests hold (1 = full).",
+                              registry=r)
+        self.prefix_queries = Counter(p + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                      registry=r)
+        self.prefix_hits = Counter(p + "prefix_cache_hits", "Prompt tokens found in the prefix cache.", registry=r)
+        self.preemptions = Counter(p + "num_preemptions", "Requests preempted (swapped or recomputed).", registry=r)
+        self._seen = {}     # the engine's running totals at the last update: counters add the difference
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prefilled prompt tokens.", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Generated (decode) tokens.", registry=r)
         self.finished = Counter(p + "request_success", "Finished requests by finish reason.",
@@ -68,11 +75,19 @@ class ServerMetrics:
         for d in depths:   # exit_depths[0] is the prompt's (always R): only decode tokens count
             self.exit_depth.observe(d)
 
-    def set_state(self, waiting: int, running: int, pages_used: int, pages_total: int) -> None:
-        self.waiting.set(waiting)
-        self.running.set(running)
-        self.pages_used.set(pages_used)
-        self.pages_total.set(pages_total)
+    def set_state(self, stats) -> None:
+        """The engine's ``EngineStats`` now."""
+        self.waiting.set(stats.num_waiting)
+        self.running.set(stats.num_running)
+        self.pages_used.set(stats.kv_pages_used)
+        self.pages_total.set(stats.kv_pages_total)
+        self.kv_usage.set(stats.kv_cache_usage)
+        for counter, name in ((self.prefix_queries, "prefix_cache_queries"), (self.prefix_hits, "prefix_cache_hits"),
+                              (self.preemptions, "num_preemptions")):
+            total = getattr(stats, name)
+            if total > self._seen.get(name, 0):
+                counter.inc(total - self._seen.get(name, 0))
+            self._seen[name] = total
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

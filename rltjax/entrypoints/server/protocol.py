@@ -100,6 +100,7 @@ class _Common(BaseModel):
     min_loops: int = 1
     max_loops: int | None = None
     exit_threshold: float = 1.0
+    priority: int = 0           # lower runs first (a server started with --scheduling-policy priority)
 
     def unsupported(self) -> None:
         """Options the OpenAI API has but this server cannot honour: 400, naming them."""

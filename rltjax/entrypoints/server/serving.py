@@ -71,7 +71,7 @@ def _sampling_params(body, max_tokens: int, logprobs: int | None, aliases=None) 
             max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
             seed=body.seed, stop=body.stop or (), stop_token_ids=body.stop_token_ids or (),
             ignore_eos=body.ignore_eos, min_loops=body.min_loops, max_loops=body.max_loops,
-            exit_threshold=body.exit_threshold, logprobs=logprobs)
+            exit_threshold=body.exit_threshold, logprobs=logprobs, priority=body.priority)
     except SamplingParamsError as exc:
         param = sampling_error_param(str(exc))
         raise APIError(400, str(exc), (aliases or {}).get(param, param)) from None

@@ -181,8 +181,8 @@ def run(args) -> dict:
             runs.append((f"capacity/{allocation}", firsts, dict(kv_allocation=allocation, num_pages=pages)))
     if "pressure" in args.parts:
         for mode in ("recompute", "swap"):
-            runs.append((f"pressure/{mode}", firsts, dict(preemption_mode=mode,
-                                                          num_pages=1 + planes * max((pages - 1) // planes // 2, largest))))
+            small = 1 + planes * max((pages - 1) // planes // 2, largest)
+            runs.append((f"pressure/{mode}", firsts, dict(preemption_mode=mode, num_pages=small)))
     for name, sessions, flags in runs:
         engine = _engine(args, max_model_len, **{"enable_prefix_caching": False, "num_pages": None,
                                                  "kv_allocation": "incremental", "preemption_mode": "swap",

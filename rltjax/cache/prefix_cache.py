@@ -104,9 +104,6 @@ class PrefixCache:
         self.stats.queries += query_tokens
         self.stats.hits += hit_tokens
 
-    def contains(self, key: bytes) -> bool:
-        return key in self._blocks
-
     def publish(self, key: bytes, pages: tuple[int, ...], boundary_page: int | None) -> CachedBlock | None:
         """A block a request's prefill just wrote, used by that request; None (nothing
         changes) when the key is cached already (another request wrote the same pages)."""

@@ -6,8 +6,9 @@ boundary pool; every table covers the same positions. With ``incremental`` alloc
 default) admission takes pages for the prompt, and the tables grow as tokens are written: a
 token's page on every plane when it starts its loops, and before a decode window launches,
 the pages its K passes can reach (``grow``). Admission leaves ``watermark`` of the pool and a
-page a plane per running request free for the running requests' growth (``keep_free``). ``lifetime`` allocation (for comparison) takes the pages
-of the prompt and every output at admission and never grows.
+page a plane per running request free for the running requests' growth (``keep_free``).
+``lifetime`` allocation (for comparison) takes the pages of the prompt and every output at
+admission and never grows.
 
 With prefix caching a prompt's full pages map cached blocks (``cache.prefix_cache``) at
 admission, up to the page before its last token (the last prompt token always runs, so its
@@ -94,8 +95,9 @@ class BlockManager:
     def admit(self, req: Request, request_part: bytes = b"", keep: int = 0) -> bool:
         """Map the request's cached prefix and take pages for the rest of its prompt (lifetime
         allocation: for every position it can write). False, with nothing taken, when that
-        would leave fewer than ``keep`` core pages free (``keep_free``). request_part: what the request adds to the prefix cache's root key
-        (Huginn's seeded state initialisation)."""
+        would leave fewer than ``keep`` core pages free (``keep_free``). request_part: what
+        the request adds to the prefix cache's root key (Huginn's seeded state initialisation).
+        A recomputed request takes the pages of the outputs it rebuilds too."""
         P = self.page_size
         blocks = []
         if self.cache is not None:

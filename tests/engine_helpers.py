@@ -297,6 +297,7 @@ def run_checked(engine, arrivals, max_steps=10_000, aborts=None):
             engine.add_request(rid, prompt, params)
         if aborts and step in aborts:
             engine.abort_request(aborts[step])
+            check_page_accounting(engine)
         engine.step()
         check_page_accounting(engine)
         step += 1

@@ -54,9 +54,12 @@ def arrivals_of(requests, priorities: bool):
 @given(kv_layout=st.sampled_from(["last_exited", "shared"]), preemption=st.sampled_from(["recompute", "swap"]),
        prefix=st.booleans(), window=st.sampled_from([0, 3]), policy=st.sampled_from(["fcfs", "priority"]),
        exit_mode=st.sampled_from(["ouro", "ouro_delayed", "random_lookahead", "fixed"]),
-       async_scheduling=st.booleans(), spare=st.integers(0, 4), requests=st.lists(request, min_size=2, max_size=5))
+       async_scheduling=st.booleans(), spare=st.integers(0, 4), requests=st.lists(request, min_size=2, max_size=5),
+       aborts=st.dictionaries(st.integers(0, 40), st.integers(0, 4), max_size=2))
 def test_memory_manager_matches_reference(kv_layout, preemption, prefix, window, policy, exit_mode, async_scheduling,
-                                          spare, requests):
+                                          spare, requests, aborts):
+    """Random arrivals and aborts (at any step: waiting, prefilling, looping, preempted or
+    swapped); every finished request equals the oracle, an aborted one is a prefix of it."""
     arrivals = arrivals_of(requests, policy == "priority")
     engine = make_engine(kv_layout=kv_layout, exit_mode=exit_mode, page_size=PAGE, prefill_chunk_size=8,
                          max_num_seqs=4, lookahead_seed=3, num_pages=pool_for(kv_layout, arrivals, spare),
@@ -64,10 +67,15 @@ def test_memory_manager_matches_reference(kv_layout, preemption, prefix, window,
                          decode_window=window,
                          # reading signals a pass late: the delayed modes, step by step
                          async_scheduling=async_scheduling and not window and exit_mode in ASYNC_MODES)
-    outputs = run_checked(engine, arrivals)
+    outputs = run_checked(engine, arrivals, aborts={step: f"r{i % len(arrivals)}" for step, i in aborts.items()})
     ref = reference_for(kv_layout, exit_mode, lookahead_seed=3)
     for _, rid, prompt, params in arrivals:
-        check_equal(outputs[rid], ref.generate(prompt, params, request_id=rid))
+        out, want = outputs[rid], ref.generate(prompt, params, request_id=rid)
+        if out.finish_reason == "abort":
+            assert out.token_ids == want.token_ids[:len(out.token_ids)]
+            assert out.exit_depths == want.exit_depths[:len(out.exit_depths)]
+        else:
+            check_equal(out, want)
     assert_all_pages_free(engine)
 
 

@@ -51,15 +51,23 @@ def make_engine(*, kv_layout="last_exited", page_size=4, mode="refill", max_num_
                                          executable_cache=executable_cache))
 
 
-def run_workload(engine, arrivals, max_steps=10_000):
-    """arrivals: list of (step_index, request_id, prompt, params). Returns outputs by id."""
+def run_workload(engine, arrivals, max_steps=10_000, aborts=None, after_step=None):
+    """arrivals: list of (step_index, request_id, prompt, params); aborts: {step: request_id}
+    aborted before that step; after_step(engine): a check after every step and abort.
+    Returns outputs by id."""
     pending = sorted(arrivals, key=lambda a: a[0])
     step = 0
     while pending or engine.has_unfinished_requests():
         while pending and pending[0][0] <= step:
             _, rid, prompt, params = pending.pop(0)
             engine.add_request(rid, prompt, params)
+        if aborts and step in aborts:
+            engine.abort_request(aborts[step])
+            if after_step:
+                after_step(engine)
         engine.step()
+        if after_step:
+            after_step(engine)
         step += 1
         assert step < max_steps, "workload did not finish"
     return {rid: engine.get_output(rid) for _, rid, _, _ in arrivals}
@@ -288,18 +296,5 @@ def check_page_accounting(engine):
 
 
 def run_checked(engine, arrivals, max_steps=10_000, aborts=None):
-    """run_workload with ``check_page_accounting`` after every step; aborts: {step: rid}."""
-    pending = sorted(arrivals, key=lambda a: a[0])
-    step = 0
-    while pending or engine.has_unfinished_requests():
-        while pending and pending[0][0] <= step:
-            _, rid, prompt, params = pending.pop(0)
-            engine.add_request(rid, prompt, params)
-        if aborts and step in aborts:
-            engine.abort_request(aborts[step])
-            check_page_accounting(engine)
-        engine.step()
-        check_page_accounting(engine)
-        step += 1
-        assert step < max_steps, "workload did not finish"
-    return {rid: engine.get_output(rid) for _, rid, _, _ in arrivals}
+    """run_workload with ``check_page_accounting`` after every step and abort."""
+    return run_workload(engine, arrivals, max_steps, aborts, after_step=check_page_accounting)

@@ -108,6 +108,38 @@ def scrape_exit_depth(base_url: str) -> tuple[float, float] | None:
     return (found["sum"], found["count"]) if len(found) == 2 else None
 
 
+MEMORY_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")
+
+
+def memory_counters(engine=None, base_url: str | None = None) -> dict[str, float] | None:
+    """The engine's prefix-cache and preemption totals: from ``engine.stats()`` in process,
+    else the server's /metrics counters (None if unavailable)."""
+    if engine is not None:
+        stats = engine.stats()
+        return {k: float(getattr(stats, k)) for k in MEMORY_COUNTERS}
+    import httpx
+    try:
+        text = httpx.get(base_url.rstrip("/") + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return None
+    found = {}
+    for line in text.splitlines():
+        for key in MEMORY_COUNTERS:
+            if line.startswith(f"rltjax:{key}_total "):
+                found[key] = float(line.split()[-1])
+    return found if len(found) == len(MEMORY_COUNTERS) else None
+
+
+def memory_report(before: dict | None, after: dict | None) -> dict | None:
+    """A run's prefix-cache hit rate and preemptions from the counters around it."""
+    if before is None or after is None:
+        return None
+    d = {k: after[k] - before[k] for k in MEMORY_COUNTERS}
+    return dict(prefix_cache_queries=int(d["prefix_cache_queries"]), prefix_cache_hits=int(d["prefix_cache_hits"]),
+                prefix_cache_hit_rate=d["prefix_cache_hits"] / d["prefix_cache_queries"]
+                if d["prefix_cache_queries"] else None, preemptions=int(d["num_preemptions"]))
+
+
 def fold_ids(ids: Sequence[int], vocab_size: int) -> list[int]:
     """Token ids folded into a smaller vocabulary (tiny test models): lengths are kept."""
     return [int(t) % vocab_size for t in ids]

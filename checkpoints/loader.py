@@ -80,4 +80,20 @@ def load_checkpoint(path: str | Path, dtype: Any = None,
         params = restore_params(model_dir, param_template(cfg, dt))
     else:
         params = load_hf_params(model_dir, cfg, dt)
+    check_finite(params, model_dir)
     return LoadedCheckpoint(cfg=cfg, params=params, model_dir=model_dir, dtype=dt)
+
+
+def check_finite(params: Any, model_dir: Path) -> None:
+    """Refuse weights holding NaN or Inf (they would load silently and turn every logit into
+    NaN): one jitted reduction a tensor, on the device."""
+    import jax
+    import jax.numpy as jnp
+
+    from rltjax.models.params import flatten_params
+    flat = flatten_params(params)
+    finite = jax.jit(lambda xs: [jnp.isfinite(x).all() for x in xs])(list(flat.values()))
+    bad = [name for name, ok in zip(flat, jax.device_get(finite)) if not ok]
+    if bad:
+        raise CheckpointError(f"{model_dir}: weights hold NaN or Inf values in {len(bad)} tensor(s): "
+                              f"{', '.join(bad[:5])}{', ...' if len(bad) > 5 else ''}")

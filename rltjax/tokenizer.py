@@ -37,15 +37,19 @@ _IM_END = "<|im_end|>"
 _CHAT_END_TOKENS = ("<|end_turn|>", "<|eot_id|>", "<|end|>")
 
 
+class TokenizerError(ValueError):
+    """A model directory's tokenizer files are missing or unreadable; the message names the file."""
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise TokenizerError(f"{path} is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
+        raise TokenizerError(f"{path} must hold a JSON object, got {type(data).__name__}")
     return data
 
 
@@ -120,10 +124,13 @@ class Tokenizer:
         model_dir = Path(model_dir)
         path = model_dir / "tokenizer.json"
         if not path.is_file():
-            raise FileNotFoundError(
+            raise TokenizerError(
                 f"no tokenizer.json in {model_dir}: rltjax needs a fast-tokenizer file "
                 "(slow sentencepiece/vocab.txt tokenizers are not supported)")
-        backend = _HFTokenizer.from_file(str(path))
+        try:
+            backend = _HFTokenizer.from_file(str(path))
+        except Exception as exc:  # noqa: BLE001 - the tokenizers library raises its own types
+            raise TokenizerError(f"{path}: not a readable fast-tokenizer file ({exc})") from exc
         gen = _read_json(model_dir / "generation_config.json")
         cfg = _read_json(model_dir / "config.json")
         tok_cfg = _read_json(model_dir / "tokenizer_config.json")

@@ -85,8 +85,10 @@ def tok():
 
 
 def post(srv, path, body, **kw):
+    """POST a JSON body (a dict, or raw text sent as JSON as is)."""
     data = json.dumps(body) if isinstance(body, dict) else body
-    return httpx.post(srv.url + path, content=data, **{"timeout": 60, **kw})
+    headers = {"content-type": "application/json", **kw.pop("headers", {})}
+    return httpx.post(srv.url + path, content=data, headers=headers, **{"timeout": 60, **kw})
 
 
 def sse_events(lines):

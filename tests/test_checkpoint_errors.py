@@ -137,3 +137,18 @@ def test_unimplemented_arch_is_a_clear_error():
     with pytest.raises(NotImplementedError, match="mamba"):
         arch_module("mamba")
 
+
+
+@pytest.mark.parametrize("value, dtype", [(np.nan, None), (-np.inf, "bfloat16")])
+def test_non_finite_weights_are_refused(tmp_path, value, dtype):
+    """NaN / Inf weights are refused at load with the tensor named, not served as NaN logits."""
+    d = copy_fixture(OURO, tmp_path)
+
+    def poison(t):
+        w = np.array(t[Q0], np.float32)
+        w[3, 5] = value
+        t[Q0] = w
+    rewrite(d, poison)
+    with pytest.raises(CheckpointError, match=r"NaN or Inf values in 1 tensor\(s\): .*wq") as e:
+        load_checkpoint(d, dtype=dtype)
+    assert str(d) in str(e.value)

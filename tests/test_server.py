@@ -224,3 +224,20 @@ def test_priority_needs_the_priority_policy(server):
     res = post(server, C, {**OK, "priority": 1})
     assert res.status_code == 400 and res.json()["error"]["param"] == "priority"
     assert "--scheduling-policy priority" in res.json()["error"]["message"]
+
+
+def test_sse_events_stay_one_line_and_logprobs_stay_json():
+    """Characters str.splitlines takes for line ends are escaped in an SSE event, and non-finite
+    logprobs (weights that overflow) serialise as strict JSON (-inf as -9999.0, NaN as null)."""
+    import json
+
+    from rltjax.engine.outputs import RequestOutput
+    from rltjax.entrypoints.server.formatting import ChatFormat, CompletionFormat, TokenStrings, sse
+    text = "a\x85b\u2028c\u2029d\nq"
+    event = sse({"text": text})
+    assert len(event.strip().splitlines()) == 1 and json.loads(event[len("data: "):])["text"] == text
+    out = RequestOutput("r", token_ids=[3, 4], logprobs=[{3: float("nan"), 5: -1.0}, {4: float("-inf")}], text="xy")
+    for fmt in (CompletionFormat, ChatFormat):
+        body = fmt("r", "m", 0, TokenStrings(None), 2, False).response(out)
+        json.dumps(body, allow_nan=False)                  # strict JSON, as the response is sent
+        assert "-9999.0" in json.dumps(body) and "null" in json.dumps(body)

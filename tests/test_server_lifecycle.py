@@ -72,6 +72,14 @@ def test_api_key_body_limit_and_429():
             if r.status_code == 429:
                 assert r.headers["retry-after"] == "1" and r.json()["error"]["type"] == "rate_limit_error"
         srv.wait_idle()
+        plain = httpx.post(srv.url + C, content=json.dumps(OK), headers={**auth, "content-type": "text/plain"})
+        assert plain.status_code == 415 and "application/json" in plain.json()["error"]["message"]
+        # every refusal counted, the guard's (401, 413 by Content-Length, 415) as the handlers'
+        families = {f.name: f for f in text_string_to_metric_families(httpx.get(srv.url + "/metrics").text)}
+        refused = {s.labels["status"]: s.value for s in families["rltjax:request_rejected"].samples
+                   if s.name.endswith("_total")}
+        assert refused["401"] == 3 and refused["413"] == 2 and refused["415"] == 1   # 401: two posts, the client
+        assert refused["429"] == statuses.count(429)
 
 
 def test_graceful_shutdown_drains_in_flight_requests():
@@ -101,3 +109,32 @@ def test_serve_cli(tmp_path, capsys):
     rc = main(["serve", str(tmp_path / "missing"), "--port", "0", "--log-level", "error",
                "--compilation-cache-dir", ""])
     assert rc == 2 and "does not exist" in capsys.readouterr().err
+
+
+def test_serve_exits_0_after_a_drained_sigterm(tmp_path):
+    """SIGTERM drains and the process exits cleanly (uvicorn would raise the signal again);
+    the API key may come from the environment instead of the command line."""
+    import os
+    import signal
+    from conftest import FIXTURES
+    env = {**os.environ, "RLTJAX_API_KEY": "from-env"}
+    proc = subprocess.Popen([sys.executable, "-m", "rltjax", "serve", str(FIXTURES / MODEL), "--port", "0",
+                             "--log-level", "info", "--no-compile-ahead", "--compilation-cache-dir", ""],
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        for line in proc.stderr:
+            if "startup complete" in line or time.monotonic() > deadline:
+                break
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) == 0
+    finally:
+        proc.kill()
+    from rltjax.entrypoints.cli import build_parser
+    old = os.environ.get("RLTJAX_API_KEY")
+    os.environ["RLTJAX_API_KEY"] = "from-env"
+    try:
+        _, commands = build_parser()
+        assert commands["serve"].parse_args(["m"]).api_key == "from-env"
+    finally:
+        os.environ.pop("RLTJAX_API_KEY") if old is None else os.environ.__setitem__("RLTJAX_API_KEY", old)

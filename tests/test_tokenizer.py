@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from rltjax.tokenizer import Tokenizer
+from rltjax.tokenizer import Tokenizer, TokenizerError
 
 FIX = Path(__file__).parent / "fixtures"
 CONVO = [{"role": "system", "content": "You are helpful."},
@@ -150,5 +150,33 @@ def test_template_is_sandboxed(tmp_path):
 
 def test_missing_tokenizer_json(tmp_path):
     d = _copy(tmp_path, skip=("model.safetensors", "tokenizer.json"))
-    with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
+    with pytest.raises(TokenizerError, match="no tokenizer.json"):
         Tokenizer.from_dir(d)
+
+
+@pytest.mark.parametrize("content", [b"not json at all", b'{"version": "1.0", "model": 3}', b"\xff\xfe"])
+def test_garbage_tokenizer_files_name_the_file(tmp_path, content):
+    """A tokenizer.json (or tokenizer_config.json) that cannot be read is one error naming
+    the file."""
+    d = _copy(tmp_path, skip=("model.safetensors",))
+    (d / "tokenizer.json").write_bytes(content)
+    with pytest.raises(TokenizerError, match="tokenizer.json"):
+        Tokenizer.from_dir(d)
+    if not content.startswith(b"{"):      # (a JSON object is a valid tokenizer_config.json)
+        e = _copy(tmp_path / "cfg", skip=("model.safetensors",))
+        (e / "tokenizer_config.json").write_bytes(content)
+        with pytest.raises(TokenizerError, match="tokenizer_config.json"):
+            Tokenizer.from_dir(e)
+
+
+def test_cli_reports_a_bad_tokenizer_in_one_line(tmp_path, capsys):
+    import shutil
+    from conftest import FIXTURES
+    from rltjax.entrypoints.cli import main
+    d = tmp_path / "m"
+    shutil.copytree(FIXTURES / "ouro-tiny", d)
+    (d / "tokenizer.json").write_text("garbage")
+    rc = main(["generate", "--model", str(d), "--prompt", "hi", "--max-tokens", "2", "--compilation-cache-dir", ""])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error" in line.lower()]
+    assert rc == 2 and "Traceback" not in err and len(errors) == 1 and "tokenizer.json" in errors[0]

@@ -28,10 +28,13 @@ logger = logging.getLogger("rltjax.server")
 
 
 class Guard:
-    """API key on /v1 (401), draining on /v1 (503), and the request body size limit (413)."""
+    """API key on /v1 (401), draining on /v1 (503), JSON bodies only on POST (415: a browser
+    may send a form or text/plain across origins without asking first), and the request body
+    size limit (413). Every refusal is counted in ``rltjax:request_rejected``."""
 
-    def __init__(self, app, *, engine: AsyncEngine, api_key: str | None, max_request_bytes: int | None):
-        self.app, self.engine = app, engine
+    def __init__(self, app, *, engine: AsyncEngine, api_key: str | None, max_request_bytes: int | None,
+                 metrics: ServerMetrics):
+        self.app, self.engine, self.metrics = app, engine, metrics
         self.expected = f"Bearer {api_key}".encode() if api_key else None
         self.max_bytes = max_request_bytes
 
@@ -40,6 +43,7 @@ class Guard:
             return await self.app(scope, receive, send)
         err = self._refuse(scope)
         if err is not None:
+            self.metrics.rejected.labels(str(err.status)).inc()
             return await JSONResponse(err.body(), status_code=err.status, headers=err.headers)(scope, receive, send)
         if self.max_bytes is not None:
             receive = _limited(receive, self.max_bytes)
@@ -53,6 +57,9 @@ class Guard:
                                 headers={"WWW-Authenticate": "Bearer"})
             if self.engine.draining:
                 return APIError(503, "the server is shutting down")
+            kind = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
+            if scope["method"] == "POST" and kind != b"application/json":
+                return APIError(415, f"Content-Type must be application/json, not {kind.decode(errors='replace')!r}")
         length = headers.get(b"content-length")
         if self.max_bytes is not None and length is not None:
             if not length.isdigit():
@@ -95,7 +102,7 @@ def build_app(engine: AsyncEngine, *, served_names: list[str], metrics: ServerMe
 
     app = FastAPI(title="rltjax", lifespan=lifespan)
     app.state.engine, app.state.metrics, app.state.ctx = engine, metrics, ctx
-    app.add_middleware(Guard, engine=engine, api_key=api_key, max_request_bytes=max_request_bytes)
+    app.add_middleware(Guard, engine=engine, api_key=api_key, max_request_bytes=max_request_bytes, metrics=metrics)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):

@@ -13,8 +13,21 @@ from typing import Any
 from rltjax.engine.outputs import RequestOutput
 
 
+# Characters Python's str.splitlines (and clients built on it, e.g. httpx's iter_lines) takes
+# for line ends although JSON allows them raw (json.dumps escapes the control characters
+# below U+0020 itself): escaped, so an event stays one line.
+_LINE_ENDS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    return f"data: {json.dumps(obj, ensure_ascii=False).translate(_LINE_ENDS)}\n\n"
+
+
+def wire_logprob(x: float | None) -> float | None:
+    """A logprob as JSON can carry it: -inf as -9999.0 (vLLM's convention), NaN as null."""
+    if x is None or x != x:
+        return None
+    return max(float(x), -9999.0) if x != float("inf") else None
 
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -72,8 +85,8 @@ class CompletionFormat(_Format):
         for tok, entry in zip(out.token_ids[start:], out.logprobs[start:]):
             s = self.tokens(tok)
             res["tokens"].append(s)
-            res["token_logprobs"].append(entry.get(tok))
-            res["top_logprobs"].append({self.tokens(t): lp for t, lp in entry.items()})
+            res["token_logprobs"].append(wire_logprob(entry.get(tok)))
+            res["top_logprobs"].append({self.tokens(t): wire_logprob(lp) for t, lp in entry.items()})
             res["text_offset"].append(self._offset)
             self._offset += len(s)
         return res
@@ -97,7 +110,7 @@ class ChatFormat(_Format):
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         s = self.tokens(token_id)
-        return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
+        return {"token": s, "logprob": wire_logprob(logprob), "bytes": list(s.encode("utf-8"))}
 
     def _logprobs(self, out: RequestOutput, start: int) -> dict[str, list] | None:
         if self.logprobs is None or out.logprobs is None:

@@ -9,8 +9,13 @@ to completion (a second Ctrl+C forces the exit), then the engine stops.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 
 from rltjax.entrypoints.engine_args import add_engine_arguments, configs_from_args
+
+
+API_KEY_ENV = "RLTJAX_API_KEY"
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -20,8 +25,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=8000, help="port to listen on")
     g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="model name(s) the API accepts, the first reported (default: MODEL as given)")
-    g.add_argument("--api-key", default=None, metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on /v1 routes")
+    g.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None, metavar="KEY",
+                   help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV}, which keeps "
+                        f"the key out of the process list)")
     g.add_argument("--max-waiting-requests", type=int, default=1024, metavar="N",
                    help="queued requests before new ones get 429")
     g.add_argument("--max-request-bytes", type=int, default=10 * 1024 * 1024, metavar="N",
@@ -37,6 +43,15 @@ def make_server(app, *, host: str, port: int, log_level: str = "info"):
         async def shutdown(self, sockets=None):
             app.state.engine.begin_drain()
             await super().shutdown(sockets)
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # uvicorn raises a captured SIGTERM / SIGINT again once it has shut down, so the
+            # process would die by the signal (exit -15) after a complete drain: a drained
+            # shutdown is a clean exit (0). A signal during a failed run is still raised.
+            with super().capture_signals():
+                yield
+                self._captured_signals.clear()
 
     return DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                          timeout_keep_alive=5, access_log=log_level == "debug"))

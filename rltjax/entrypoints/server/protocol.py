@@ -23,7 +23,7 @@ class APIError(Exception):
     """An error the client should see as ``{"error": {...}}`` with this status."""
 
     TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-             413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable",
+             413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable",
              500: "internal_server_error"}
 
     def __init__(self, status: int, message: str, param: str | None = None,

@@ -304,3 +304,20 @@ def test_huginn_preempts_exactly(preemption, window):
         check_equal(outputs[rid], ref.generate(prompt, params, request_id=rid))
     assert engine.stats().num_preemptions > 0
     assert_all_pages_free(engine)
+
+
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_priority_never_preempts_for_a_request_that_still_would_not_fit(preemption):
+    """A waiting request that would not fit even with every lower-priority request gone
+    preempts none of them (else each would be preempted, re-admitted and preempted again)."""
+    sp = lambda prio, n: SamplingParams(max_tokens=n, temperature=0.0, priority=prio, ignore_eos=True)  # noqa: E731
+    arrivals = [(0, "H1", TOKENS[:20], sp(0, 16)),
+                (1, "H2", TOKENS[20:60], sp(0, 2)),      # 10 pages: never fits beside H1
+                (1, "L", TOKENS[60:64], sp(1, 12))]
+    engine = make_engine(kv_layout="shared", page_size=PAGE, max_num_seqs=4, num_pages=1 + 14, policy="priority",
+                         preemption_mode=preemption)
+    outputs = run_checked(engine, arrivals)
+    ref = reference_for("shared")
+    for _, rid, prompt, params in arrivals:
+        check_equal(outputs[rid], ref.generate(prompt, params, request_id=rid))
+    assert engine.stats().num_preemptions == 0

@@ -99,6 +99,13 @@ class PrefixCache:
             self._use(block)
         return found
 
+    def peek(self, keys: Sequence[bytes]) -> int:
+        """How many blocks from the start of ``keys`` are cached (nothing changes)."""
+        n = 0
+        while n < len(keys) and keys[n] in self._blocks:
+            n += 1
+        return n
+
     def record(self, query_tokens: int, hit_tokens: int) -> None:
         """An admitted request's lookup: prompt tokens asked for and found."""
         self.stats.queries += query_tokens

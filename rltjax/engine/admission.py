@@ -93,9 +93,16 @@ class Admission:
                 self._start(req)
                 return True
             victims = [r for r in self.running if r.params.priority > req.params.priority] if self.by_priority else []
-            if not victims or not self.preemptor.can_resume(req):
+            if not victims or not self.preemptor.can_resume(req) or not self._room_with(victims, req):
                 return False
             self._preempt(max(victims, key=lambda r: victim_order(r, True)))
+
+    def _room_with(self, victims: list[Request], req: Request) -> bool:
+        """Whether preempting every one of ``victims`` could make room for ``req`` (their core
+        pages at most, the others' growth room kept): else preempting any is for nothing."""
+        freed = sum(len(plane) for v in victims for plane in self.blocks.pages_of(v)[0])
+        keep = self.blocks.keep_free(len(self.running) - len(victims))
+        return self.blocks.num_free_pages + freed - keep >= self.blocks.admission_pages(req, self._prefix_part(req))
 
     def _take_pages(self, req: Request) -> bool:
         """Pages for the prompt (or a swapped request's copy), leaving the running requests

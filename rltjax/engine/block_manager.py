@@ -58,11 +58,6 @@ class BlockManager:
         """Core pages requests hold (cached pages no request uses count as free)."""
         return self.usable_pages - self.num_free_pages
 
-    @property
-    def max_request_pages(self) -> int:
-        """Core pages a request of max_model_len positions holds."""
-        return self.block_tables.max_pages_per_table * self.num_planes
-
     def pages_for(self, req: Request) -> int:
         """Core pages the request holds at its longest."""
         return pages_needed(req.max_positions, self.page_size) * self.num_planes
@@ -113,7 +108,7 @@ class BlockManager:
             if blocks:
                 self.cache.release(blocks)
             return False
-        if self.cache is not None:
+        if self.cache is not None and not req.num_preemptions:   # a re-admission would count its own pages
             self.cache.record(len(req.block_keys[:(req.prompt_len - 1) // P]) * P, len(blocks) * P)
         self._assign(req)
         for plane, table in enumerate(req.tables):
@@ -131,6 +126,21 @@ class BlockManager:
         req.num_published = len(blocks)
         self._take(req, fresh)
         return True
+
+    def admission_pages(self, req: Request, request_part: bytes = b"") -> int:
+        """Core pages admitting the request takes now (cached prefix pages excluded), without
+        taking them: what a preemption for it must be able to free."""
+        P = self.page_size
+        if req.swapped is not None:
+            target = req.max_positions if self.allocation == "lifetime" else req.swapped.positions
+            return pages_needed(target, P) * self.num_planes
+        hits = 0
+        if self.cache is not None:
+            keys = req.block_keys or block_keys(root_key(self.prefix_context, request_part), req.prompt_token_ids,
+                                                P, req.prompt_len // P)
+            hits = self.cache.peek(keys[:(req.prompt_len - 1) // P])
+        target = req.max_positions if self.allocation == "lifetime" else req.prompt_len + req.replay_left
+        return (pages_needed(target, P) - hits) * self.num_planes
 
     def restore(self, req: Request, positions: int, keep: int = 0) -> bool:
         """Fresh pages for the first ``positions`` of a request coming back from swap (lifetime

@@ -30,7 +30,6 @@ from rltjax.engine.request_intake import new_request
 from rltjax.engine.runner import ModelRunner
 from rltjax.engine.scheduler import Scheduler
 from rltjax.engine.stats import EngineStats, scheduler_stats
-from rltjax.engine.swap import swap_sizes
 from rltjax.engine.sequence import Request, RequestRejectedError, Status
 from rltjax.engine.settings import EngineSettings
 from rltjax.engine.warm_up import WarmUp, warm_up
@@ -79,7 +78,7 @@ class LLMEngine:
             self.compile_seconds = self.warm_up.seconds
             if self.scheduler.config.preemption_mode == "swap":
                 t0 = time.perf_counter()
-                self.runner.warm_swaps(swap_sizes(self.scheduler.blocks.max_request_pages))
+                self.runner.warm_swaps()
                 self.compile_seconds += time.perf_counter() - t0
 
     @property

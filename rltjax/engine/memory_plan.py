@@ -9,7 +9,7 @@ compiled against a 2-page pool (their temporaries do not depend on the pool's si
 memory analysis of each gives its temporary bytes. The measurement is kept in the executable
 store's folder (``step_peaks.pkl``, by program), so a warm start compiles nothing for it. The
 reserve covers what the analysis does not see (allocator fragmentation, cuBLAS and Triton
-workspaces). Without memory statistics (CPU) the pool holds ``max_num_seqs`` requests of
+workspaces, the swap copies' buffers of one ``SWAP_CHUNK`` piece). Without memory statistics (CPU) the pool holds ``max_num_seqs`` requests of
 ``max_model_len`` tokens.
 
 ``MemoryPlan.line`` is the start-up log line: weights, peak temporaries, reserve, pool

@@ -75,11 +75,11 @@ class WindowStep:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class SwapOutStep:
-    """Copy a preempted request's pages (padded page lists, ``engine.swap``) and slot rows to
-    the host; its ``Swapped`` record gets the copy when the step is read."""
+    """Copy a preempted request's pages (in pieces, ``engine.swap``) and slot rows to the host;
+    its ``Swapped`` record gets the copy when the step is read."""
     request: Request
-    pages: np.ndarray
-    boundary_pages: np.ndarray
+    pages: list[np.ndarray]           # core pages, a piece each
+    boundary_pages: list[np.ndarray]  # boundary pages, as many pieces
     slot: int
     record: object                # the request's ``swap.Swapped``
 
@@ -93,10 +93,10 @@ class SwapOutStep:
 class SwapInStep:
     """Write a swapped request's host copy into its fresh pages and slot."""
     request: Request
-    pages: np.ndarray
-    boundary_pages: np.ndarray
+    pages: list[np.ndarray]
+    boundary_pages: list[np.ndarray]
     slot: int
-    data: object                  # the ``swap.SwapData`` copy (numpy)
+    data: list                    # the ``swap.SwapData`` pieces (numpy)
 
 
 Step = Union[PrefillStep, LoopStep, HeadStep, WindowStep, SwapOutStep, SwapInStep]

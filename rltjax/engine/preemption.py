@@ -21,7 +21,7 @@ import numpy as np
 from rltjax.engine.block_manager import BlockManager
 from rltjax.engine.plan import SwapInStep, SwapOutStep
 from rltjax.engine.sequence import Request, Status
-from rltjax.engine.swap import SwapSpace, Swapped, padded, swap_size
+from rltjax.engine.swap import SwapSpace, Swapped, chunks
 from rltjax.engine_config import PREEMPTION_MODES
 
 
@@ -65,8 +65,7 @@ class Preemptor:
             return None
         record = Swapped(req.status, self.blocks.covered(req), len(core[0]) if core else 0, nbytes)
         req.swapped = record
-        n = swap_size(len(pages))         # one length for both lists: one executable a size
-        return SwapOutStep(req, padded(pages), padded(boundary, n), req.slot, record)
+        return SwapOutStep(req, *chunks(pages, boundary), req.slot, record)
 
     def _rewind(self, req: Request) -> None:
         """Recompute: back to an unprefilled prompt whose outputs are replayed."""
@@ -85,8 +84,7 @@ class Preemptor:
         req.status = record.status
         core, boundary = self.blocks.pages_of(req)
         pages = [p for plane in core for p in plane[:record.num_pages]]
-        n = swap_size(len(pages))
-        return SwapInStep(req, padded(pages), padded(boundary[:record.num_pages], n), req.slot, record.data)
+        return SwapInStep(req, *chunks(pages, boundary[:record.num_pages]), req.slot, record.data)
 
     def forget(self, req: Request) -> None:
         """A waiting request leaves for good (abort): its host copy is dropped."""

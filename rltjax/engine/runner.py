@@ -105,7 +105,8 @@ class ModelRunner:
         """Bytes of one core page, one boundary page and one slot's rows (swap's host budget)."""
         page = 2 * self.kv.k.nbytes // self.kv.num_pages
         bpage = 0 if self.bkv is None else 2 * self.bkv.k.nbytes // self.bkv.num_pages
-        slot = (self.slot_state[0].nbytes * (1 if self.slot_inject is None else 2)) + self.slot_tokens[0].nbytes
+        row = self.slot_state.nbytes // self.slot_state.shape[0]       # arithmetic: indexing would compile
+        slot = row * (1 if self.slot_inject is None else 2) + self.slot_tokens.dtype.itemsize
         return dict(page_bytes=page, boundary_page_bytes=bpage, slot_bytes=slot)
 
     def device_state_lost(self) -> bool:
@@ -142,23 +143,29 @@ class ModelRunner:
         return DeviceRead(_started(out), num_rows, lambda a: HeadResult(*a))
 
     # -- swap preemption (``engine.swap``) ----------------------------------------------
-    def swap_out(self, pages: np.ndarray, boundary_pages: np.ndarray, slot: int) -> DeviceRead:
-        """A request's pages and slot rows, copied; the host copy on its way."""
-        data = swap.swap_out(self.kv, self.bkv, self.slot_state, self.slot_inject, self.slot_tokens,
-                             *jax.device_put((pages, boundary_pages, np.int32(slot)), self.device))
+    def swap_out(self, pages: list[np.ndarray], boundary_pages: list[np.ndarray], slot: int) -> DeviceRead:
+        """A request's pages (in pieces) and slot rows, copied; the host copies on their way."""
+        slot = np.int32(slot)
+        data = [swap.swap_out(self.kv, self.bkv, self.slot_state, self.slot_inject, self.slot_tokens,
+                              *jax.device_put((p, b, slot), self.device)) for p, b in zip(pages, boundary_pages)]
         return DeviceRead(_started(data), None, lambda a: a)   # whole: nothing to cut
 
-    def swap_in(self, pages: np.ndarray, boundary_pages: np.ndarray, slot: int, data) -> None:
-        """A host copy written into (fresh) pages and a slot."""
-        pages, boundary_pages, slot, data = jax.device_put((pages, boundary_pages, np.int32(slot), data), self.device)
-        self.kv, self.bkv, self.slot_state, self.slot_inject, self.slot_tokens = swap.swap_in(
-            self.kv, self.bkv, self.slot_state, self.slot_inject, self.slot_tokens, pages, boundary_pages, slot, data)
+    def swap_in(self, pages: list[np.ndarray], boundary_pages: list[np.ndarray], slot: int, data: list) -> None:
+        """Host copies written into (fresh) pages and a slot, piece by piece."""
+        slot = jax.device_put(np.int32(slot), self.device)
+        for p, b, piece in zip(pages, boundary_pages, data):
+            p, b, piece = jax.device_put((p, b, piece), self.device)
+            self.kv, self.bkv, self.slot_state, self.slot_inject, self.slot_tokens = swap.swap_in(
+                self.kv, self.bkv, self.slot_state, self.slot_inject, self.slot_tokens, p, b, slot, piece)
 
-    def warm_swaps(self, sizes) -> None:
-        """Compile the swap copies for every padded page count (scratch page, dummy slot)."""
-        for n in sizes:
-            pages = np.zeros(n, np.int32)
-            self.swap_in(pages, pages, self.s.dummy_slot, self.swap_out(pages, pages, self.s.dummy_slot).read())
+    def warm_swaps(self) -> None:
+        """Compile both copies (one piece size), without running them: no device buffer at start-up."""
+        pages, slot = jnp.zeros(swap.SWAP_CHUNK, jnp.int32), jnp.int32(self.s.dummy_slot)
+        pages, slot = jax.device_put((pages, slot), self.device)
+        args = (self.kv, self.bkv, self.slot_state, self.slot_inject, self.slot_tokens, pages, pages, slot)
+        out = swap.swap_out.lower(*args).compile()
+        piece = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), out.out_info)
+        swap.swap_in.lower(*args, piece).compile()
 
     # -- decode windows -----------------------------------------------------------------
     def window(self, rows: WindowRows, block_tables, boundary_tables, owners: np.ndarray, sampler: str,

@@ -1,9 +1,10 @@
 """Swap preemption: a request's KV pages and slot state copied to host memory and back.
 
-``swap_out`` gathers the request's pages (every core plane, then its boundary pages) and its
-rows of the per-slot buffers into one ``SwapData``, whose host copy starts at once;
-``swap_in`` scatters a host copy into the request's fresh pages and slot. Both take page
-lists padded with the scratch page 0 to a power of two (few executables; the scratch page's
+``swap_out`` gathers a piece of the request's pages (every core plane, then its boundary
+pages) and its rows of the per-slot buffers into one ``SwapData``, whose host copy starts at
+once; ``swap_in`` scatters a host copy into the request's fresh pages and slot. A request
+moves in pieces of ``SWAP_CHUNK`` pages, padded with the scratch page 0: one executable each
+way, and a device buffer of one piece whatever the request's length (the scratch page's
 content is never read for a result, so the padding's reads and writes are harmless). The
 copies are bit for bit: a request swapped back in continues exactly where it stopped, in
 the middle of a token's loops too (its exit state stays on the host ``Request``).
@@ -45,24 +46,19 @@ class Swapped:
     data: SwapData | None = None   # numpy once the copy is read
 
 
-def padded(pages, size: int | None = None) -> np.ndarray:
-    """Page ids padded with the scratch page to ``size`` (default: a power of two, at least 8)."""
-    n = swap_size(len(pages)) if size is None else size
-    out = np.zeros(n, np.int32)
-    out[:len(pages)] = pages
-    return out
+SWAP_CHUNK = 64       # pages a copy moves (one executable; a bounded device buffer)
 
 
-def swap_size(num_pages: int) -> int:
-    return max(8, 1 << max(0, (num_pages - 1).bit_length()))
+def chunks(pages, boundary_pages) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """The core and boundary page lists cut into ``SWAP_CHUNK``-page pieces, in lockstep (as
+    many pieces of each), padded with the scratch page."""
+    n = max(1, -(-max(len(pages), len(boundary_pages)) // SWAP_CHUNK))
 
-
-def swap_sizes(max_pages: int) -> list[int]:
-    """Every padded length a swap of up to ``max_pages`` pages uses (compiled at start-up)."""
-    sizes = [8]
-    while sizes[-1] < max_pages:
-        sizes.append(2 * sizes[-1])
-    return sizes
+    def cut(ids):
+        out = np.zeros((n, SWAP_CHUNK), np.int32)
+        out.reshape(-1)[:len(ids)] = ids
+        return list(out)
+    return cut(pages), cut(boundary_pages)
 
 
 @engine_jit()

@@ -66,12 +66,13 @@ def _cache_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory-bytes", type=int, default=None, metavar="BYTES",
                    help="KV pool size in bytes, boundary pool included (instead of --num-pages)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F",
-                   help="fraction of device memory for weights, the largest step's peak and the KV pool")
+                   help="fraction of the device memory free after the weights for the largest step's "
+                        "temporaries, a reserve and the KV pool")
     g.add_argument("--kv-allocation", default="incremental", choices=KV_ALLOCATIONS,
                    help="incremental: pages as tokens are written (preempts when short); "
                         "lifetime: a request's pages for prompt + max_tokens at admission")
     g.add_argument("--kv-watermark", type=float, default=0.01, metavar="F",
-                   help="fraction of the pool admission leaves free for running requests to grow")
+                   help="fraction of the pool admission leaves free for running requests to grow (incremental)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
                    help="share full pages of prompt KV between requests with the same prompt prefix")
     g.add_argument("--swap-space", type=float, default=4.0, metavar="GiB",

@@ -239,3 +239,37 @@ def test_steps_served_by_xla_cache_are_not_stored_and_the_start_says_so(tmp_path
 @engine_jit(static_argnums=(2,))
 def _by_number(w, x, scale=1.0):
     return x * scale + w.sum()
+
+
+_GENERATE = """
+import sys
+from rltjax.entrypoints.llm import build_engine
+from rltjax.engine_config import ExecutionConfig, SchedulerConfig
+from rltjax.sampling_params import SamplingParams
+eng = build_engine(sys.argv[1], scheduler_config=SchedulerConfig(max_num_seqs=1),
+                   execution_config=ExecutionConfig(compile_ahead=True, compilation_cache_dir=sys.argv[2],
+                                                    show_progress=False))
+eng.add_request("r", [5, 6, 7, 8, 9], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+while eng.has_unfinished_requests():
+    eng.step()
+print("TOKENS", eng.get_output("r").token_ids, "LOADED", eng.warm_up.loaded)
+"""
+
+
+def test_a_step_stored_by_one_multi_device_process_runs_in_another(tmp_path):
+    """With several devices visible, a step two models share (the window rows' merge) stored by
+    one process is loaded by the next onto the device it was compiled for, not onto every
+    device (which made it expect a shard on each)."""
+    import os
+    import subprocess
+    import sys
+    from conftest import FIXTURES
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    runs = []
+    for model in ("ouro-tiny-gqa", "ouro-tiny"):
+        res = subprocess.run([sys.executable, "-c", _GENERATE, str(FIXTURES / model), str(tmp_path / "cache")],
+                             capture_output=True, text=True, env=env, timeout=600)
+        assert res.returncode == 0, res.stderr[-1500:]
+        runs.append(res.stdout.split("TOKENS")[-1])
+    assert int(runs[1].split("LOADED")[1]) >= 1          # the shared step came from the store

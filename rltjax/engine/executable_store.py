@@ -64,13 +64,19 @@ except Exception as exc:  # noqa: BLE001 - engines then start without a store (E
     _CODE_DIGEST, _DIGEST_ERROR = None, exc
 
 
+def _device_ids(compiled) -> list[int]:
+    """The ids of the devices a compiled step runs on (its arguments' devices)."""
+    return sorted({d.id for s in jax.tree.leaves(compiled.input_shardings) for d in s.device_set})
+
+
 def engine_fingerprint() -> str:
     """sha256 of what every engine step's trace depends on besides its arguments."""
     if _CODE_DIGEST is None:
         raise RuntimeError(f"the engine's code could not be hashed ({type(_DIGEST_ERROR).__name__}: {_DIGEST_ERROR})")
     h = hashlib.sha256(f"code {_CODE_DIGEST}\n".encode())
     device = jax.devices()[0]
-    h.update(f"{device.platform} {device.client.platform_version} {device.device_kind}\n".encode())
+    h.update(f"{device.platform} {device.client.platform_version} {device.device_kind} "
+             f"x{jax.device_count()}\n".encode())
     h.update(f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')}\n".encode())
     for name, value in sorted(jax.config.values.items()):
         if name not in _UNKEYED_CONFIG:
@@ -181,7 +187,11 @@ class ExecutableStore:
         step compiled on its first call)."""
         from jax.experimental.serialize_executable import deserialize_and_load
         try:
-            compiled = deserialize_and_load(*payload)
+            *serialized, device_ids = payload
+            by_id = {d.id: d for d in jax.devices()}
+            # the devices it was compiled for: left out, deserialization assigns every local
+            # device, and an executable for one device then expects a shard on each of them
+            compiled = deserialize_and_load(*serialized, execution_devices=[by_id[i] for i in device_ids])
         except Exception as exc:  # noqa: BLE001
             self._drop(self.directory / key, exc)
             return None
@@ -194,7 +204,7 @@ class ExecutableStore:
         from jax.experimental.serialize_executable import serialize
         try:
             out_specs = jax.tree.map(lambda i: jax.ShapeDtypeStruct(i.shape, i.dtype), compiled.out_info)
-            data = pickle.dumps((out_specs, *serialize(compiled)))
+            data = pickle.dumps((out_specs, *serialize(compiled), _device_ids(compiled)))
             self.directory.mkdir(parents=True, exist_ok=True)
             tmp = self.directory / f".{key}.{os.getpid()}.{threading.get_ident()}.tmp"
             try:

@@ -219,3 +219,13 @@ def test_memory_flags_reach_the_engine_config():
         configs_from_args(p.parse_args(["--num-pages", "100", "--kv-cache-memory-bytes", "1000000"]))
     with pytest.raises(EngineConfigError, match="kv_watermark"):
         configs_from_args(p.parse_args(["--kv-watermark", "1.5"]))
+
+
+def test_log_lines_print_once():
+    """The CLI's log handler is the only one that prints rltjax's lines (a root handler some
+    library installs would print each again)."""
+    res = subprocess.run([sys.executable, "-m", "rltjax", "generate", "--model", str(FIXTURES / "ouro-tiny"),
+                          "--max-tokens", "2", "--log-level", "info", *FAST], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-1000:]
+    lines = [line for line in res.stderr.splitlines() if "prompt(s)," in line]
+    assert len(lines) == 1 and lines[0].startswith("[rltjax] ")

@@ -38,4 +38,5 @@ def setup_logging(level: str) -> None:
     handler.setFormatter(logging.Formatter("[rltjax] %(message)s"))
     logger = logging.getLogger("rltjax")
     logger.handlers[:] = [handler]
+    logger.propagate = False      # a library's root handler would print each line a second time
     logger.setLevel(level.upper())

@@ -93,8 +93,8 @@ def run_http(base_url: str, requests: Sequence[BenchRequest], concurrency: int, 
                                          concurrency, api_key, timeout))
 
 
-def scrape_exit_depth(base_url: str) -> tuple[float, float] | None:
-    """(sum, count) of the server's exit-depth histogram (decode tokens), or None if unavailable."""
+def scrape_metrics(base_url: str, names: Sequence[str]) -> dict[str, float] | None:
+    """The server's /metrics samples named ``names`` (all of them), or None if unavailable."""
     import httpx
     try:
         text = httpx.get(base_url.rstrip("/") + "/metrics", timeout=10).text
@@ -102,10 +102,16 @@ def scrape_exit_depth(base_url: str) -> tuple[float, float] | None:
         return None
     found = {}
     for line in text.splitlines():
-        for key in ("sum", "count"):
-            if line.startswith(f"rltjax:exit_depth_{key} "):
-                found[key] = float(line.split()[-1])
-    return (found["sum"], found["count"]) if len(found) == 2 else None
+        name = line.split(" ", 1)[0]
+        if name in names:
+            found[name] = float(line.split()[-1])
+    return found if len(found) == len(names) else None
+
+
+def scrape_exit_depth(base_url: str) -> tuple[float, float] | None:
+    """(sum, count) of the server's exit-depth histogram (decode tokens), or None if unavailable."""
+    found = scrape_metrics(base_url, ("rltjax:exit_depth_sum", "rltjax:exit_depth_count"))
+    return (found["rltjax:exit_depth_sum"], found["rltjax:exit_depth_count"]) if found else None
 
 
 MEMORY_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")
@@ -117,17 +123,8 @@ def memory_counters(engine=None, base_url: str | None = None) -> dict[str, float
     if engine is not None:
         stats = engine.stats()
         return {k: float(getattr(stats, k)) for k in MEMORY_COUNTERS}
-    import httpx
-    try:
-        text = httpx.get(base_url.rstrip("/") + "/metrics", timeout=10).text
-    except httpx.HTTPError:
-        return None
-    found = {}
-    for line in text.splitlines():
-        for key in MEMORY_COUNTERS:
-            if line.startswith(f"rltjax:{key}_total "):
-                found[key] = float(line.split()[-1])
-    return found if len(found) == len(MEMORY_COUNTERS) else None
+    found = scrape_metrics(base_url, tuple(f"rltjax:{k}_total" for k in MEMORY_COUNTERS))
+    return {k: found[f"rltjax:{k}_total"] for k in MEMORY_COUNTERS} if found else None
 
 
 def memory_report(before: dict | None, after: dict | None) -> dict | None:

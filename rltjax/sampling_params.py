@@ -41,6 +41,7 @@ class SamplingParams:
     stop_token_ids: Sequence[int] = ()
     stop: Sequence[str] | str = ()
     logprobs: int | None = None     # number of top logprobs besides the chosen token
+    prompt_logprobs: int | None = None   # the same for each prompt token after the first (full depth)
     priority: int = 0               # lower runs first (SchedulerConfig(policy="priority") only)
 
     def __post_init__(self) -> None:
@@ -79,6 +80,9 @@ class SamplingParams:
         self.stop_token_ids = tuple(self.stop_token_ids)
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None")
+        if self.prompt_logprobs is not None and (
+                not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            bad("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None")
         if not _is_int(self.priority):
             bad("priority", "must be an integer")
 

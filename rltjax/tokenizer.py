@@ -16,6 +16,7 @@ without it a chat reply would never stop.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -39,6 +40,27 @@ _CHAT_END_TOKENS = ("<|end_turn|>", "<|eot_id|>", "<|end|>")
 
 class TokenizerError(ValueError):
     """A model directory's tokenizer files are missing or unreadable; the message names the file."""
+
+
+class PromptTooLong(ValueError):
+    """A text has more than ``limit`` tokens (at least ``at_least``), found without tokenizing all of it."""
+
+    def __init__(self, at_least: int, limit: int):
+        super().__init__(f"at least {at_least} tokens, more than the limit of {limit}")
+        self.at_least, self.limit = at_least, limit
+
+    def __reduce__(self):   # crosses from a tokenizing process intact
+        return PromptTooLong, (self.at_least, self.limit)
+
+
+# encode_bounded counts a long text in pieces of 4 characters a token of the limit, at most this
+# many, and stops once the count proves it too long: a 10 MB prompt is refused after its first
+# pieces, not 10 s later.
+COUNT_PIECE_CHARS = 1 << 18
+# A piece boundary can change the count by a token or two (a word's merges, a prefix space);
+# each boundary is charged this many so the bound never refuses a text that fits.
+_PER_CUT_SLACK = 4
+_WORD_SPACE = re.compile(r"(?<=\S) ")
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -176,6 +198,29 @@ class Tokenizer:
             raise ValueError(f"text must be a str, got {type(text).__name__}")
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_bounded(self, text: str, limit: int) -> list[int]:
+        """``encode(text)``, or PromptTooLong as soon as ``text`` provably has over ``limit`` tokens.
+
+        Texts shorter than 8 x ``limit`` characters are simply encoded. Longer ones are
+        first counted piece by piece, cut before a space that starts a word (where the
+        pre-tokenisers of these models split anyway); the count less a slack per cut is a
+        lower bound, so crossing ``limit`` proves the whole text too long. A long text
+        that fits is then encoded whole, so the ids never depend on the pieces.
+        """
+        if not isinstance(text, str):
+            raise ValueError(f"text must be a str, got {type(text).__name__}")
+        if len(text) > max(COUNT_PIECE_CHARS, 8 * limit):
+            counted, start = 0, 0
+            for cuts, end in enumerate(_piece_ends(text, min(COUNT_PIECE_CHARS, max(4 * limit, 4096)))):
+                counted += len(self.backend.encode(text[start:end], add_special_tokens=False).ids)
+                start = end
+                if counted - _PER_CUT_SLACK * cuts > limit:
+                    raise PromptTooLong(counted - _PER_CUT_SLACK * cuts, limit)
+        return self.encode(text)
+
+    def __getstate__(self):   # picklable for a tokenizing process; the compiled template is rebuilt there
+        return {**self.__dict__, "_compiled": None}
+
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
@@ -192,13 +237,33 @@ class Tokenizer:
         return self._compiled
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tokenize: bool = False) -> str | list[int]:
-        """Render the model's chat template (ChatML if it has none); ids if ``tokenize``."""
+                            tokenize: bool = False, **template_kwargs: Any) -> str | list[int]:
+        """Render the model's chat template (ChatML if it has none); ids if ``tokenize``.
+
+        ``template_kwargs`` are extra template variables (vLLM's ``chat_template_kwargs``,
+        e.g. ``enable_thinking``); they cannot replace ``messages`` or the special tokens.
+        """
         validate_messages(messages)
+        fixed = {"messages", "add_generation_prompt", *self.special_strings}
+        clash = sorted(fixed & set(template_kwargs))
+        if clash:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(clash)}")
         try:
-            text = self._template().render(messages=list(messages),
+            text = self._template().render(**template_kwargs, messages=list(messages),
                                            add_generation_prompt=add_generation_prompt,
                                            **self.special_strings)
         except jinja2.exceptions.TemplateError as exc:
             raise ValueError(f"chat_template failed to render: {exc}") from exc
         return self.encode(text) if tokenize else text
+
+
+def _piece_ends(text: str, size: int) -> Iterable[int]:
+    """End offsets of consecutive pieces of about ``size`` characters, each cut just before a
+    space that follows a non-space (the last piece ends at ``len(text)``)."""
+    start = 0
+    while len(text) - start > size:
+        found = _WORD_SPACE.search(text, start + size, start + 2 * size)
+        cut = found.start() if found else start + size   # one huge word: cut inside it
+        yield cut
+        start = cut
+    yield len(text)

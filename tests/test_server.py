@@ -128,7 +128,7 @@ BAD = [
     (C, {**OK, "prompt": [[]]}, 400, "prompt"), (C, {**OK, "prompt": ["a", "b"]}, 400, "prompt"),
     (C, {**OK, "prompt": [5, 99999]}, 400, "prompt"), (C, {**OK, "prompt": [7] * 600}, 400, "prompt"),
     (C, {**OK, "max_tokens": 600}, 400, "max_tokens"), (C, {**OK, "n": 2}, 400, "n"),
-    (C, {**OK, "best_of": 3}, 400, "best_of"), (C, {**OK, "echo": True}, 400, "echo"),
+    (C, {**OK, "best_of": 3}, 400, "best_of"), (C, {**OK, "echo": True, "suffix": "x"}, 400, "suffix"),
     (C, {**OK, "presence_penalty": 0.5}, 400, "presence_penalty"),
     (C, {**OK, "stream_options": {"include_usage": True}}, 400, "stream_options"),
     (C, {**OK, "stream": True, "stream_options": {"x": 1}}, 400, "stream_options.x"),

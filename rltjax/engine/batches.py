@@ -37,6 +37,7 @@ class PrefillBatch:
     block_tables: jax.Array   # [num_tables, pages_per_table] int32
     out_slots: jax.Array      # [T] int32 a prompt's last token: its request's slot; others the dummy
     boundary: BoundaryInputs | None = None
+    targets: jax.Array | None = None   # [T] int32 the next prompt token of each (prompt logprobs; None: none)
 
 
 @struct.dataclass

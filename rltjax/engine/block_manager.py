@@ -99,7 +99,7 @@ class BlockManager:
             if req.block_keys is None:
                 req.block_keys = block_keys(root_key(self.prefix_context, request_part), req.prompt_token_ids, P,
                                             req.prompt_len // P)
-            blocks = self.cache.match(req.block_keys[:(req.prompt_len - 1) // P])
+            blocks = self.cache.match(req.block_keys[:_reusable(req, P)])
         # a recomputed request takes the pages of every output it rebuilds too: admitted on its
         # prompt's alone it would preempt others as it replays (and be preempted again)
         target = req.max_positions if self.allocation == "lifetime" else req.prompt_len + req.replay_left
@@ -138,7 +138,7 @@ class BlockManager:
         if self.cache is not None:
             keys = req.block_keys or block_keys(root_key(self.prefix_context, request_part), req.prompt_token_ids,
                                                 P, req.prompt_len // P)
-            hits = self.cache.peek(keys[:(req.prompt_len - 1) // P])
+            hits = self.cache.peek(keys[:_reusable(req, P)])
         target = req.max_positions if self.allocation == "lifetime" else req.prompt_len + req.replay_left
         return (pages_needed(target, P) - hits) * self.num_planes
 
@@ -236,3 +236,10 @@ class BlockManager:
             self.boundary_allocator.check_invariants()
         if self.cache is not None:
             self.cache.check_invariants()
+
+
+def _reusable(req: Request, page_size: int) -> int:
+    """Prompt pages a request may take from the prefix cache: whole pages before its last
+    token (which must run for its first head); none when it asks for prompt logprobs, whose
+    prefill must run every prompt token."""
+    return 0 if req.params.prompt_logprobs is not None else (req.prompt_len - 1) // page_size

@@ -43,15 +43,18 @@ def _head(model, backend, params, state, bkv, bmeta):
     return model.head(params, state, bkv, bmeta, backend)
 
 
-@engine_jit(static_argnames=("model", "backend", "num_loops"), donate_argnames=("kv", "slot_state", "bkv"))
-def prefill_step(params, kv: PagedKV, slot_state, bkv, batch: PrefillBatch, *, model, backend, num_loops: int):
+@engine_jit(static_argnames=("model", "backend", "num_loops", "num_top"), donate_argnames=("kv", "slot_state", "bkv"))
+def prefill_step(params, kv: PagedKV, slot_state, bkv, batch: PrefillBatch, *, model, backend, num_loops: int,
+                 num_top: int = 0):
     """Prompt tokens [T] run all R loops; per loop d they write plane d (write_page[d],
     row_tables[d]: [R, T]). When the engine keeps planes beyond R (a loop cap above R),
     write_page is [cap, T] and the last loop also writes planes R..cap-1: a deeper query
     reads a prompt token at its exit depth R. ``params``: layer stacks split
     (``split_layer_stacks``). A prompt's last token leaves its state in
     its slot. Boundary models: the prelude writes every row's boundary KV, and so does
-    the coda (later codas attend to it; its logits are unused, so XLA drops the lm_head)."""
+    the coda (later codas attend to it; its logits are unused, so XLA drops the lm_head).
+    With ``batch.targets`` (prompt logprobs) the head runs on every token's depth-R state and
+    the step also returns each token's (chosen, top ids, top logprobs) for its target."""
     b = batch
     bmeta, seeds = (None, None) if b.boundary is None else (b.boundary.meta, b.boundary.seeds)
     x, inject, bkv = _embed(model, backend, params, b.tokens, bkv, bmeta, seeds)   # [T, D]
@@ -67,9 +70,13 @@ def prefill_step(params, kv: PagedKV, slot_state, bkv, batch: PrefillBatch, *, m
     x, kv = jax.lax.fori_loop(0, num_loops - 1, lambda d, c: one_loop(d, *c, b.write_page[d]), (x, kv))
     last = num_loops - 1
     x, kv = one_loop(last, x, kv, b.write_page[last:] if b.write_page.shape[0] > num_loops else b.write_page[last])
-    if bkv is not None:
-        _, bkv = _head(model, backend, params, x, bkv, bmeta)
-    return kv, set_slots(slot_state, b.out_slots, x), bkv
+    scores = None
+    if bkv is not None or b.targets is not None:
+        logits, head_bkv = _head(model, backend, params, x, bkv, bmeta)
+        bkv = bkv if head_bkv is None else head_bkv
+        if b.targets is not None:
+            scores = token_logprobs(logits, b.targets, num_top)
+    return kv, set_slots(slot_state, b.out_slots, x), bkv, scores
 
 
 @engine_jit(static_argnames=("model", "backend"), donate_argnames=("bkv", "slot_state", "slot_inject"))

@@ -2,7 +2,8 @@
 
 ``launch(step)`` turns a plan's step into its typed batch (``host_batches``), queues it on
 the device through the runner and returns a ``Pending`` handle, whose ``read()`` waits for
-the step's results and returns them as numpy (a prefill step returns nothing to read). The
+the step's results and returns them as numpy (a prefill step returns nothing to read unless
+it scores its prompts: prompt logprobs). The
 engine decides when to read: right after the launch, or one step late. Decode windows
 launch through ``window.launch``.
 """
@@ -22,7 +23,8 @@ class Pending:
     """A launched step whose results are on their way to the host."""
     step: Step
     results: DeviceRead
-    tags: tuple = ()          # async loop passes: (request, position, depth) of each row at launch
+    tags: tuple = ()          # async loop passes: (request, position, depth) of each row at launch;
+                              # scored prefill: the batch row each chunk starts at
 
     def read(self):
         return self.results.read()
@@ -36,8 +38,9 @@ class Executor:
 
     def launch(self, step: Step) -> Pending | None:
         if isinstance(step, PrefillStep):
-            self.runner.prefill(self.batches.prefill(step.chunks))
-            return None
+            batch = self.batches.prefill(step.chunks)
+            scores = self.runner.prefill(batch)
+            return None if scores is None else Pending(step, scores, tuple(self.batches.chunk_starts(step.chunks)))
         if isinstance(step, LoopStep):
             batch, embed = self.batches.loop(step.rows)
             if embed is not None:       # boundary models: the prelude of the rows starting a token

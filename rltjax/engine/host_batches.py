@@ -81,12 +81,31 @@ class HostBatches:
         to the token bucket (or ``size``)."""
         a = self._prefill_arrays(chunks)
         t = size or self.tokens_bucket(len(a["tokens"]))
+        scoring = any(c.request.params.prompt_logprobs is not None for c in chunks)
         return PrefillBatch(
             pad_rows(a["tokens"], t), pad_rows(a["positions"], t), pad_columns(a["write_page"], t),
             pad_rows(a["write_offset"], t), pad_columns(a["row_tables"], t),
             pad_rows(a["positions"] + 1, t).astype(np.int32), self.block_tables(),
             pad_rows(a["out_slots"], t, self.s.dummy_slot),
-            self.boundary(a["owners"], a["positions"], a["write_offset"], t))
+            self.boundary(a["owners"], a["positions"], a["write_offset"], t),
+            pad_rows(self._targets(chunks, len(a["tokens"])), t) if scoring else None)
+
+    def chunk_starts(self, chunks: Sequence[Chunk]) -> list[int]:
+        """The batch row each chunk starts at (chunks start at multiples of the alignment)."""
+        starts, total = [], 0
+        for c in chunks:
+            total += -total % self.s.prefill_alignment
+            starts.append(total)
+            total += c.length
+        return starts
+
+    def _targets(self, chunks: Sequence[Chunk], total: int) -> np.ndarray:
+        """Each prompt token's next prompt token (0 after a prompt's last), for prompt logprobs."""
+        targets = np.zeros(total, np.int32)
+        for c, at in zip(chunks, self.chunk_starts(chunks)):
+            nxt = c.request.prompt_token_ids[c.start + 1:c.start + c.length + 1]
+            targets[at:at + len(nxt)] = nxt
+        return targets
 
     def window_prompt(self, chunks: Sequence[Chunk], size: int, rows: np.ndarray) -> WindowPrompt:
         """Whole prompts riding a window (mixed prefill), padded to the ``size`` tokens its row
@@ -102,12 +121,9 @@ class HostBatches:
     def _prefill_arrays(self, chunks: Sequence[Chunk]) -> dict:
         """The unpadded arrays of prefill chunks, alignment padding between them. Built per
         chunk, not per token: this runs on every admission."""
-        R, align, planes = self.s.num_loops, self.s.prefill_alignment, self._prefill_planes()
-        starts, total = [], 0
-        for c in chunks:
-            total += -total % align
-            starts.append(total)
-            total += c.length
+        R, planes = self.s.num_loops, self._prefill_planes()
+        starts = self.chunk_starts(chunks)
+        total = starts[-1] + chunks[-1].length if chunks else 0
         tokens, positions = np.zeros(total, np.int32), np.full(total, -1, np.int32)
         write_page, write_offset = np.zeros((len(planes), total), np.int32), np.zeros(total, np.int32)
         row_tables, out_slots = np.zeros((R, total), np.int32), np.full(total, self.s.dummy_slot, np.int32)

@@ -25,7 +25,7 @@ from rltjax.engine.exit_trace import model_fingerprint
 from rltjax.engine.host_batches import HostBatches
 from rltjax.engine.output_processor import OutputProcessor
 from rltjax.engine.outputs import RequestOutput
-from rltjax.engine.plan import HeadStep, LoopStep, Plan, SwapOutStep, TokenRun, WindowStep
+from rltjax.engine.plan import HeadStep, LoopStep, Plan, PrefillStep, SwapOutStep, TokenRun, WindowStep
 from rltjax.engine.request_intake import new_request
 from rltjax.engine.runner import ModelRunner
 from rltjax.engine.scheduler import Scheduler
@@ -231,6 +231,9 @@ class LLMEngine:
         if isinstance(step, SwapOutStep):
             if step.request.swapped is step.record:     # not aborted meanwhile
                 step.record.data = result
+            return []
+        if isinstance(step, PrefillStep):               # scored: prompt logprobs
+            self.outputs.prompt_scores(step.chunks, pending.tags, result)
             return []
         self._count("window_passes", int(result.out.passes))
         return self._apply_runs(self.scheduler.windows.read(step, result))

@@ -46,6 +46,28 @@ class OutputProcessor:
         self._texts[r.request_id] = text
         return stopped, reason, stop_reason
 
+    def prompt_scores(self, chunks, starts, scores) -> None:
+        """A scored prefill batch's prompt logprobs join their requests: entry p + 1 is prompt token
+        p + 1's logprob after positions 0..p (top ``prompt_logprobs`` and the token itself). A
+        recomputed request's prompt runs again; what it has on record is kept."""
+        for c, at in zip(chunks, starts):
+            r, k = c.request, c.request.params.prompt_logprobs
+            if k is None or r.finished:
+                continue
+            if r.prompt_logprobs is None:
+                r.prompt_logprobs = [None]
+            for i in range(c.length):
+                nxt = c.start + i + 1
+                if nxt >= r.prompt_len or nxt < len(r.prompt_logprobs):
+                    continue
+                if nxt != len(r.prompt_logprobs):
+                    raise RuntimeError(f"request {r.request_id!r}: prompt logprobs of position {nxt} before "
+                                       f"{len(r.prompt_logprobs)} (this is a bug)")
+                row = at + i
+                entry = {int(t): float(lp) for t, lp in zip(scores.top_ids[row, :k], scores.top_lp[row, :k])}
+                entry[r.prompt_token_ids[nxt]] = float(scores.chosen[row])
+                r.prompt_logprobs.append(entry)
+
     def finish(self, req: Request, reason: str) -> None:
         """A request ended: text held back for a possible stop string is released unless a
         stop ended it."""
@@ -58,7 +80,8 @@ class OutputProcessor:
             request_id=req.request_id, prompt=req.prompt, prompt_token_ids=list(req.prompt_token_ids),
             token_ids=list(req.output_token_ids), text=self._texts.get(req.request_id, ""),
             exit_depths=list(req.exit_depths[:len(req.output_token_ids)]),
-            finish_reason=req.finish_reason, logprobs=req.logprobs, finished=req.finished,
+            finish_reason=req.finish_reason, logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs,
+            finished=req.finished,
             stop_reason=req.stop_reason, error=req.error, num_cached_tokens=req.num_cached_tokens,
             metrics=dict(arrival_time=req.arrival_time, first_token_time=req.first_token_time,
                          finished_time=req.finished_time))

@@ -37,6 +37,7 @@ class RequestOutput:
     exit_depths: list[int] = dataclasses.field(default_factory=list)  # [0]: prefill depth
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"; None: running
     logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None   # per prompt token; [0] None
     finished: bool = False
     stop_reason: int | str | None = None  # stop token id or stop string; None for EOS
     error: str | None = None

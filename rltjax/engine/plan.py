@@ -29,6 +29,11 @@ class Chunk:
 class PrefillStep:
     chunks: tuple[Chunk, ...]
 
+    @property
+    def rows(self) -> tuple[Request, ...]:
+        """Whose work a failed read loses (a scored prefill's prompt logprobs)."""
+        return tuple(c.request for c in self.chunks)
+
 
 @dataclasses.dataclass(frozen=True)
 class LoopStep:

@@ -45,6 +45,13 @@ class HeadResult(NamedTuple):
     top_lp: np.ndarray        # [n, T] f32
 
 
+class PromptScores(NamedTuple):
+    """Prompt logprobs of a prefill batch's tokens [n], each for the prompt token after it."""
+    chosen: np.ndarray        # [n] f32
+    top_ids: np.ndarray       # [n, T] int32
+    top_lp: np.ndarray        # [n, T] f32
+
+
 class WindowResult(NamedTuple):
     after: RowsRead           # the rows' exit state after the window (numpy, [n])
     out: WindowOutputs        # its outputs (numpy, [n, K])
@@ -114,10 +121,13 @@ class ModelRunner:
         return self.kv.k.is_deleted() or (self.bkv is not None and self.bkv.k.is_deleted())
 
     # -- steps ------------------------------------------------------------------------
-    def prefill(self, batch: PrefillBatch) -> None:
-        self.kv, self.slot_state, self.bkv = self.steps.prefill(
+    def prefill(self, batch: PrefillBatch, num_rows: int | None = None) -> DeviceRead | None:
+        """Prompt chunks; with ``batch.targets``, their prompt logprobs on their way."""
+        scoring = batch.targets is not None
+        self.kv, self.slot_state, self.bkv, scores = self.steps.prefill(
             self.params, self.kv, self.slot_state, self.bkv, batch, model=self.model,
-            backend=self.s.prefill_backend, num_loops=self.s.num_loops)
+            backend=self.s.prefill_backend, num_loops=self.s.num_loops, num_top=self.s.num_top if scoring else 0)
+        return DeviceRead(_started(scores), num_rows, lambda a: PromptScores(*a)) if scoring else None
 
     def embed(self, batch: EmbedBatch) -> None:
         """Boundary models: the prelude of the rows starting a token (fills their slots)."""

@@ -173,8 +173,9 @@ class Scheduler:
             return drain
         fresh = [c.request for c in chunks]
         left_out = sum(r.status is Status.PREFILLING for r in self.running) > len(fresh)
-        rides = not left_out and self.admission.windowable() and fits_window(tuple(chunks), w.prompt_tokens(),
-                                                                     self.s.prefill_alignment, w.room())
+        scored = any(c.request.params.prompt_logprobs is not None for c in chunks)   # the prefill step scores
+        rides = (not left_out and not scored and self.admission.windowable()
+                 and fits_window(tuple(chunks), w.prompt_tokens(), self.s.prefill_alignment, w.room()))
         if rides and self.admission.reserve_window(2):
             self.prefill_batches_since_decode = 0
             step = w.admitting(fresh, tuple(chunks))

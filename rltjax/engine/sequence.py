@@ -45,6 +45,7 @@ class Request:
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     exit_depths: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None   # [0] is None (nothing precedes it)
     loops_done: int = 0                  # loops run by the token now looping
     exit_remaining: np.float32 = np.float32(1.0)   # ouro modes: prod of (1 - hazard)
     exit_triggered: bool = False         # delayed modes: exit after the next loop

@@ -20,8 +20,7 @@ from starlette.requests import ClientDisconnect
 
 from rltjax.entrypoints.server.async_engine import AsyncEngine
 from rltjax.entrypoints.server.metrics import ServerMetrics
-from rltjax.entrypoints.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, error_body,
-                                                parse_body)
+from rltjax.entrypoints.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 from rltjax.entrypoints.server.serving import ServingContext, create_chat_completion, create_completion
 
 logger = logging.getLogger("rltjax.server")
@@ -86,11 +85,12 @@ def _limited(receive, limit: int):
 
 def build_app(engine: AsyncEngine, *, served_names: list[str], metrics: ServerMetrics | None = None,
               api_key: str | None = None, max_request_bytes: int | None = None,
-              max_waiting_requests: int | None = None, model_root: str | None = None) -> FastAPI:
+              max_waiting_requests: int | None = None, model_root: str | None = None,
+              tokenizer_pool_size: int = 2) -> FastAPI:
     """The server app around an AsyncEngine (started and stopped with the app's lifespan)."""
     metrics = metrics or engine.metrics or ServerMetrics()
     engine.metrics = metrics
-    ctx = ServingContext(engine, list(served_names), max_waiting_requests)
+    ctx = ServingContext(engine, list(served_names), max_waiting_requests, tokenizer_pool_size)
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -99,6 +99,7 @@ def build_app(engine: AsyncEngine, *, served_names: list[str], metrics: ServerMe
         yield
         engine.begin_drain()
         await asyncio.to_thread(engine.stop)
+        ctx.close()
 
     app = FastAPI(title="rltjax", lifespan=lifespan)
     app.state.engine, app.state.metrics, app.state.ctx = engine, metrics, ctx
@@ -147,12 +148,11 @@ def build_app(engine: AsyncEngine, *, served_names: list[str], metrics: ServerMe
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = parse_body(CompletionRequest, await request.body())
-        return await create_completion(ctx, request, body)
+        return await create_completion(ctx, request, await ctx.read(CompletionRequest, await request.body()))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = parse_body(ChatCompletionRequest, await request.body())
-        return await create_chat_completion(ctx, request, body)
+        return await create_chat_completion(ctx, request,
+                                            await ctx.read(ChatCompletionRequest, await request.body()))
 
     return app

@@ -6,6 +6,7 @@ added to choices, as vLLM does.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from typing import Any
@@ -37,9 +38,16 @@ class TokenStrings:
     """The text of single tokens, for logprobs (a partial UTF-8 byte shows as U+FFFD, as in vLLM)."""
 
     def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
         decode = (lambda t: f"token_id:{t}") if tokenizer is None else (
             lambda t: tokenizer.decode([t], skip_special_tokens=False))
         self._decode = functools.lru_cache(maxsize=65536)(decode)
+
+    def text(self, token_ids: list[int]) -> str:
+        """A prompt given as ids, as text (special tokens shown, as its tokens' strings are)."""
+        if self.tokenizer is None:
+            return "".join(map(self, token_ids))
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
 
     def __call__(self, token_id: int) -> str:
         return self._decode(int(token_id))
@@ -70,36 +78,74 @@ class _Format:
     def _chunk_extra(self) -> dict[str, Any]:
         return {"usage": None} if self.include_usage else {}
 
+    def view(self, out: RequestOutput) -> RequestOutput:
+        """The output as the client sees it."""
+        return out
+
+    def pending_echo(self) -> bool:
+        """Whether the next chunk must go out even without new text (it carries the echo)."""
+        return False
+
+
+@dataclasses.dataclass(frozen=True)
+class Echo:
+    """``echo``: the prompt goes in front of the completion (its text, and its ids for logprobs);
+    ``hide_output``: ``max_tokens: 0``, the one token the engine samples is not shown."""
+    text: str
+    token_ids: list[int]
+    hide_output: bool = False
+
 
 class CompletionFormat(_Format):
     object_name = chunk_object = "text_completion"
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, echo: Echo | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self._offset = 0   # text_offset of the next streamed token
+        self.echo, self._echo_due = echo, echo is not None   # the echo goes out once, first
 
-    def _logprobs(self, out: RequestOutput, start: int) -> dict[str, list] | None:
+    def view(self, out: RequestOutput) -> RequestOutput:
+        if self.echo is None or not self.echo.hide_output:
+            return out
+        return dataclasses.replace(out, token_ids=[], text="", logprobs=None if out.logprobs is None else [])
+
+    def _logprobs(self, out: RequestOutput, start: int, echo: bool) -> dict[str, list] | None:
         if self.logprobs is None or out.logprobs is None:
             return None
         res: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for tok, entry in zip(out.token_ids[start:], out.logprobs[start:]):
+        entries = zip(out.token_ids[start:], out.logprobs[start:])
+        if echo:   # the prompt's own: its first token has nothing before it (null, as in vLLM)
+            entries = [*zip(self.echo.token_ids, out.prompt_logprobs or [None] * len(self.echo.token_ids)),
+                       *entries]
+        for tok, entry in entries:
             s = self.tokens(tok)
             res["tokens"].append(s)
-            res["token_logprobs"].append(wire_logprob(entry.get(tok)))
-            res["top_logprobs"].append({self.tokens(t): wire_logprob(lp) for t, lp in entry.items()})
+            res["token_logprobs"].append(None if entry is None else wire_logprob(entry.get(tok)))
+            res["top_logprobs"].append(None if entry is None else
+                                       {self.tokens(t): wire_logprob(lp) for t, lp in entry.items()})
             res["text_offset"].append(self._offset)
             self._offset += len(s)
         return res
 
+    def _take_echo(self) -> tuple[str, bool]:
+        due, self._echo_due = self._echo_due, False
+        return (self.echo.text if due else ""), due
+
     def response(self, out: RequestOutput) -> dict[str, Any]:
-        choice = {"index": 0, "text": out.text, "logprobs": self._logprobs(out, 0),
+        out = self.view(out)
+        prefix, echo = self._take_echo()
+        choice = {"index": 0, "text": prefix + out.text, "logprobs": self._logprobs(out, 0, echo),
                   "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
         return self._envelope(self.object_name, [choice], usage=usage(out))
 
     def chunk(self, delta: str, out: RequestOutput, start: int, finish: str | None) -> dict[str, Any]:
-        choice = {"index": 0, "text": delta, "logprobs": self._logprobs(out, start), "finish_reason": finish,
-                  "stop_reason": out.stop_reason if finish else None}
+        prefix, echo = self._take_echo()
+        choice = {"index": 0, "text": prefix + delta, "logprobs": self._logprobs(out, start, echo),
+                  "finish_reason": finish, "stop_reason": out.stop_reason if finish else None}
         return self._envelope(self.chunk_object, [choice], **self._chunk_extra())
+
+    def pending_echo(self) -> bool:
+        return self._echo_due
 
     def first_chunks(self) -> list[dict[str, Any]]:
         return []

@@ -32,6 +32,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="queued requests before new ones get 429")
     g.add_argument("--max-request-bytes", type=int, default=10 * 1024 * 1024, metavar="N",
                    help="largest request body accepted (413 beyond)")
+    g.add_argument("--tokenizer-pool-size", type=int, default=2, metavar="N",
+                   help="processes that tokenize long prompts, so a 10 MB prompt never pauses the server "
+                        "(0: tokenize every prompt in a thread of the server process)")
     add_engine_arguments(p)
 
 
@@ -66,7 +69,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from rltjax.config import load_hf_config
 
     configs = configs_from_args(args)   # bad flags fail here, before anything starts
-    for flag in ("max_waiting_requests", "max_request_bytes"):
+    for flag in ("max_waiting_requests", "max_request_bytes", "tokenizer_pool_size"):
         if getattr(args, flag) < 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 0")
     # a model that cannot load fails here, with one error, before the HTTP server starts
@@ -80,7 +83,7 @@ def run_serve(args: argparse.Namespace) -> int:
     engine = AsyncEngine(lambda: build_engine(args.model, **configs), on_fatal=fatal)
     app = build_app(engine, served_names=args.served_model_name or [args.model], api_key=args.api_key,
                     max_request_bytes=args.max_request_bytes, max_waiting_requests=args.max_waiting_requests,
-                    model_root=args.model)
+                    model_root=args.model, tokenizer_pool_size=args.tokenizer_pool_size)
     server = make_server(app, host=args.host, port=args.port, log_level=args.log_level)
     try:
         server.run()

@@ -31,6 +31,9 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.headers = status, message, param, headers
 
+    def __reduce__(self):   # crosses from a tokenizing process intact
+        return APIError, (self.status, self.message, self.param, self.headers)
+
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, self.param)
 
@@ -126,8 +129,8 @@ class CompletionRequest(_Common):
         super().unsupported()
         if self.best_of not in (None, 1):
             raise APIError(400, "best_of: only best_of=1 is supported", "best_of")
-        if self.echo:
-            raise APIError(400, "echo: echo=true is not supported", "echo")
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "max_tokens: 0 only with echo=true (the prompt's logprobs alone)", "max_tokens")
         if self.suffix:
             raise APIError(400, "suffix: not supported", "suffix")
 
@@ -168,6 +171,7 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None   # extra template variables (vLLM's name)
 
     def unsupported(self) -> None:
         super().unsupported()

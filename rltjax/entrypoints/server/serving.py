@@ -1,7 +1,7 @@
 """The request flow shared by /v1/completions and /v1/chat/completions.
 
-validate -> capacity (429) -> tokenize (in a worker thread, off the event loop)
--> length checks -> submit -> stream SSE chunks, or wait for the final output
+validate -> capacity (429) -> tokenize (off the event loop; long prompts in worker
+processes, see tokenize_pool.py) -> length checks -> submit -> stream SSE chunks, or wait for the final output
 while watching for a client disconnect. Whatever way a request ends, its
 stream is closed, and closing aborts an unfinished request: a client that
 goes away never leaves KV pages behind.
@@ -24,10 +24,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from rltjax.engine.llm_engine import RequestRejectedError
 from rltjax.engine.outputs import StopChecker
 from rltjax.entrypoints.server.async_engine import AsyncEngine, EngineUnavailable
-from rltjax.entrypoints.server.formatting import SSE_DONE, ChatFormat, CompletionFormat, TokenStrings, sse
-from rltjax.entrypoints.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, error_body,
-                                                sampling_error_param)
+from rltjax.entrypoints.server.formatting import SSE_DONE, ChatFormat, CompletionFormat, Echo, TokenStrings, sse
+from rltjax.entrypoints.server.protocol import APIError, error_body, sampling_error_param
 from rltjax.entrypoints.server.request_stream import RequestStream
+from rltjax.entrypoints.server.tokenize_pool import Limits, Prepared, RequestReader
 from rltjax.sampling_params import SamplingParams, SamplingParamsError
 
 
@@ -36,7 +36,9 @@ class ServingContext:
     engine: AsyncEngine
     served_names: list[str]
     max_waiting_requests: int | None = None
+    tokenizer_workers: int = 2
     _tokens: TokenStrings | None = None
+    _reader: RequestReader | None = None
 
     @property
     def model_name(self) -> str:
@@ -47,6 +49,22 @@ class ServingContext:
         if self._tokens is None:   # the tokenizer exists once the engine has loaded
             self._tokens = TokenStrings(self.engine.engine.tokenizer)
         return self._tokens
+
+    async def read(self, kind, raw: bytes) -> Prepared:
+        """The body parsed, checked and tokenized (tokenize_pool.py): 503 while the engine is not up."""
+        try:
+            self.engine.check_available()
+        except EngineUnavailable as exc:
+            raise APIError(503, str(exc)) from None
+        if self._reader is None:
+            eng = self.engine.engine
+            limits = Limits(tuple(self.served_names), eng.scheduler.max_model_len)
+            self._reader = RequestReader(eng.tokenizer, limits, self.tokenizer_workers)
+        return await self._reader.read(kind, raw)
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
 
 
 class _ClosingStream(StreamingResponse):
@@ -64,14 +82,16 @@ class _ClosingStream(StreamingResponse):
             self._stream.close()
 
 
-def _sampling_params(body, max_tokens: int, logprobs: int | None, aliases=None) -> SamplingParams:
+def _sampling_params(body, max_tokens: int, logprobs: int | None, aliases=None,
+                     prompt_logprobs: int | None = None) -> SamplingParams:
     """``aliases`` names the request field behind a SamplingParams field when they differ."""
     try:
         return SamplingParams(
             max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
             seed=body.seed, stop=body.stop or (), stop_token_ids=body.stop_token_ids or (),
             ignore_eos=body.ignore_eos, min_loops=body.min_loops, max_loops=body.max_loops,
-            exit_threshold=body.exit_threshold, logprobs=logprobs, priority=body.priority)
+            exit_threshold=body.exit_threshold, logprobs=logprobs, priority=body.priority,
+            prompt_logprobs=prompt_logprobs)
     except SamplingParamsError as exc:
         param = sampling_error_param(str(exc))
         raise APIError(400, str(exc), (aliases or {}).get(param, param)) from None
@@ -85,26 +105,29 @@ def _rejection_param(message: str, prompt_field: str) -> str | None:
     return prompt_field if "prompt" in message else None
 
 
-async def create_completion(ctx: ServingContext, request: Request, body: CompletionRequest):
-    _check_model(ctx, body.model)
-    body.unsupported()
-    prompt = body.single_prompt()
-    params = _sampling_params(body, 16 if body.max_tokens is None else body.max_tokens, body.logprobs)
+async def create_completion(ctx: ServingContext, request: Request, prep: Prepared):
+    body, echo = prep.body, None
+    max_tokens = 16 if body.max_tokens is None else body.max_tokens
+    if body.echo:   # the prompt's logprobs come with the completion's (vLLM, and lm-eval's loglikelihood)
+        prompt = body.single_prompt()
+        text = prompt if isinstance(prompt, str) else ctx.token_strings.text(prep.ids)
+        echo = Echo(text, prep.ids, hide_output=max_tokens == 0)
+        max_tokens = max(max_tokens, 1)    # max_tokens 0: one token is sampled and not shown
+    params = _sampling_params(body, max_tokens, body.logprobs,
+                              prompt_logprobs=body.logprobs if body.echo else None)
     stream = _open(ctx, "cmpl")
     try:
-        ids = prompt if isinstance(prompt, list) else await asyncio.to_thread(_tokenizer(ctx, "prompt").encode,
-                                                                               prompt)
         fmt = CompletionFormat(stream.request_id, ctx.model_name, int(time.time()), ctx.token_strings,
-                               body.logprobs, bool(body.stream_options and body.stream_options.include_usage))
-        return await _run(ctx, request, stream, ids, params, body.stream, fmt, "prompt", False)
+                               body.logprobs, bool(body.stream_options and body.stream_options.include_usage),
+                               echo=echo)
+        return await _run(ctx, request, stream, prep.ids, params, body.stream, fmt, prep.field, False)
     except BaseException:
         stream.close()
         raise
 
 
-async def create_chat_completion(ctx: ServingContext, request: Request, body: ChatCompletionRequest):
-    _check_model(ctx, body.model)
-    body.unsupported()
+async def create_chat_completion(ctx: ServingContext, request: Request, prep: Prepared):
+    body = prep.body
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     aliases = {"logprobs": "top_logprobs"}
@@ -113,30 +136,13 @@ async def create_chat_completion(ctx: ServingContext, request: Request, body: Ch
     params = _sampling_params(body, 16 if max_tokens is None else max_tokens, logprobs, aliases)
     stream = _open(ctx, "chatcmpl")
     try:
-        tok = _tokenizer(ctx, "messages")
-        messages = [m.as_dict() for m in body.messages]
-        try:
-            ids = await asyncio.to_thread(tok.apply_chat_template, messages, True, True)
-        except ValueError as exc:
-            raise APIError(400, f"messages: {exc}", "messages") from None
         fmt = ChatFormat(stream.request_id, ctx.model_name, int(time.time()), ctx.token_strings, logprobs,
                          bool(body.stream_options and body.stream_options.include_usage))
-        return await _run(ctx, request, stream, ids, params, body.stream, fmt, "messages", max_tokens is None)
+        return await _run(ctx, request, stream, prep.ids, params, body.stream, fmt, prep.field,
+                          max_tokens is None)
     except BaseException:
         stream.close()
         raise
-
-
-def _tokenizer(ctx: ServingContext, field: str):
-    tok = ctx.engine.engine.tokenizer
-    if tok is None:
-        raise APIError(400, f"{field}: this model has no tokenizer; send the prompt as token ids", field)
-    return tok
-
-
-def _check_model(ctx: ServingContext, model: str | None) -> None:
-    if model is not None and model not in ctx.served_names:
-        raise APIError(404, f"The model `{model}` does not exist.", "model")
 
 
 def _open(ctx: ServingContext, prefix: str) -> RequestStream:
@@ -211,9 +217,11 @@ async def _sse(stream: RequestStream, fmt, checker: StopChecker):
             if out.finish_reason == "error":
                 yield sse(error_body(500, f"generation failed: {out.error}"))
                 break
+            out = fmt.view(out)
             text = out.text if out.finished else out.text[:checker.releasable(out.text)]
             delta, finish = text[sent_text:], out.finish_reason if out.finished else None
-            if delta or finish or (fmt.logprobs is not None and len(out.token_ids) > sent_tokens):
+            if (delta or finish or fmt.pending_echo()
+                    or (fmt.logprobs is not None and len(out.token_ids) > sent_tokens)):
                 yield sse(fmt.chunk(delta, out, sent_tokens, finish))
             sent_text, sent_tokens = max(sent_text, len(text)), len(out.token_ids)
         if fmt.include_usage and out is not None:

@@ -1,11 +1,12 @@
-"""The ``rltjax`` command: ``generate``, ``serve``, ``bench`` and ``convert``.
+"""The ``rltjax`` command: ``generate``, ``serve``, ``bench``, ``eval`` and ``convert``.
 
 ``generate`` runs the batched engine (``LLM``) over the given prompts; with
 ``--engine reference`` it runs the dense reference oracle instead (exact,
 one request at a time, slow). Without ``--model`` it uses a tiny random-weight
 Ouro checkpoint that rltjax writes itself (``checkpoints.tiny``), so the
 command works on a fresh machine: its text is gibberish by construction.
-``serve`` runs the OpenAI-compatible HTTP server (``rltjax.entrypoints.server``).
+``serve`` runs the OpenAI-compatible HTTP server (``rltjax.entrypoints.server``);
+``eval`` runs lm-eval's tasks against it (``rltjax.entrypoints.evaluate``).
 """
 from __future__ import annotations
 
@@ -106,16 +107,19 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     """The ``rltjax`` parser and its subcommands' parsers by name."""
     from rltjax.checkpoints import convert
     from rltjax.entrypoints.bench import add_bench_arguments, run_bench
+    from rltjax.entrypoints.evaluate import add_eval_arguments, run_eval
 
     parser = argparse.ArgumentParser(prog="rltjax", description="Serve looped language models with JAX.",
                                      formatter_class=HelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,serve,bench,convert}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,serve,bench,eval,convert}")
     commands = {}
     for name, summary, add, run in (
             ("generate", "generate text from prompts", add_generate_arguments, run_generate),
             ("serve", "serve a model over an OpenAI-compatible HTTP API", add_serve_arguments, run_serve),
             ("bench", "offline throughput at fixed concurrency (random weights by default)", add_bench_arguments,
              run_bench),
+            ("eval", "lm-eval's tasks (GSM8K by default) against the model, served in this process",
+             add_eval_arguments, run_eval),
             ("convert", "convert a Hugging Face checkpoint to rltjax's Orbax layout", convert.add_arguments,
              convert.run)):
         commands[name] = sub.add_parser(name, help=summary, description=summary, formatter_class=HelpFormatter)

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from rltjax.entrypoints.server import tokenization
 from rltjax.entrypoints.server.async_engine import AsyncEngine
 from rltjax.entrypoints.server.metrics import ServerMetrics
 from rltjax.entrypoints.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
@@ -26,8 +27,12 @@ from rltjax.entrypoints.server.serving import ServingContext, create_chat_comple
 logger = logging.getLogger("rltjax.server")
 
 
+# Routes behind the API key, draining and the JSON-only rule (/health and /metrics are not).
+_GUARDED = ("/v1", "/tokenize", "/detokenize", "/tokenizer_info")
+
+
 class Guard:
-    """API key on /v1 (401), draining on /v1 (503), JSON bodies only on POST (415: a browser
+    """API key on the API routes (401), draining (503), JSON bodies only on POST (415: a browser
     may send a form or text/plain across origins without asking first), and the request body
     size limit (413). Every refusal is counted in ``rltjax:request_rejected``."""
 
@@ -50,7 +55,7 @@ class Guard:
 
     def _refuse(self, scope) -> APIError | None:
         headers = dict(scope["headers"])
-        if scope["path"].startswith("/v1"):
+        if scope["path"].startswith(_GUARDED):
             if self.expected and not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
                 return APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
                                 headers={"WWW-Authenticate": "Bearer"})
@@ -145,6 +150,18 @@ def build_app(engine: AsyncEngine, *, served_names: list[str], metrics: ServerMe
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": created, "owned_by": "rltjax",
              "root": model_root or served_names[0], "max_model_len": max_len} for name in served_names]}
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request):
+        return await tokenization.tokenize(ctx, await request.body())
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request):
+        return await tokenization.detokenize(ctx, await request.body())
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info_route():
+        return tokenization.tokenizer_info(ctx)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

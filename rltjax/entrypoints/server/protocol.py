@@ -179,3 +179,24 @@ class ChatCompletionRequest(_Common):
             raise APIError(400, "messages: at least one message is required", "messages")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs: requires logprobs=true", "top_logprobs")
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages through the chat template."""
+    model_config = _STRICT
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def unsupported(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "prompt: send exactly one of prompt or messages", "prompt")
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = _STRICT
+    model: str | None = None
+    tokens: list[int]

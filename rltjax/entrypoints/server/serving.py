@@ -52,15 +52,18 @@ class ServingContext:
 
     async def read(self, kind, raw: bytes) -> Prepared:
         """The body parsed, checked and tokenized (tokenize_pool.py): 503 while the engine is not up."""
-        try:
-            self.engine.check_available()
-        except EngineUnavailable as exc:
-            raise APIError(503, str(exc)) from None
+        self.available()
         if self._reader is None:
             eng = self.engine.engine
             limits = Limits(tuple(self.served_names), eng.scheduler.max_model_len)
             self._reader = RequestReader(eng.tokenizer, limits, self.tokenizer_workers)
         return await self._reader.read(kind, raw)
+
+    def available(self) -> None:
+        try:
+            self.engine.check_available()
+        except EngineUnavailable as exc:
+            raise APIError(503, str(exc)) from None
 
     def close(self) -> None:
         if self._reader is not None:

@@ -237,13 +237,15 @@ class Tokenizer:
         return self._compiled
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tokenize: bool = False, **template_kwargs: Any) -> str | list[int]:
+                            tokenize: bool = False, template_kwargs: dict[str, Any] | None = None
+                            ) -> str | list[int]:
         """Render the model's chat template (ChatML if it has none); ids if ``tokenize``.
 
         ``template_kwargs`` are extra template variables (vLLM's ``chat_template_kwargs``,
         e.g. ``enable_thinking``); they cannot replace ``messages`` or the special tokens.
         """
         validate_messages(messages)
+        template_kwargs = template_kwargs or {}
         fixed = {"messages", "add_generation_prompt", *self.special_strings}
         clash = sorted(fixed & set(template_kwargs))
         if clash:

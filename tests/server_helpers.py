@@ -27,9 +27,10 @@ ENGINE = dict(tokenizer=True, page_size=8, max_num_seqs=8, max_num_batched_token
 class LiveServer:
     """uvicorn in a background thread on a free 127.0.0.1 port, around a tiny-fixture engine."""
 
-    def __init__(self, engine_kwargs=None, **app_kwargs):
+    def __init__(self, engine_kwargs=None, factory=None, **app_kwargs):
+        """factory: builds the engine (default: the tiny fixture's with ENGINE and engine_kwargs)."""
         kwargs = {**ENGINE, **(engine_kwargs or {})}
-        self.async_engine = AsyncEngine(lambda: make_engine(**kwargs))
+        self.async_engine = AsyncEngine(factory or (lambda: make_engine(**kwargs)))
         self.app = build_app(self.async_engine, served_names=[MODEL, "alias"], **app_kwargs)
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))

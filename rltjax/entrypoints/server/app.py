@@ -91,11 +91,11 @@ def _limited(receive, limit: int):
 def build_app(engine: AsyncEngine, *, served_names: list[str], metrics: ServerMetrics | None = None,
               api_key: str | None = None, max_request_bytes: int | None = None,
               max_waiting_requests: int | None = None, model_root: str | None = None,
-              tokenizer_pool_size: int = 2) -> FastAPI:
+              tokenizer_pool_size: int = 2, reasoning_parser: str | None = None) -> FastAPI:
     """The server app around an AsyncEngine (started and stopped with the app's lifespan)."""
     metrics = metrics or engine.metrics or ServerMetrics()
     engine.metrics = metrics
-    ctx = ServingContext(engine, list(served_names), max_waiting_requests, tokenizer_pool_size)
+    ctx = ServingContext(engine, list(served_names), max_waiting_requests, tokenizer_pool_size, reasoning_parser)
     created = int(time.time())
 
     @contextlib.asynccontextmanager

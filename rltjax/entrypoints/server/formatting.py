@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 from rltjax.engine.outputs import RequestOutput
+from rltjax.entrypoints.server.reasoning import ReasoningParser, Split
 
 
 # Characters Python's str.splitlines (and clients built on it, e.g. httpx's iter_lines) takes
@@ -154,6 +155,21 @@ class CompletionFormat(_Format):
 class ChatFormat(_Format):
     object_name, chunk_object = "chat.completion", "chat.completion.chunk"
 
+    def __init__(self, *args, reasoning: ReasoningParser | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.reasoning = reasoning
+        self._released = ""           # streamed text so far (the deltas joined)
+        self._sent = Split("", "")    # of which sent as reasoning / content
+
+    def _split_delta(self, delta: str, finish: str | None) -> dict[str, str]:
+        """A streamed text delta as reasoning_content and content deltas."""
+        self._released += delta
+        now = self.reasoning.split(self._released, finish is not None)
+        out = {"reasoning_content": now.reasoning[len(self._sent.reasoning):],
+               "content": now.content[len(self._sent.content):]}
+        self._sent = now      # a released prefix splits into prefixes of the final parts
+        return {k: v for k, v in out.items() if v}
+
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         s = self.tokens(token_id)
         return {"token": s, "logprob": wire_logprob(logprob), "bytes": list(s.encode("utf-8"))}
@@ -169,14 +185,25 @@ class ChatFormat(_Format):
         return {"content": content}
 
     def response(self, out: RequestOutput) -> dict[str, Any]:
-        choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
+        message = {"role": "assistant", "content": out.text}
+        if self.reasoning is not None:
+            split = self.reasoning.split(out.text, True)
+            message = {"role": "assistant", "content": split.content or None,
+                       "reasoning_content": split.reasoning or None}
+        choice = {"index": 0, "message": message,
                   "logprobs": self._logprobs(out, 0), "finish_reason": out.finish_reason,
                   "stop_reason": out.stop_reason}
         return self._envelope(self.object_name, [choice], usage=usage(out))
 
-    def chunk(self, delta: str, out: RequestOutput, start: int, finish: str | None) -> dict[str, Any]:
-        choice = {"index": 0, "delta": {"content": delta} if delta or not finish else {},
-                  "logprobs": self._logprobs(out, start), "finish_reason": finish}
+    def chunk(self, delta: str, out: RequestOutput, start: int, finish: str | None) -> dict[str, Any] | None:
+        logprobs = self._logprobs(out, start)
+        if self.reasoning is None:
+            fields = {"content": delta} if delta or not finish else {}
+        else:
+            fields = self._split_delta(delta, finish)
+            if not fields and not finish and not (logprobs and logprobs["content"]):
+                return None      # held back: could still be a marker
+        choice = {"index": 0, "delta": fields, "logprobs": logprobs, "finish_reason": finish}
         if finish:
             choice["stop_reason"] = out.stop_reason
         return self._envelope(self.chunk_object, [choice], **self._chunk_extra())

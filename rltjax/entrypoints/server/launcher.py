@@ -13,6 +13,7 @@ import contextlib
 import os
 
 from rltjax.entrypoints.engine_args import add_engine_arguments, configs_from_args
+from rltjax.entrypoints.server.reasoning import REASONING_PARSERS
 
 
 API_KEY_ENV = "RLTJAX_API_KEY"
@@ -32,6 +33,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="queued requests before new ones get 429")
     g.add_argument("--max-request-bytes", type=int, default=10 * 1024 * 1024, metavar="N",
                    help="largest request body accepted (413 beyond)")
+    g.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                   help="split a thinking model's <think>...</think> into reasoning_content in chat responses")
     g.add_argument("--tokenizer-pool-size", type=int, default=2, metavar="N",
                    help="processes that tokenize long prompts, so a 10 MB prompt never pauses the server "
                         "(0: tokenize every prompt in a thread of the server process)")
@@ -74,6 +77,10 @@ def run_serve(args: argparse.Namespace) -> int:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 0")
     # a model that cannot load fails here, with one error, before the HTTP server starts
     load_hf_config(check_model_dir(args.model), configs["hf_overrides"])
+    if args.reasoning_parser:
+        from rltjax.entrypoints.server.reasoning import check_tokenizer
+        from rltjax.tokenizer import Tokenizer
+        check_tokenizer(Tokenizer.from_dir(args.model), args.reasoning_parser)
     server = None
 
     def fatal(message: str) -> None:     # reported once, by the command, after the server stops
@@ -83,7 +90,8 @@ def run_serve(args: argparse.Namespace) -> int:
     engine = AsyncEngine(lambda: build_engine(args.model, **configs), on_fatal=fatal)
     app = build_app(engine, served_names=args.served_model_name or [args.model], api_key=args.api_key,
                     max_request_bytes=args.max_request_bytes, max_waiting_requests=args.max_waiting_requests,
-                    model_root=args.model, tokenizer_pool_size=args.tokenizer_pool_size)
+                    model_root=args.model, tokenizer_pool_size=args.tokenizer_pool_size,
+                    reasoning_parser=args.reasoning_parser)
     server = make_server(app, host=args.host, port=args.port, log_level=args.log_level)
     try:
         server.run()

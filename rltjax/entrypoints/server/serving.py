@@ -26,6 +26,7 @@ from rltjax.engine.outputs import StopChecker
 from rltjax.entrypoints.server.async_engine import AsyncEngine, EngineUnavailable
 from rltjax.entrypoints.server.formatting import SSE_DONE, ChatFormat, CompletionFormat, Echo, TokenStrings, sse
 from rltjax.entrypoints.server.protocol import APIError, error_body, sampling_error_param
+from rltjax.entrypoints.server.reasoning import ReasoningParser
 from rltjax.entrypoints.server.request_stream import RequestStream
 from rltjax.entrypoints.server.tokenize_pool import Limits, Prepared, RequestReader
 from rltjax.sampling_params import SamplingParams, SamplingParamsError
@@ -37,6 +38,7 @@ class ServingContext:
     served_names: list[str]
     max_waiting_requests: int | None = None
     tokenizer_workers: int = 2
+    reasoning_parser: str | None = None
     _tokens: TokenStrings | None = None
     _reader: RequestReader | None = None
 
@@ -140,7 +142,8 @@ async def create_chat_completion(ctx: ServingContext, request: Request, prep: Pr
     stream = _open(ctx, "chatcmpl")
     try:
         fmt = ChatFormat(stream.request_id, ctx.model_name, int(time.time()), ctx.token_strings, logprobs,
-                         bool(body.stream_options and body.stream_options.include_usage))
+                         bool(body.stream_options and body.stream_options.include_usage),
+                         reasoning=ReasoningParser(ctx.reasoning_parser) if ctx.reasoning_parser else None)
         return await _run(ctx, request, stream, prep.ids, params, body.stream, fmt, prep.field,
                           max_tokens is None)
     except BaseException:
@@ -225,7 +228,9 @@ async def _sse(stream: RequestStream, fmt, checker: StopChecker):
             delta, finish = text[sent_text:], out.finish_reason if out.finished else None
             if (delta or finish or fmt.pending_echo()
                     or (fmt.logprobs is not None and len(out.token_ids) > sent_tokens)):
-                yield sse(fmt.chunk(delta, out, sent_tokens, finish))
+                chunk = fmt.chunk(delta, out, sent_tokens, finish)
+                if chunk is not None:
+                    yield sse(chunk)
             sent_text, sent_tokens = max(sent_text, len(text)), len(out.token_ids)
         if fmt.include_usage and out is not None:
             yield sse(fmt.usage_chunk(out))

@@ -61,7 +61,7 @@ def prepare(tok: Tokenizer | None, kind: type[Body], raw: bytes, limits: Limits)
     else:
         field = "messages"
         text = _need(tok, field).apply_chat_template([m.as_dict() for m in body.messages], True, False,
-                                                      **(body.chat_template_kwargs or {}))
+                                                      body.chat_template_kwargs)
     try:
         return Prepared(body, _need(tok, field).encode_bounded(text, limits.max_model_len), field)
     except PromptTooLong as exc:
@@ -73,8 +73,7 @@ def _tokenize(tok: Tokenizer | None, body: TokenizeRequest) -> Prepared:
     if body.prompt is not None:
         return Prepared(body, _need(tok, "prompt").encode(body.prompt, body.add_special_tokens), "prompt")
     text = _need(tok, "messages").apply_chat_template([m.as_dict() for m in body.messages],
-                                                      body.add_generation_prompt, False,
-                                                      **(body.chat_template_kwargs or {}))
+                                                      body.add_generation_prompt, False, body.chat_template_kwargs)
     return Prepared(body, tok.encode(text, body.add_special_tokens), "messages")
 
 

@@ -42,10 +42,11 @@ from typing import Any
 
 import jax
 
+from rltjax.engine import verified_file
 from rltjax.source_files import engine_code_digest
 
 log = logging.getLogger(__name__)
-STORE_FORMAT = 1          # bump when what a file holds changes
+STORE_FORMAT = 2          # bump when what a file holds changes
 KEEP_FINGERPRINTS = 4     # folders of other code / settings kept beside the current one's
 
 
@@ -135,6 +136,7 @@ class ExecutableStore:
         try:
             store = cls(directory)
             store.prune()
+            verified_file.remove_stale_temporaries(store.directory)   # a killed writer's
         except Exception as exc:  # noqa: BLE001 - the engine starts without the store
             log.warning(f"no executable store in {directory} ({type(exc).__name__}: {exc})")
             return None
@@ -174,10 +176,11 @@ class ExecutableStore:
         then run on another thread. A file that fails to read is removed."""
         path = self.directory / key
         try:
-            if not path.is_file():
+            data = verified_file.read(path)      # checked before anything deserializes it
+            if data is None:
                 return None
-            out_specs, *payload = pickle.loads(path.read_bytes())
-        except Exception as exc:  # noqa: BLE001 - a torn or foreign file: compile instead
+            out_specs, *payload = pickle.loads(data)
+        except Exception as exc:  # noqa: BLE001 - a corrupt or foreign file: compile instead
             self._drop(path, exc)
             return None
         return out_specs, tuple(payload)
@@ -200,18 +203,13 @@ class ExecutableStore:
         return compiled
 
     def save(self, key: str, compiled) -> None:
-        """Write ``compiled`` under ``key`` (atomically; a step that cannot be serialized is skipped)."""
+        """Write ``compiled`` under ``key`` (atomically, with a checksum; a step that cannot be
+        serialized is skipped)."""
         from jax.experimental.serialize_executable import serialize
         try:
             out_specs = jax.tree.map(lambda i: jax.ShapeDtypeStruct(i.shape, i.dtype), compiled.out_info)
             data = pickle.dumps((out_specs, *serialize(compiled), _device_ids(compiled)))
-            self.directory.mkdir(parents=True, exist_ok=True)
-            tmp = self.directory / f".{key}.{os.getpid()}.{threading.get_ident()}.tmp"
-            try:
-                tmp.write_bytes(data)
-                os.replace(tmp, self.directory / key)
-            finally:
-                tmp.unlink(missing_ok=True)
+            verified_file.write(self.directory / key, data)
         except Exception as exc:  # noqa: BLE001 - storing is an optimisation, never an error
             log.warning(f"not storing a compiled step ({type(exc).__name__}: {exc}); the next start compiles it again")
             with self._lock:

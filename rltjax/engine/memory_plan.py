@@ -26,6 +26,7 @@ from pathlib import Path
 import jax
 
 from rltjax.cache.block_tables import BlockTables, pages_needed
+from rltjax.engine import verified_file
 from rltjax.cache.sizing import KVSizingError, allocate_paged_kv, boundary_num_pages, bytes_per_page
 
 log = logging.getLogger(__name__)
@@ -160,15 +161,15 @@ def _program_id(step, args, kwargs) -> str | None:
 
 def _read(path: Path | None) -> dict:
     try:
-        return pickle.loads(path.read_bytes()) if path is not None and path.is_file() else {}
-    except Exception:  # noqa: BLE001 - a torn or foreign file: measure again
+        data = verified_file.read(path) if path is not None else None
+        return {} if data is None else pickle.loads(data)
+    except Exception:  # noqa: BLE001 - a corrupt or foreign file: measure again
         return {}
 
 
 def _write(path: Path, data: dict) -> None:
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(pickle.dumps(data))
+        verified_file.write(path, pickle.dumps(data))
     except OSError as exc:      # a read-only store: measured again next start
         log.debug(f"cannot keep the step peaks in {path}: {exc}")
 

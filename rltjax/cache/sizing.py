@@ -38,7 +38,7 @@ def boundary_num_pages(num_pages: int, num_planes: int) -> int:
 
 
 def allocate_paged_kv(cfg, num_pages: int, page_size: int, dtype, device=None,
-                      num_layers: int | None = None) -> PagedKV:
+                      num_layers: int | None = None, sharding=None) -> PagedKV:
     """A zeroed pool [L, Hkv, num_pages, page_size, Dh] for K and V, created on the device
     (L = num_layers, default the core's; the boundary pool passes P + K).
 
@@ -49,6 +49,7 @@ def allocate_paged_kv(cfg, num_pages: int, page_size: int, dtype, device=None,
         raise KVSizingError(f"num_pages={num_pages}: need at least 2 (page 0 is scratch)")
     shape = (cfg.num_layers if num_layers is None else num_layers, cfg.num_kv_heads, num_pages, page_size,
              cfg.head_dim)
-    device = device if device is not None else jax.devices()[0]
-    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=jax.sharding.SingleDeviceSharding(device))
+    if sharding is None:    # one device (a tensor-parallel engine passes its KV-head sharding)
+        sharding = jax.sharding.SingleDeviceSharding(device if device is not None else jax.devices()[0])
+    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
     return PagedKV(k=zeros(), v=zeros())

@@ -46,13 +46,13 @@ class _LaunchFailed(Exception):
 
 class LLMEngine:
     def __init__(self, model, params, kv: PagedKV, *, settings: EngineSettings, tokenizer=None,
-                 boundary_kv: PagedKV | None = None):
+                 boundary_kv: PagedKV | None = None, placement=None):
         """settings: ``engine.settings.resolve_settings``'s; boundary_kv: the boundary
         (prelude/coda) pool, for models with boundary stages."""
         self.settings = settings
         self.cfg = model.cfg
         self.tokenizer = tokenizer
-        self.runner = ModelRunner(model, params, kv, boundary_kv, settings)
+        self.runner = ModelRunner(model, params, kv, boundary_kv, settings, placement)
         self._fingerprint: str | None = None
         self.scheduler = Scheduler(settings, num_pages=kv.num_pages, vocab_size=self.cfg.vocab_size,
                                    boundary_num_pages=0 if boundary_kv is None else boundary_kv.num_pages,

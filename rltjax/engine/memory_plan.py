@@ -64,12 +64,16 @@ def page_bytes_of(cfg, page_size: int, dtype, boundary_layers: int, num_planes: 
     return b
 
 
-def plan_memory(cache, settings, cfg, params, dtype, *, boundary_layers: int, measure, device=None) -> MemoryPlan:
+def plan_memory(cache, settings, cfg, params, dtype, *, boundary_layers: int, measure, placement=None) -> MemoryPlan:
     """The pool's size. measure: () -> the largest step's temporaries in bytes (called only
-    when sizing from device memory); device: whose memory (default the first)."""
+    when sizing from device memory); placement: the engine's devices (their first one's memory
+    is read; on a tensor-parallel mesh a page and the weights are split over its devices, so
+    the plan is per device)."""
     P, planes = cache.page_size, settings.num_planes
-    page_bytes = page_bytes_of(cfg, P, dtype, boundary_layers, planes)
-    weights = sum(int(x.nbytes) for x in jax.tree.leaves(params))
+    shards = placement.tp if placement is not None else 1
+    page_bytes = page_bytes_of(cfg, P, dtype, boundary_layers, planes) // shards
+    weights = sum(int(x.nbytes) for x in jax.tree.leaves(params)) // shards
+    device = placement.devices[0] if placement is not None else None
     plan = dict(page_bytes=page_bytes, weights=weights)
     if cache.num_pages is not None:
         return _plan("num_pages", cache.num_pages, boundary_layers, planes, P, **plan)
@@ -102,7 +106,8 @@ def _plan(source, pages, boundary_layers, planes, page_size, **kw) -> MemoryPlan
                       tokens=(pages - 1) // planes * page_size, **kw)
 
 
-def measure_peak(model, params, settings, cfg, dtype, *, boundary_layers: int, store_dir: str | None) -> int:
+def measure_peak(model, params, settings, cfg, dtype, *, boundary_layers: int, store_dir: str | None,
+                 placement=None) -> int:
     """The largest temporaries of the engine's biggest programs (``PROBE_KINDS``, largest
     bucket of each), compiled against a 2-page pool; kept in ``store_dir/step_peaks.pkl``."""
     from rltjax.engine.host_batches import HostBatches
@@ -112,7 +117,7 @@ def measure_peak(model, params, settings, cfg, dtype, *, boundary_layers: int, s
     P = settings.page_size
     kv = allocate_paged_kv(cfg, 2, P, dtype)
     bkv = allocate_paged_kv(cfg, 2, P, dtype, num_layers=boundary_layers) if boundary_layers else None
-    runner = ModelRunner(model, params, kv, bkv, settings)
+    runner = ModelRunner(model, params, kv, bkv, settings, placement)
     width = pages_needed(settings.max_model_len, P)
     batches = HostBatches(settings, BlockTables(settings.max_num_seqs * settings.num_planes, width),
                           BlockTables(settings.max_num_seqs, width) if boundary_layers else None)

@@ -27,6 +27,7 @@ from rltjax.engine.window.program import WindowInputs, WindowSpec, WindowState
 from rltjax.engine.window.rows import idle_window_rows
 from rltjax.engine.window.state import RowsRead, WindowOutputs, WindowPrompt, WindowRows
 from rltjax.models.layers import split_layer_stacks
+from rltjax.parallel import Placement
 from rltjax.models.lookahead import lookahead_weights
 from rltjax.sampling import SAMPLERS
 
@@ -78,8 +79,10 @@ def _started(tree):
 
 
 class ModelRunner:
-    def __init__(self, model, params, kv: PagedKV, bkv: PagedKV | None, settings: EngineSettings):
-        """bkv: the boundary pool, exactly when the model has boundary stages."""
+    def __init__(self, model, params, kv: PagedKV, bkv: PagedKV | None, settings: EngineSettings,
+                 placement: Placement | None = None):
+        """bkv: the boundary pool, exactly when the model has boundary stages; placement: the
+        engine's devices (default: the first device)."""
         if settings.has_boundary != (bkv is not None):
             raise ValueError(f"{settings.arch}: the boundary pool must be given exactly when the model has boundary "
                              f"stages (this is a bug)")
@@ -89,16 +92,18 @@ class ModelRunner:
         # of a stacked weight before its matmul (on an H200 the copies cost prefill as much as
         # its GEMMs); one per-layer copy of the weights is kept, split here unless the caller
         # split them already (``build_engine`` does, before the KV pool is sized).
-        self.params = split_layer_stacks(params)
+        self.placement = placement or Placement.default()
+        self.params = self.placement.put_params(split_layer_stacks(params))
         self.steps = DeviceSteps.build(settings.xla_options)
         slots = settings.max_num_seqs + 1
         slot_state = jnp.zeros((slots, model.cfg.hidden_size), params.embed.dtype)
         # Commit every array that calls replace with their outputs to one device now: jit keys
         # its cache on placement, and outputs are committed, so an uncommitted first input would
         # make the warm-up compile a variant that steady state never uses.
-        self.device = jax.devices()[0]
-        self.kv, self.slot_state, self.slot_inject, self.bkv, self.slot_tokens = jax.device_put(
-            (kv, slot_state, jnp.zeros_like(slot_state) if bkv is not None else None, bkv,
+        self.device = self.placement.replicated       # small state: whole on every device of a mesh
+        self.kv, self.bkv = jax.device_put((kv, bkv), self.placement.kv)
+        self.slot_state, self.slot_inject, self.slot_tokens = jax.device_put(
+            (slot_state, jnp.zeros_like(slot_state) if bkv is not None else None,
              jnp.zeros((slots,), jnp.int32)), self.device)
         self.lookahead_w = jnp.asarray(lookahead_weights(settings.exit_config.lookahead_seed, model.cfg.hidden_size,
                                                          model.cfg.initializer_range), jnp.float32)

@@ -223,17 +223,18 @@ def mixed_prompt_tokens(steps, window_buckets, most_tokens: int) -> tuple[tuple[
 
 def resolve_settings(model, *, cache: CacheConfig, scheduler: SchedulerConfig, exit_config: ExitConfig,
                      execution: ExecutionConfig, max_model_len: int, kv_dtype,
-                     platform: str | None = None) -> EngineSettings:
+                     platform: str | None = None, tensor_parallel: int = 1) -> EngineSettings:
     """The one place that resolves the configs against the model (``get_model``'s), the KV
-    dtype and the platform (default: jax's backend)."""
+    dtype, the platform (default: jax's backend) and the devices one engine spans."""
     cfg, platform = model.cfg, platform or jax.default_backend()
     R, has_boundary = cfg.num_loops, boundary_kv_layers(model) > 0
     passes, fixed = window_passes(execution, scheduler), fixed_trip(execution, has_boundary)
     inputs = RuleInputs(cache, scheduler, exit_config, execution, cfg.arch, R, loop_limit(model),
-                        signal_kind(model), has_boundary, passes, fixed)
+                        signal_kind(model), has_boundary, passes, fixed, tensor_parallel)
     check_rules(inputs)
     layered = cache.kv_layout == "last_exited"
-    on_kernel = attention_on_kernel(execution, cfg, cache.page_size, kv_dtype, platform)
+    # under tensor parallelism "auto" keeps XLA's paths, which the partitioner splits by heads
+    on_kernel = tensor_parallel == 1 and attention_on_kernel(execution, cfg, cache.page_size, kv_dtype, platform)
     alignment = PREFILL_BLOCK_Q if layered and on_kernel else 1
     scheduler = prefill_budgets(scheduler, prefill_kernel=alignment > 1)
     check_rules(dataclasses.replace(inputs, scheduler=scheduler))      # the budgets as they run

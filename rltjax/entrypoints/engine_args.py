@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from rltjax.parallel import ParallelConfig
 from rltjax.engine_config import (ATTN_IMPLS, DEFAULT_DECODE_WINDOW, DEFAULT_PREFILL_CHUNK,
                                   DEFAULT_PREFILL_TOKENS_KERNEL, DEFAULT_PREFILL_TOKENS_XLA, EXIT_MODES, MATMUL_IMPLS,
                                   KV_ALLOCATIONS, KV_LAYOUTS, PREEMPTION_MODES, SCHEDULER_MODES, SCHEDULING_POLICIES,
@@ -44,6 +45,11 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, compile_ahead: bool = Tr
                 _window_arguments):
         add(p)
     _compile_arguments(p, compile_ahead)
+    g = p.add_argument_group("devices")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="devices each engine spans (weights and KV split by heads)")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="M",
+                   help="engines side by side, each on its own devices; requests go to the least loaded")
 
 
 def _model_arguments(p: argparse.ArgumentParser) -> None:
@@ -207,4 +213,5 @@ def configs_from_args(args: argparse.Namespace) -> dict:
                                          decode_window_rows=args.decode_window_rows,
                                          async_scheduling=args.async_scheduling,
                                          mixed_prefill_tokens=args.mixed_prefill_tokens,
-                                         compilation_cache_dir=args.compilation_cache_dir or None))
+                                         compilation_cache_dir=args.compilation_cache_dir or None),
+        parallel_config=ParallelConfig(args.tensor_parallel_size, args.data_parallel_size))

@@ -25,7 +25,9 @@ from rltjax.engine.outputs import RequestOutput
 from rltjax.engine.settings import resolve_settings
 from rltjax.engine_config import CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig
 from rltjax.models.base import boundary_kv_layers, get_model
+from rltjax.engine.replicas import EngineReplicas
 from rltjax.models.layers import split_layer_stacks
+from rltjax.parallel import ParallelConfig, Placement, check_heads
 from rltjax.progress import progress
 from rltjax.sampling_params import SamplingParams
 from rltjax.tokenizer import Tokenizer
@@ -44,43 +46,61 @@ def setup_compilation_cache(path: str | None) -> None:
 def build_engine(model_dir, *, dtype=None, hf_overrides=None, cache_config: CacheConfig | None = None,
                  scheduler_config: SchedulerConfig | None = None, exit_config: ExitConfig | None = None,
                  execution_config: ExecutionConfig | None = None, params=None, cfg=None,
-                 tokenizer=None) -> LLMEngine:
+                 tokenizer=None, parallel_config: ParallelConfig | None = None) -> LLMEngine | EngineReplicas:
     """An LLMEngine from a checkpoint directory (or from given params + cfg, e.g. random weights;
     the engine keeps its own per-layer copy, so a caller that keeps ``params`` holds the weights
-    twice, and the KV pool is sized with both in memory)."""
-    cache_config = cache_config or CacheConfig()
-    scheduler_config = scheduler_config or SchedulerConfig()
-    exit_config = exit_config or ExitConfig()
+    twice, and the KV pool is sized with both in memory). ``parallel_config``: tensor parallel
+    over several devices, and data-parallel replicas (``EngineReplicas``) of such engines."""
+    parallel_config = parallel_config or ParallelConfig()
     execution_config = execution_config or ExecutionConfig()
     setup_compilation_cache(execution_config.compilation_cache_dir)
-    t0 = time.perf_counter()
+    groups = parallel_config.device_groups()
     if params is None:
+        t0 = time.perf_counter()
         ckpt = load_checkpoint(model_dir, dtype=dtype, hf_overrides=hf_overrides)
         log.info(f"loaded {ckpt.cfg.arch} from {ckpt.model_dir} ({ckpt.dtype.name}) in {time.perf_counter() - t0:.1f}s")
         cfg, params = ckpt.cfg, ckpt.params
         tokenizer = tokenizer or Tokenizer.from_dir(ckpt.model_dir)
         del ckpt
+    build = functools.partial(_build_one, params, cfg, tokenizer, cache_config or CacheConfig(),
+                              scheduler_config or SchedulerConfig(), exit_config or ExitConfig(), execution_config)
+    if len(groups) == 1:
+        return build(groups[0])
+    engines = []
+    for i, group in enumerate(groups):
+        log.info(f"replica {i} of {len(groups)} on {', '.join(str(d) for d in group)}")
+        engines.append(build(group))
+    return EngineReplicas(engines)
+
+
+def _build_one(params, cfg, tokenizer, cache_config, scheduler_config, exit_config, execution_config,
+               devices) -> LLMEngine:
     # The engine reads the layers per layer (``ModelRunner``): split them now and keep that one
     # copy, so the KV pool below is sized without a second copy of the weights in memory.
-    params = split_layer_stacks(params)
+    placement = Placement(devices)
+    check_heads(cfg, placement.tp)
+    params = placement.put_params(split_layer_stacks(params))
     max_model_len = min(cfg.max_position, scheduler_config.max_model_len or cfg.max_position)
     dtype = params.embed.dtype
     model = get_model(cfg)
     settings = resolve_settings(model, cache=cache_config, scheduler=scheduler_config, exit_config=exit_config,
-                                execution=execution_config, max_model_len=max_model_len, kv_dtype=dtype)
+                                execution=execution_config, max_model_len=max_model_len, kv_dtype=dtype,
+                                tensor_parallel=placement.tp)
     boundary_layers = boundary_kv_layers(model)      # Huginn's prelude + coda; 0 for plain models
     measure = functools.partial(measure_peak, model, params, settings, cfg, dtype, boundary_layers=boundary_layers,
-                                store_dir=_peaks_dir(settings))
-    plan = plan_memory(cache_config, settings, cfg, params, dtype, boundary_layers=boundary_layers, measure=measure)
+                                store_dir=_peaks_dir(settings), placement=placement)
+    plan = plan_memory(cache_config, settings, cfg, params, dtype, boundary_layers=boundary_layers, measure=measure,
+                       placement=placement)
     log.info(plan.line())
-    kv = allocate_paged_kv(cfg, plan.num_pages, cache_config.page_size, dtype)
+    kv = allocate_paged_kv(cfg, plan.num_pages, cache_config.page_size, dtype, sharding=placement.kv)
     log.info(f"KV pool: {plan.num_pages} pages of {cache_config.page_size} tokens x {settings.num_planes} plane(s) "
              f"({settings.kv_layout}); {settings.max_num_seqs} requests at once")
     boundary_kv = None
     if boundary_layers:
         boundary_kv = allocate_paged_kv(cfg, plan.boundary_pages, cache_config.page_size, dtype,
-                                        num_layers=boundary_layers)
-    return LLMEngine(model, params, kv, settings=settings, tokenizer=tokenizer, boundary_kv=boundary_kv)
+                                        num_layers=boundary_layers, sharding=placement.kv)
+    return LLMEngine(model, params, kv, settings=settings, tokenizer=tokenizer, boundary_kv=boundary_kv,
+                     placement=placement)
 
 
 def _peaks_dir(settings) -> str | None:
@@ -94,10 +114,16 @@ def _peaks_dir(settings) -> str | None:
 class LLM:
     def __init__(self, model: str, *, dtype: str | None = None, hf_overrides: Mapping[str, Any] | None = None,
                  cache_config: CacheConfig | None = None, scheduler_config: SchedulerConfig | None = None,
-                 exit_config: ExitConfig | None = None, execution_config: ExecutionConfig | None = None):
+                 exit_config: ExitConfig | None = None, execution_config: ExecutionConfig | None = None,
+                 tensor_parallel_size: int = 1, data_parallel_size: int = 1,
+                 parallel_config: ParallelConfig | None = None):
+        """tensor_parallel_size: devices each engine spans; data_parallel_size: engines side by
+        side (vLLM's names; or a ``parallel_config``); they take the first tp x dp of ``jax.devices()``."""
         self.engine = build_engine(model, dtype=dtype, hf_overrides=hf_overrides, cache_config=cache_config,
                                    scheduler_config=scheduler_config, exit_config=exit_config,
-                                   execution_config=execution_config)
+                                   execution_config=execution_config,
+                                   parallel_config=parallel_config or ParallelConfig(tensor_parallel_size,
+                                                                                     data_parallel_size))
         self._next_id = 0
 
     def get_tokenizer(self):

@@ -75,7 +75,8 @@ class AsyncEngine:
         At most max_num_seqs run, so any excess is waiting; and the engine's last
         report counts requests that free slots could not admit (KV pages short).
         """
-        slots = self.engine.scheduler.config.max_num_seqs if self.engine is not None else 0
+        replicas = len(getattr(self.engine, "replicas", (self.engine,)))
+        slots = self.engine.scheduler.config.max_num_seqs * replicas if self.engine is not None else 0
         return max(0, self.in_flight - slots, self.num_waiting)
 
     def open_stream(self, request_id: str) -> RequestStream:
@@ -159,10 +160,12 @@ class AsyncEngine:
         if cmd[0] == "add":
             _, rid, prompt, params, track, accepted = cmd
             try:
-                self.engine.add_request(rid, prompt, params)
+                replica = self.engine.add_request(rid, prompt, params)
             except Exception as exc:  # noqa: BLE001 - handed to the submitter
                 _call(track.loop, _settle, accepted, exc)
                 return
+            if self.metrics is not None:
+                self.metrics.replica_requests.labels(str(replica or 0)).inc()
             self._tracks[rid] = track
             _call(track.loop, _settle, accepted, None)
         else:
@@ -182,10 +185,12 @@ class AsyncEngine:
             self.engine.forget(out.request_id)
 
     def _publish(self) -> None:
-        stats = self.engine.stats()
+        each = self.engine.replica_stats() if hasattr(self.engine, "replica_stats") else [self.engine.stats()]
+        stats = self.engine.stats() if len(each) > 1 else each[0]
         self.num_running, self.num_waiting = stats.num_running, stats.num_waiting
         if self.metrics is not None:
             self.metrics.set_state(stats)
+            self.metrics.set_replicas(each)
 
     def _fail_all(self, message: str) -> None:
         """Finish every tracked request with an error (the engine cannot go on), then die."""

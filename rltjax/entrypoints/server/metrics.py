@@ -51,6 +51,15 @@ class ServerMetrics:
                                 ["finished_reason"], registry=r)
         self.rejected = Counter(p + "request_rejected", "Requests refused before queueing, by HTTP status.",
                                 ["status"], registry=r)
+        # data-parallel replicas (one, "0", without --data-parallel-size)
+        self.replica_requests = Counter(p + "replica_requests", "Requests queued on each replica.", ["replica"],
+                                        registry=r)
+        self.replica_running = Gauge(p + "replica_num_requests_running", "Requests holding a KV slot, by replica.",
+                                     ["replica"], registry=r)
+        self.replica_waiting = Gauge(p + "replica_num_requests_waiting", "Requests queued, by replica.", ["replica"],
+                                     registry=r)
+        self.replica_pages_used = Gauge(p + "replica_kv_cache_pages_used", "KV pages requests hold, by replica.",
+                                        ["replica"], registry=r)
 
     def observe(self, track, out, now: float) -> None:
         """One output of a tracked request (``track`` keeps its timing state)."""
@@ -75,8 +84,15 @@ class ServerMetrics:
         for d in depths:   # exit_depths[0] is the prompt's (always R): only decode tokens count
             self.exit_depth.observe(d)
 
+    def set_replicas(self, each) -> None:
+        """Each replica's ``EngineStats`` now."""
+        for i, s in enumerate(each):
+            self.replica_running.labels(str(i)).set(s.num_running)
+            self.replica_waiting.labels(str(i)).set(s.num_waiting)
+            self.replica_pages_used.labels(str(i)).set(s.kv_pages_used)
+
     def set_state(self, stats) -> None:
-        """The engine's ``EngineStats`` now."""
+        """The engine's ``EngineStats`` now (data-parallel replicas: added up)."""
         self.waiting.set(stats.num_waiting)
         self.running.set(stats.num_running)
         self.pages_used.set(stats.kv_pages_used)

@@ -1,0 +1,60 @@
+"""Run in a subprocess with several CPU devices (``XLA_FLAGS=--xla_force_host_platform_device_count=4``):
+one fixture's greedy and sampled outputs at each (tensor, data) parallel size, as JSON on stdout.
+``test_parallel.py`` compares them."""
+from __future__ import annotations
+
+import json
+import sys
+
+import jax
+
+from conftest import load_fixture
+from engine_helpers import assert_all_pages_free, run_workload
+from rltjax.config_checks import EngineConfigError
+from rltjax.engine_config import CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig
+from rltjax.entrypoints.llm import build_engine
+from rltjax.parallel import ParallelConfig
+from rltjax.sampling_params import SamplingParams
+
+PROMPTS = [[5, 9, 17], [3, 41, 8, 22], [60, 7, 12, 31, 2], [19, 44, 5, 6, 70, 13], [9, 1, 4], [33, 34, 35, 36]]
+
+
+def arrivals():
+    return [(i // 2, f"r{i}", p, SamplingParams(max_tokens=9, temperature=0.0 if i % 2 == 0 else 0.8, seed=i,
+                                                exit_threshold=0.5 if i < 3 else 1.0, ignore_eos=True, logprobs=1))
+            for i, p in enumerate(PROMPTS)]
+
+
+def run(name: str, tp: int, dp: int, window: int, abort: bool) -> dict:
+    overrides = {"state_init": "zero"} if name.startswith("huginn") else {}
+    ckpt = load_fixture(name, "float32", tuple(overrides.items()))
+    try:
+        engine = build_engine(None, params=ckpt.params, cfg=ckpt.cfg, parallel_config=ParallelConfig(tp, dp),
+                              cache_config=CacheConfig(page_size=4, num_pages=128),
+                              scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16,
+                                                               prefill_chunk_size=8),
+                              exit_config=ExitConfig(),
+                              execution_config=ExecutionConfig(compile_ahead=False, show_progress=False,
+                                                               decode_window=window))
+    except EngineConfigError as exc:
+        return {"error": str(exc)}
+    placed = []
+    if dp > 1:     # which replica each request went to (routing), captured as they arrive
+        add = engine.add_request
+        engine.add_request = lambda rid, *a: placed.append(add(rid, *a))
+    outs = run_workload(engine, arrivals(), aborts={3: "r1"} if abort else None)
+    replicas = engine.replicas if dp > 1 else [engine]
+    for e in replicas:
+        assert_all_pages_free(e)
+    kv = replicas[0].runner.kv.k
+    return {"outputs": {rid: {"tokens": o.token_ids, "depths": o.exit_depths, "finish": o.finish_reason,
+                              "logprobs": [max(d.values()) for d in (o.logprobs or [])]} for rid, o in outs.items()},
+            "placed": placed, "kv_devices": len(kv.sharding.device_set),
+            "kv_shard_heads": int(kv.addressable_shards[0].data.shape[1])}
+
+
+if __name__ == "__main__":
+    name, window, abort = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "abort"
+    sizes = [tuple(map(int, s.split("x"))) for s in sys.argv[4:]]
+    assert jax.device_count() >= 4, jax.devices()
+    print(json.dumps({f"{tp}x{dp}": run(name, tp, dp, window, abort) for tp, dp in sizes}))

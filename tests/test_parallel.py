@@ -1,0 +1,114 @@
+"""Tensor parallel and data-parallel replicas on 4 CPU devices (a subprocess: the device count
+is fixed when JAX starts). Oracle: the same engine on one device. Float32: tokens and exit
+depths equal, logprobs within 1e-5 (a sharded sum adds in another order)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+HERE = Path(__file__).parent
+
+
+def outputs(name, window, sizes, abort=False):
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "PYTHONPATH": str(HERE)}
+    res = subprocess.run([sys.executable, str(HERE / "parallel_worker.py"), name, str(window),
+                          "abort" if abort else "-", *sizes], capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def same(a, b):
+    assert a.keys() == b.keys()
+    for rid in a:
+        assert (a[rid]["tokens"], a[rid]["depths"], a[rid]["finish"]) == (b[rid]["tokens"], b[rid]["depths"],
+                                                                          b[rid]["finish"]), rid
+        np.testing.assert_allclose(a[rid]["logprobs"], b[rid]["logprobs"], atol=1e-5)
+
+
+@pytest.mark.parametrize("name,window", [("ouro-tiny", 0), ("ouro-tiny", 8), ("ouro-tiny-gqa", 8),
+                                         ("nanbeige-tiny", 0), ("huginn-tiny", 0)])
+def test_tensor_parallel_equals_one_device(name, window):
+    got = outputs(name, window, ["1x1", "2x1", "4x1"])
+    base = got["1x1"]["outputs"]
+    same(got["2x1"]["outputs"], base)
+    assert got["2x1"]["kv_devices"] == 2
+    if "error" in got["4x1"]:           # GQA with 2 KV heads, Nanbeige's 2 KV heads: 4 does not divide
+        assert "sizes that work: 1, 2" in got["4x1"]["error"]
+    else:
+        same(got["4x1"]["outputs"], base)
+        assert got["4x1"]["kv_devices"] == 4 and got["4x1"]["kv_shard_heads"] * 4 == got["1x1"]["kv_shard_heads"]
+
+
+def test_data_parallel_replicas_share_the_work_and_equal_one_engine():
+    got = outputs("ouro-tiny", 8, ["1x1", "1x2", "2x2"], abort=True)
+    base = got["1x1"]["outputs"]
+    for size in ("1x2", "2x2"):
+        same(got[size]["outputs"], base)
+        assert sorted(set(got[size]["placed"])) == [0, 1], got[size]["placed"]    # both replicas took work
+    assert base["r1"]["finish"] == "abort"      # freed on its replica: the worker checks every pool is empty
+
+
+def test_serve_with_tensor_parallel_replicas():
+    """``rltjax serve -tp 2 -dp 2`` on 4 devices: greedy answers equal the reference oracle's,
+    both replicas take requests (by the /metrics replica label), and a client that goes away
+    mid-stream leaves no page held on any replica."""
+    import threading
+    import time
+
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from conftest import FIXTURES, reference_model
+    from rltjax.sampling_params import SamplingParams
+    from rltjax.tokenizer import Tokenizer
+    from test_server_large_prompts import _free_port
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    proc = subprocess.Popen([sys.executable, "-m", "rltjax", "serve", str(FIXTURES / "ouro-tiny"), "--port", str(port),
+                             "--served-model-name", "m", "-tp", "2", "-dp", "2", "--no-compile-ahead",
+                             "--compilation-cache-dir", "", "--log-level", "warning", "--dtype", "float32"],
+                            env=env, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, "server did not start"
+            time.sleep(0.2)
+        tok, ref = Tokenizer.from_dir(FIXTURES / "ouro-tiny"), reference_model("ouro-tiny")
+        prompts = ["The cook said", "Rivers carry", "Loops", "Hello there", "A token", "Depth"]
+        answers = {}
+
+        def ask(p):
+            body = {"model": "m", "prompt": p, "max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+            answers[p] = httpx.post(url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+        threads = [threading.Thread(target=ask, args=(p,)) for p in prompts]
+        for t in threads:
+            t.start()
+        with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
+                "model": "m", "prompt": "Gone", "max_tokens": 200, "ignore_eos": True, "stream": True}) as r:
+            next(r.iter_lines())      # one event, then the client goes away
+        for t in threads:
+            t.join(120)
+        for p in prompts:
+            want = ref.generate(tok.encode(p), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+            assert answers[p] == tok.decode(want.token_ids), p
+        time.sleep(0.5)
+        metrics = {(s.name, s.labels.get("replica")): s.value
+                   for f in text_string_to_metric_families(httpx.get(url + "/metrics").text) for s in f.samples}
+        assert metrics[("rltjax:replica_requests_total", "0")] > 0 and metrics[("rltjax:replica_requests_total", "1")] > 0
+        assert metrics[("rltjax:replica_kv_cache_pages_used", "0")] == metrics[("rltjax:replica_kv_cache_pages_used", "1")] == 0
+    finally:
+        proc.terminate()
+        proc.wait(60)

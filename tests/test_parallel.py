@@ -107,8 +107,86 @@ def test_serve_with_tensor_parallel_replicas():
         time.sleep(0.5)
         metrics = {(s.name, s.labels.get("replica")): s.value
                    for f in text_string_to_metric_families(httpx.get(url + "/metrics").text) for s in f.samples}
-        assert metrics[("rltjax:replica_requests_total", "0")] > 0 and metrics[("rltjax:replica_requests_total", "1")] > 0
-        assert metrics[("rltjax:replica_kv_cache_pages_used", "0")] == metrics[("rltjax:replica_kv_cache_pages_used", "1")] == 0
+        for replica in ("0", "1"):
+            assert metrics[("rltjax:replica_requests_total", replica)] > 0
+            assert metrics[("rltjax:replica_kv_cache_pages_used", replica)] == 0
     finally:
         proc.terminate()
         proc.wait(60)
+
+
+def _two_processes(argv_of, env_extra=None, timeout=300):
+    from test_server_large_prompts import _free_port
+    port = _free_port()
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "PYTHONPATH": str(HERE),
+           **(env_extra or {})}
+    procs = [subprocess.Popen(argv_of(pid, port), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for pid in (0, 1)]
+    try:
+        return [p.communicate(timeout=timeout) + (p.returncode,) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def test_two_processes_through_jax_distributed_equal_one_process():
+    """2 processes x 2 CPU devices, tensor parallel over all 4 (gloo collectives)."""
+    single = outputs("ouro-tiny", 0, ["1x1"])["1x1"]["outputs"]
+    runs = _two_processes(lambda pid, port: [sys.executable, str(HERE / "multihost_worker.py"), str(pid), str(port),
+                                             "ouro-tiny"])
+    for out, err, rc in runs:
+        assert rc == 0, err[-3000:]
+        got = json.loads(out.strip().splitlines()[-1])
+        assert got["kv_devices"] == 4
+        same(got["outputs"], single)
+
+
+def test_serve_across_two_processes():
+    """``rltjax serve`` as a two-process job: process 0 answers HTTP and process 1 follows its
+    steps (its devices hold half of every weight and KV page); a SIGTERM to process 0 drains,
+    lets process 1 go, and both exit 0."""
+    import signal
+    import threading
+    import time
+
+    import httpx
+
+    from conftest import FIXTURES, reference_model
+    from rltjax.sampling_params import SamplingParams
+    from rltjax.tokenizer import Tokenizer
+    from test_server_large_prompts import _free_port
+
+    http, coord = _free_port(), _free_port()
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    procs = [subprocess.Popen([sys.executable, "-m", "rltjax", "serve", str(FIXTURES / "ouro-tiny"), "--port", str(http),
+                               "--served-model-name", "m", "-tp", "4", "--num-processes", "2", "--process-id", str(pid),
+                               "--coordinator-address", f"127.0.0.1:{coord}", "--no-compile-ahead",
+                               "--compilation-cache-dir", "", "--log-level", "warning", "--dtype", "float32"],
+                              env=env, stderr=subprocess.PIPE, text=True) for pid in (0, 1)]
+    logs = [[], []]
+    for p, log in zip(procs, logs):
+        threading.Thread(target=lambda p=p, log=log: log.extend(p.stderr), daemon=True).start()
+    url = f"http://127.0.0.1:{http}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "".join(logs[0] + logs[1])
+            time.sleep(0.2)
+        tok, ref = Tokenizer.from_dir(FIXTURES / "ouro-tiny"), reference_model("ouro-tiny")
+        for prompt in ("The cook said", "Loops"):
+            body = {"model": "m", "prompt": prompt, "max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+            text = httpx.post(url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+            want = ref.generate(tok.encode(prompt), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+            assert text == tok.decode(want.token_ids)
+        sampled = {"model": "m", "prompt": "Hello", "max_tokens": 8, "temperature": 1.0}   # a seed drawn on process 0
+        assert httpx.post(url + "/v1/completions", json=sampled, timeout=120).status_code == 200
+        procs[0].send_signal(signal.SIGTERM)
+        assert [p.wait(120) for p in procs] == [0, 0], "".join(logs[0] + logs[1])[-3000:]
+    finally:
+        for p in procs:
+            p.kill()

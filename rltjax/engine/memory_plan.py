@@ -73,7 +73,8 @@ def plan_memory(cache, settings, cfg, params, dtype, *, boundary_layers: int, me
     shards = placement.tp if placement is not None else 1
     page_bytes = page_bytes_of(cfg, P, dtype, boundary_layers, planes) // shards
     weights = sum(int(x.nbytes) for x in jax.tree.leaves(params)) // shards
-    device = placement.devices[0] if placement is not None else None
+    # this process's first device of the engine's (several processes: each reads its own)
+    device = next(d for d in placement.devices if d.process_index == jax.process_index()) if placement else None
     plan = dict(page_bytes=page_bytes, weights=weights)
     if cache.num_pages is not None:
         return _plan("num_pages", cache.num_pages, boundary_layers, planes, P, **plan)

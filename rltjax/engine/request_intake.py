@@ -3,6 +3,7 @@ params, loop range and (trace mode) recorded depths. Every rejection is a
 ``RequestRejectedError`` naming the request and the field."""
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -44,3 +45,10 @@ def new_request(request_id: str, prompt: str | Sequence[int] | Mapping[str, Any]
         raise RequestRejectedError(f"request {request_id!r}: {exc}") from exc
     seed = params.seed if params.seed is not None else secrets.randbits(63)
     return Request(request_id, ids, params, seed, next(arrivals), min_loops, max_loops, prompt=text, trace_depths=trace)
+
+
+def resolve_seed(params: SamplingParams | None) -> SamplingParams:
+    """``params`` with its seed drawn now if it has none (what ``new_request`` would draw), so
+    another process given the same params samples the same tokens."""
+    params = params or SamplingParams()
+    return params if params.seed is not None else dataclasses.replace(params, seed=secrets.randbits(63))

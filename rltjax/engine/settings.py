@@ -12,6 +12,7 @@ them derives a setting again.
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import jax
 
@@ -31,6 +32,8 @@ NUM_TOP_LOGPROBS = 20
 MIN_TOKEN_BUCKET = 32   # prefill token counts pad to >= this: fewer executables, negligible padding
 MIN_ROW_BUCKET = 8      # loop/head/window rows pad to >= this: a pass is weight-bound, 8 rows cost as 1
 PREFILL_BLOCK_Q = DEFAULT_BLOCK_Q   # prefill-kernel query rows: chunks start at multiples of it
+
+log = logging.getLogger(__name__)
 
 
 def bucket(n: int) -> int:
@@ -237,6 +240,10 @@ def resolve_settings(model, *, cache: CacheConfig, scheduler: SchedulerConfig, e
     on_kernel = tensor_parallel == 1 and attention_on_kernel(execution, cfg, cache.page_size, kv_dtype, platform)
     alignment = PREFILL_BLOCK_Q if layered and on_kernel else 1
     scheduler = prefill_budgets(scheduler, prefill_kernel=alignment > 1)
+    if jax.process_count() > 1 and scheduler.preemption_mode == "swap":
+        # a page's KV heads live partly on other hosts' devices: no process can copy it out
+        log.warning("several processes: preempted requests are recomputed (swap copies a page to one host)")
+        scheduler = dataclasses.replace(scheduler, preemption_mode="recompute")
     check_rules(dataclasses.replace(inputs, scheduler=scheduler))      # the budgets as they run
     longest_chunk = longest_prefill_chunk(scheduler, max_model_len, layered)
     most_tokens = prefill_batch_bound(scheduler.max_num_batched_tokens, scheduler.max_num_seqs, longest_chunk,
@@ -271,7 +278,10 @@ def resolve_settings(model, *, cache: CacheConfig, scheduler: SchedulerConfig, e
         window = WindowSettings(passes, fixed, max_model_len if exit_mode == "trace" else 1, buckets, prompt_tokens,
                                 swap_every_pass=uses_standby and buckets[-1] < scheduler.max_num_seqs)
     store_dir = None
-    if execution.compile_ahead and execution.executable_cache and execution.compilation_cache_dir:
+    # several processes (jax.distributed): each would store its own part of a program; XLA's
+    # persistent cache still serves them
+    if (execution.compile_ahead and execution.executable_cache and execution.compilation_cache_dir
+            and jax.process_count() == 1):
         store_dir = f"{execution.compilation_cache_dir}/executables"
     return EngineSettings(
         arch=cfg.arch, num_loops=R, loop_limit=loop_limit(model),

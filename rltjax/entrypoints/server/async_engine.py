@@ -140,6 +140,8 @@ class AsyncEngine:
                 for rid in list(self._tracks):
                     self._apply(("abort", rid))
                 self._publish()
+                if hasattr(self.engine, "close"):     # a multi-host leader lets its followers go
+                    self.engine.close()
                 self._die(None)
                 return
             if self.engine.has_unfinished_requests():

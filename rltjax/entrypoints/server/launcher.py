@@ -38,6 +38,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer-pool-size", type=int, default=2, metavar="N",
                    help="processes that tokenize long prompts, so a 10 MB prompt never pauses the server "
                         "(0: tokenize every prompt in a thread of the server process)")
+    g = p.add_argument_group("several hosts (jax.distributed: one process per host, the server on process 0)")
+    g.add_argument("--num-processes", type=int, default=1, metavar="N", help="processes in the job")
+    g.add_argument("--process-id", type=int, default=0, metavar="I", help="this process (0 serves HTTP)")
+    g.add_argument("--coordinator-address", default=None, metavar="HOST:PORT",
+                   help="process 0's address for jax.distributed (every process passes the same)")
     add_engine_arguments(p)
 
 
@@ -63,7 +68,7 @@ def make_server(app, *, host: str, port: int, log_level: str = "info"):
                                          timeout_keep_alive=5, access_log=log_level == "debug"))
 
 
-def run_serve(args: argparse.Namespace) -> int:
+def run_serve(args: argparse.Namespace, engine_wrapper=None) -> int:
     from rltjax.entrypoints.llm import build_engine
     from rltjax.entrypoints.server.app import build_app
     from rltjax.entrypoints.server.async_engine import AsyncEngine
@@ -72,6 +77,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from rltjax.config import load_hf_config
 
     configs = configs_from_args(args)   # bad flags fail here, before anything starts
+    if args.num_processes > 1:
+        return _run_multihost(args, configs)
     for flag in ("max_waiting_requests", "max_request_bytes", "tokenizer_pool_size"):
         if getattr(args, flag) < 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 0")
@@ -87,7 +94,8 @@ def run_serve(args: argparse.Namespace) -> int:
         if server is not None:
             server.should_exit = True
 
-    engine = AsyncEngine(lambda: build_engine(args.model, **configs), on_fatal=fatal)
+    wrap = engine_wrapper or (lambda engine: engine)
+    engine = AsyncEngine(lambda: wrap(build_engine(args.model, **configs)), on_fatal=fatal)
     app = build_app(engine, served_names=args.served_model_name or [args.model], api_key=args.api_key,
                     max_request_bytes=args.max_request_bytes, max_waiting_requests=args.max_waiting_requests,
                     model_root=args.model, tokenizer_pool_size=args.tokenizer_pool_size,
@@ -99,4 +107,22 @@ def run_serve(args: argparse.Namespace) -> int:
         pass
     if engine.error:
         raise ValueError(engine.error)
+    return 0
+
+
+def _run_multihost(args: argparse.Namespace, configs: dict) -> int:
+    """Process 0 serves with a ``Leader`` engine; the others follow its steps until it stops."""
+    from rltjax.engine import multihost
+    from rltjax.entrypoints.llm import build_engine
+
+    if args.coordinator_address is None or not 0 <= args.process_id < args.num_processes:
+        raise ValueError("--num-processes > 1 needs --coordinator-address HOST:PORT and 0 <= --process-id < "
+                         "--num-processes")
+    multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
+    if args.process_id == 0:
+        args.num_processes = 1           # what follows serves as usual, around the leader
+        return run_serve(args, engine_wrapper=multihost.Leader)
+    steps = multihost.follow(build_engine(args.model, **configs))
+    import logging
+    logging.getLogger("rltjax").info(f"process {args.process_id}: process 0 stopped after {steps} steps")
     return 0

@@ -9,7 +9,9 @@ column-parallel projections q/k/v, gate/up split by columns, the row-parallel o/
 rows, the embedding and lm_head by vocabulary), the KV pools by KV heads, and everything
 else (slot state, tokens, tables) is replicated. XLA's partitioner (GSPMD) places the
 collectives; every value the host reads (hidden state for the exit gate, logits, tokens) is
-the full value, so the engine's rules run exactly as on one device.
+the full value, so the engine's rules run exactly as on one device. The Pallas attention
+kernels, which the partitioner cannot split, run inside ``shard_map`` on each device's heads
+(``cache.paged_kv.PagedKVBackend.mesh``).
 """
 from __future__ import annotations
 

@@ -25,17 +25,25 @@ def arrivals():
             for i, p in enumerate(PROMPTS)]
 
 
-def run(name: str, tp: int, dp: int, window: int, abort: bool) -> dict:
+def run(name: str, tp: int, dp: int, window: int, abort: bool, pallas: bool = False) -> dict:
+    """pallas: the Pallas attention kernels in interpret mode (under TP: one per device, shard_map),
+    on test_engine_kernels' small Ouro (head_dim 64, the kernels' smallest; ``name`` unused)."""
     overrides = {"state_init": "zero"} if name.startswith("huginn") else {}
-    ckpt = load_fixture(name, "float32", tuple(overrides.items()))
+    if pallas:
+        cfg, params, heads = _small_ouro_counting()
+    else:
+        ckpt = load_fixture(name, "float32", tuple(overrides.items()))
+        cfg, params, heads = ckpt.cfg, ckpt.params, []
     try:
-        engine = build_engine(None, params=ckpt.params, cfg=ckpt.cfg, parallel_config=ParallelConfig(tp, dp),
-                              cache_config=CacheConfig(page_size=4, num_pages=128),
+        engine = build_engine(None, params=params, cfg=cfg, parallel_config=ParallelConfig(tp, dp),
+                              cache_config=CacheConfig(page_size=8 if pallas else 4, num_pages=128),
                               scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16,
                                                                prefill_chunk_size=8),
                               exit_config=ExitConfig(),
                               execution_config=ExecutionConfig(compile_ahead=False, show_progress=False,
-                                                               decode_window=window))
+                                                               decode_window=window,
+                                                               attn_impl="pallas" if pallas else "auto",
+                                                               interpret=pallas))
     except EngineConfigError as exc:
         return {"error": str(exc)}
     placed = []
@@ -50,11 +58,23 @@ def run(name: str, tp: int, dp: int, window: int, abort: bool) -> dict:
     return {"outputs": {rid: {"tokens": o.token_ids, "depths": o.exit_depths, "finish": o.finish_reason,
                               "logprobs": [max(d.values()) for d in (o.logprobs or [])]} for rid, o in outs.items()},
             "placed": placed, "kv_devices": len(kv.sharding.device_set),
-            "kv_shard_heads": int(kv.addressable_shards[0].data.shape[1])}
+            "kv_shard_heads": int(kv.addressable_shards[0].data.shape[1]), "kernel_heads": sorted(set(heads))}
+
+
+def _small_ouro_counting():
+    """A model the kernels take, and the head counts each kernel call saw (q | k | v merged)."""
+    from rltjax.checkpoints.random_init import random_checkpoint
+    from rltjax.kernels import paged_attention_pallas
+    from rltjax.presets import preset_config
+    from test_engine_kernels import SMALL
+    heads, real = [], paged_attention_pallas.paged_attention_pallas
+    paged_attention_pallas.paged_attention_pallas = lambda q, *a, **k: heads.append(q.shape[1]) or real(q, *a, **k)
+    cfg = preset_config("ouro-1.4b", SMALL)
+    return cfg, random_checkpoint(cfg, seed=1, dtype="float32"), heads
 
 
 if __name__ == "__main__":
-    name, window, abort = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "abort"
+    name, window, abort, pallas = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "abort", sys.argv[3] == "pallas"
     sizes = [tuple(map(int, s.split("x"))) for s in sys.argv[4:]]
     assert jax.device_count() >= 4, jax.devices()
-    print(json.dumps({f"{tp}x{dp}": run(name, tp, dp, window, abort) for tp, dp in sizes}))
+    print(json.dumps({f"{tp}x{dp}": run(name, tp, dp, window, abort, pallas) for tp, dp in sizes}))

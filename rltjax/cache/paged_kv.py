@@ -37,10 +37,11 @@ sequential per request (different requests may share a batch).
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from rltjax.cache.kv_update import write_kv
 from rltjax.kernels.paged_attention import paged_attention, paged_attention_write
@@ -80,6 +81,9 @@ class PagedMeta:
     lengths: jax.Array        # [N] keys 0..length-1 visible (position + 1; 0 for padding)
     block_tables: jax.Array   # [num_tables, pages_per_table]
 
+
+# on a tensor-parallel mesh: queries and new keys [N, H, Dh] by heads, pools [L, Hkv, ...] by KV heads
+_HEADS, _POOL = P(None, "tp", None), P(None, "tp")
 
 @dataclasses.dataclass(frozen=True)
 class PagedKVBackend:
@@ -125,6 +129,7 @@ class PagedKVBackend:
     head_shapes: tuple[tuple[int, int], ...] = ()
     fused_kernels: bool = False
     num_splits: int | tuple[tuple[int, int], ...] | None = None
+    mesh: Any = None          # a tensor-parallel mesh (axis "tp"): the attention kernels run per device
 
     def __post_init__(self):
         if isinstance(self.num_splits, Mapping):      # hashable: the backend is a static jit argument
@@ -207,18 +212,40 @@ class PagedKVBackend:
         if not fused:
             kv = self.write(kv, layer, k, v, meta)
             return self.attend(kv, layer, q, meta), kv
-        out, k_pages, v_pages = paged_attention_write(
-            q, k, v, kv.k, kv.v, meta.block_tables, meta.row_tables, meta.lengths, meta.write_page,
-            meta.write_offset, layer=layer, impl=self.attn_impl, interpret=self.interpret,
-            rope=(rope.cos, rope.sin) if rope_in_kernel else None, num_splits=self.splits_for(q.shape[0]))
+        cos_sin = (rope.cos, rope.sin) if rope_in_kernel else None
+
+        def kernel(q, k, v, k_pages, v_pages, tables, rows, lengths, page, offset, layer, cos_sin):
+            return paged_attention_write(q, k, v, k_pages, v_pages, tables, rows, lengths, page, offset, layer=layer,
+                                         impl=self.attn_impl, interpret=self.interpret, rope=cos_sin,
+                                         num_splits=self.splits_for(q.shape[0]))
+        heads, pool, whole = _HEADS, _POOL, P()
+        out, k_pages, v_pages = self._per_device(
+            kernel, (heads, heads, heads, pool, pool, whole, whole, whole, whole, whole, whole, whole),
+            (heads, pool, pool), q, k, v, kv.k, kv.v, meta.block_tables, meta.row_tables, meta.lengths,
+            meta.write_page, meta.write_offset, layer, cos_sin)
         return out, type(kv)(k_pages, v_pages)
+
+    def _per_device(self, fn, in_specs, out_specs, *args):
+        """``fn(*args)``; on a tensor-parallel mesh each device runs it on its own heads (the
+        pools split by KV heads, queries by heads, the rest whole): a kernel is one custom call
+        that XLA's partitioner cannot split, and would gather the whole pool onto every device."""
+        if self.mesh is None:
+            return fn(*args)
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
 
     def attend(self, kv: PagedKV, layer, q, meta: PagedMeta):
         # The stacked pool goes in whole with the layer index: slicing kv.k[layer] here
         # would make XLA copy one layer's pool per layer per pass for the kernel call.
-        args = (q, kv.k, kv.v, meta.block_tables, meta.row_tables, meta.lengths)
-        if self.prefill_block_q:
-            return paged_prefill_attention(*args, layer=layer, impl=self.attn_impl, interpret=self.interpret,
-                                           block_q=self.prefill_block_q)
-        return paged_attention(*args, layer=layer, impl=self.attn_impl, interpret=self.interpret,
-                               num_splits=self.splits_for(q.shape[0]))
+        args = (q, kv.k, kv.v, meta.block_tables, meta.row_tables, meta.lengths, layer)
+
+        def kernel(q, k_pages, v_pages, tables, rows, lengths, layer):
+            if self.prefill_block_q:
+                return paged_prefill_attention(q, k_pages, v_pages, tables, rows, lengths, layer=layer,
+                                               impl=self.attn_impl, interpret=self.interpret,
+                                               block_q=self.prefill_block_q)
+            return paged_attention(q, k_pages, v_pages, tables, rows, lengths, layer=layer, impl=self.attn_impl,
+                                   interpret=self.interpret, num_splits=self.splits_for(q.shape[0]))
+        if self.attn_impl == "xla":     # plain XLA: the partitioner splits it like any other op
+            return kernel(*args)
+        whole = P()
+        return self._per_device(kernel, (_HEADS, _POOL, _POOL, whole, whole, whole, whole), _HEADS, *args)

@@ -103,12 +103,10 @@ RULES: tuple[Rule, ...] = (
          lambda i: i.execution.asks_mixed_prefill and mixed_prefill_blocker(i) is not None,
          "leave ExecutionConfig.decode_window and window_trip at their defaults (or K > R, 'fixed') and "
          "CacheConfig.kv_layout='last_exited', or set mixed_prefill_tokens=0"),
-    Rule(lambda i: f"tensor_parallel_size={i.tensor_parallel} with Pallas kernels "
-         f"(attn_impl={i.execution.attn_impl!r}, matmul_impl={i.execution.matmul_impl!r}): the kernels are not "
-         "split over a tensor-parallel mesh yet",
-         lambda i: i.tensor_parallel > 1 and "pallas" in (i.execution.attn_impl, i.execution.matmul_impl),
-         "leave ExecutionConfig.attn_impl and matmul_impl at 'auto' (XLA's paths under tensor parallelism) or "
-         "use 'xla'"),
+    Rule(lambda i: f"tensor_parallel_size={i.tensor_parallel} with matmul_impl='pallas': the projection kernels "
+         "would gather the split weights onto every device",
+         lambda i: i.tensor_parallel > 1 and i.execution.matmul_impl == "pallas",
+         "leave ExecutionConfig.matmul_impl at 'auto' (XLA's projections under tensor parallelism) or use 'xla'"),
     Rule("the Pallas kernel needs page_size >= 8",
          lambda i: i.execution.attn_impl == "pallas" and i.cache.page_size < 8,
          "use CacheConfig.page_size >= 8 or ExecutionConfig.attn_impl='xla'"),

@@ -226,9 +226,11 @@ def mixed_prompt_tokens(steps, window_buckets, most_tokens: int) -> tuple[tuple[
 
 def resolve_settings(model, *, cache: CacheConfig, scheduler: SchedulerConfig, exit_config: ExitConfig,
                      execution: ExecutionConfig, max_model_len: int, kv_dtype,
-                     platform: str | None = None, tensor_parallel: int = 1) -> EngineSettings:
+                     platform: str | None = None, mesh=None) -> EngineSettings:
     """The one place that resolves the configs against the model (``get_model``'s), the KV
-    dtype, the platform (default: jax's backend) and the devices one engine spans."""
+    dtype, the platform (default: jax's backend) and the devices one engine spans (``mesh``:
+    a tensor-parallel mesh, ``parallel.Placement``'s; None: one device)."""
+    tensor_parallel = mesh.size if mesh is not None else 1
     cfg, platform = model.cfg, platform or jax.default_backend()
     R, has_boundary = cfg.num_loops, boundary_kv_layers(model) > 0
     passes, fixed = window_passes(execution, scheduler), fixed_trip(execution, has_boundary)
@@ -236,8 +238,10 @@ def resolve_settings(model, *, cache: CacheConfig, scheduler: SchedulerConfig, e
                         signal_kind(model), has_boundary, passes, fixed, tensor_parallel)
     check_rules(inputs)
     layered = cache.kv_layout == "last_exited"
-    # under tensor parallelism "auto" keeps XLA's paths, which the partitioner splits by heads
-    on_kernel = tensor_parallel == 1 and attention_on_kernel(execution, cfg, cache.page_size, kv_dtype, platform)
+    on_kernel = attention_on_kernel(execution, cfg, cache.page_size, kv_dtype, platform)
+    # the projection kernels stay off under tensor parallelism (they would gather the split
+    # weights); attention runs per device on its heads (PagedKVBackend.mesh)
+    projections_on_kernel = on_kernel and tensor_parallel == 1
     alignment = PREFILL_BLOCK_Q if layered and on_kernel else 1
     scheduler = prefill_budgets(scheduler, prefill_kernel=alignment > 1)
     if jax.process_count() > 1 and scheduler.preemption_mode == "swap":
@@ -250,12 +254,14 @@ def resolve_settings(model, *, cache: CacheConfig, scheduler: SchedulerConfig, e
                                       alignment)
     decode = PagedKVBackend(attn_impl=execution.attn_impl, interpret=execution.interpret,
                             matmul_impl=execution.matmul_impl, decode_rows=True, num_splits=execution.attn_num_splits,
-                            kernel_shapes=auto_matmul_shapes(cfg) if on_kernel else (),
-                            head_shapes=auto_head_shapes(cfg) if on_kernel else (), fused_kernels=on_kernel)
+                            kernel_shapes=auto_matmul_shapes(cfg) if projections_on_kernel else (),
+                            head_shapes=auto_head_shapes(cfg) if projections_on_kernel else (),
+                            fused_kernels=projections_on_kernel, mesh=mesh)
     # prefill is compute-bound: its projections stay on XLA's dot whatever matmul_impl says
     prefill = dataclasses.replace(decode, matmul_impl="xla", decode_rows=False,
                                   prefill_block_q=PREFILL_BLOCK_Q if alignment > 1 else 0)
-    on_kernels = decode_projections_on_kernels(cfg, on_kernel, execution.matmul_impl, scheduler.max_num_seqs)
+    on_kernels = decode_projections_on_kernels(cfg, projections_on_kernel, execution.matmul_impl,
+                                               scheduler.max_num_seqs)
     row_buckets = buckets_up_to(scheduler.max_num_seqs, MIN_ROW_BUCKET)
     token_buckets = buckets_up_to(most_tokens, MIN_TOKEN_BUCKET)
     exit_mode = exit_config.mode

@@ -85,7 +85,7 @@ def _build_one(params, cfg, tokenizer, cache_config, scheduler_config, exit_conf
     model = get_model(cfg)
     settings = resolve_settings(model, cache=cache_config, scheduler=scheduler_config, exit_config=exit_config,
                                 execution=execution_config, max_model_len=max_model_len, kv_dtype=dtype,
-                                tensor_parallel=placement.tp)
+                                mesh=placement.mesh)
     boundary_layers = boundary_kv_layers(model)      # Huginn's prelude + coda; 0 for plain models
     measure = functools.partial(measure_peak, model, params, settings, cfg, dtype, boundary_layers=boundary_layers,
                                 store_dir=_peaks_dir(settings), placement=placement)

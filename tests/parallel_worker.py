@@ -25,7 +25,8 @@ def arrivals():
             for i, p in enumerate(PROMPTS)]
 
 
-def run(name: str, tp: int, dp: int, window: int, abort: bool, pallas: bool = False) -> dict:
+def run(name: str, tp: int, dp: int, window: int, abort: bool, pallas: bool = False, layout: str = "last_exited",
+        exit_mode: str = "ouro") -> dict:
     """pallas: the Pallas attention kernels in interpret mode (under TP: one per device, shard_map),
     on test_engine_kernels' small Ouro (head_dim 64, the kernels' smallest; ``name`` unused)."""
     overrides = {"state_init": "zero"} if name.startswith("huginn") else {}
@@ -36,10 +37,10 @@ def run(name: str, tp: int, dp: int, window: int, abort: bool, pallas: bool = Fa
         cfg, params, heads = ckpt.cfg, ckpt.params, []
     try:
         engine = build_engine(None, params=params, cfg=cfg, parallel_config=ParallelConfig(tp, dp),
-                              cache_config=CacheConfig(page_size=8 if pallas else 4, num_pages=128),
+                              cache_config=CacheConfig(page_size=8 if pallas else 4, num_pages=128, kv_layout=layout),
                               scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16,
                                                                prefill_chunk_size=8),
-                              exit_config=ExitConfig(),
+                              exit_config=ExitConfig(mode=exit_mode),
                               execution_config=ExecutionConfig(compile_ahead=False, show_progress=False,
                                                                decode_window=window,
                                                                attn_impl="pallas" if pallas else "auto",
@@ -74,7 +75,10 @@ def _small_ouro_counting():
 
 
 if __name__ == "__main__":
-    name, window, abort, pallas = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "abort", sys.argv[3] == "pallas"
+    name, window, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    layout, exit_mode = (mode.split(":")[1:] + ["last_exited", "ouro"])[:2] if mode.startswith("cfg:") else (
+        "last_exited", "ouro")
     sizes = [tuple(map(int, s.split("x"))) for s in sys.argv[4:]]
     assert jax.device_count() >= 4, jax.devices()
-    print(json.dumps({f"{tp}x{dp}": run(name, tp, dp, window, abort, pallas) for tp, dp in sizes}))
+    print(json.dumps({f"{tp}x{dp}": run(name, tp, dp, window, mode == "abort", mode == "pallas", layout, exit_mode)
+                      for tp, dp in sizes}))

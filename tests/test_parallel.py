@@ -15,9 +15,10 @@ import pytest
 HERE = Path(__file__).parent
 
 
-def outputs(name, window, sizes, abort=False, pallas=False):
+def outputs(name, window, sizes, abort=False, pallas=False, cfg=None):
+    """cfg: (kv_layout, exit mode) other than the defaults."""
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "PYTHONPATH": str(HERE)}
-    mode = "abort" if abort else "pallas" if pallas else "-"
+    mode = "abort" if abort else "pallas" if pallas else f"cfg:{cfg[0]}:{cfg[1]}" if cfg else "-"
     res = subprocess.run([sys.executable, str(HERE / "parallel_worker.py"), name, str(window), mode, *sizes],
                          capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -32,10 +33,12 @@ def same(a, b):
         np.testing.assert_allclose(a[rid]["logprobs"], b[rid]["logprobs"], atol=1e-5)
 
 
-@pytest.mark.parametrize("name,window", [("ouro-tiny", 0), ("ouro-tiny", 8), ("ouro-tiny-gqa", 8),
-                                         ("nanbeige-tiny", 0), ("huginn-tiny", 0)])
-def test_tensor_parallel_equals_one_device(name, window):
-    got = outputs(name, window, ["1x1", "2x1", "4x1"])
+@pytest.mark.parametrize("name,window,cfg", [
+    ("ouro-tiny", 0, None), ("ouro-tiny", 8, None), ("ouro-tiny-gqa", 8, None), ("nanbeige-tiny", 0, None),
+    ("huginn-tiny", 0, None), ("huginn-tiny", 8, ("last_exited", "latent_diff")),
+    ("ouro-tiny", 8, ("shared", "ouro_delayed")), ("ouro-tiny", 0, ("last_exited", "random_lookahead"))])
+def test_tensor_parallel_equals_one_device(name, window, cfg):
+    got = outputs(name, window, ["1x1", "2x1", "4x1"], cfg=cfg)
     base = got["1x1"]["outputs"]
     same(got["2x1"]["outputs"], base)
     assert got["2x1"]["kv_devices"] == 2

@@ -30,3 +30,29 @@ def random_checkpoint(cfg: ModelConfig, seed: int = 0, dtype: Any = "bfloat16") 
 def random_checkpoint_shapes(cfg: ModelConfig, dtype: Any = "bfloat16") -> Any:
     """The same pytree as ShapeDtypeStructs (no memory): for sizing and shape checks."""
     return param_template(cfg, dtype)
+
+
+def converging(params: Any, scale: float) -> Any:
+    """``params`` with every loop's residual branches scaled by ``scale`` (in (0, 1]).
+
+    Random weights make each loop move the state as much as the last, so a token's state
+    at depth 2 and depth 4 pick different tokens almost always; a trained looped model's
+    loops converge instead. Scaling the looped block's branches (Ouro's post-branch norms,
+    which would undo a scaled projection; Nanbeige's and Huginn's core output projections)
+    makes later loops move the state less, so shallow and full depth agree more often:
+    ``scripts/spec_acceptance.py`` measures how often, per scale. Prelude and coda stay.
+    """
+    import dataclasses
+    if not 0.0 < scale <= 1.0:
+        raise ValueError(f"scale={scale}: must be in (0, 1]")
+    if hasattr(params, "core"):                                   # Huginn: the recurrent core only
+        core = params.core
+        return dataclasses.replace(params, core=dataclasses.replace(core, wo=core.wo * scale,
+                                                                    w_proj=core.w_proj * scale))
+    layers = params.layers
+    if hasattr(layers, "attn_post_norm"):                         # Ouro: x + post_norm(branch)
+        layers = dataclasses.replace(layers, attn_post_norm=layers.attn_post_norm * scale,
+                                     mlp_post_norm=layers.mlp_post_norm * scale)
+    else:                                                         # Nanbeige: x + branch
+        layers = dataclasses.replace(layers, wo=layers.wo * scale, w_down=layers.w_down * scale)
+    return dataclasses.replace(params, layers=layers)

@@ -18,6 +18,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import multiprocessing
+import os
 from concurrent.futures.process import BrokenProcessPool
 
 from rltjax.entrypoints.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, TokenizeRequest,
@@ -96,6 +97,10 @@ _worker_tokenizer: Tokenizer | None = None
 def _init_worker(tok: Tokenizer | None) -> None:
     global _worker_tokenizer
     _worker_tokenizer = tok
+    # below the server's own threads: where cores are few, the engine's host loop and the event
+    # loop (running streams, /health) go first, a long prompt's tokenizing waits
+    # (tests/test_server_large_prompts.py measures both)
+    os.nice(10)
 
 
 def _prepare_in_worker(kind, raw, limits) -> Prepared:

@@ -38,6 +38,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer-pool-size", type=int, default=2, metavar="N",
                    help="processes that tokenize long prompts, so a 10 MB prompt never pauses the server "
                         "(0: tokenize every prompt in a thread of the server process)")
+    g = p.add_argument_group("prefill/decode disaggregation (a worker process each; 0 and 0: one engine here)")
+    g.add_argument("--num-prefill-workers", type=int, default=0, metavar="P", help="processes that run prompts")
+    g.add_argument("--num-decode-workers", type=int, default=0, metavar="D",
+                   help="processes that decode (each pulls a prompt's KV from its prefill worker)")
     g = p.add_argument_group("several hosts (jax.distributed: one process per host, the server on process 0)")
     g.add_argument("--num-processes", type=int, default=1, metavar="N", help="processes in the job")
     g.add_argument("--process-id", type=int, default=0, metavar="I", help="this process (0 serves HTTP)")
@@ -77,9 +81,14 @@ def run_serve(args: argparse.Namespace, engine_wrapper=None) -> int:
     from rltjax.config import load_hf_config
 
     configs = configs_from_args(args)   # bad flags fail here, before anything starts
+    if (args.num_prefill_workers or args.num_decode_workers) and args.num_processes > 1:
+        raise ValueError("--num-prefill-workers / --num-decode-workers run on one host; leave --num-processes at 1")
+    if bool(args.num_prefill_workers) != bool(args.num_decode_workers):
+        raise ValueError("--num-prefill-workers and --num-decode-workers go together (both >= 1)")
     if args.num_processes > 1:
         return _run_multihost(args, configs)
-    for flag in ("max_waiting_requests", "max_request_bytes", "tokenizer_pool_size"):
+    for flag in ("max_waiting_requests", "max_request_bytes", "tokenizer_pool_size", "num_prefill_workers",
+                 "num_decode_workers"):
         if getattr(args, flag) < 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 0")
     # a model that cannot load fails here, with one error, before the HTTP server starts
@@ -95,7 +104,12 @@ def run_serve(args: argparse.Namespace, engine_wrapper=None) -> int:
             server.should_exit = True
 
     wrap = engine_wrapper or (lambda engine: engine)
-    engine = AsyncEngine(lambda: wrap(build_engine(args.model, **configs)), on_fatal=fatal)
+    factory = lambda: wrap(build_engine(args.model, **configs))     # noqa: E731
+    if args.num_prefill_workers or args.num_decode_workers:
+        from rltjax.disagg.coordinator import DisaggEngine
+        factory = lambda: DisaggEngine(args.model, configs, num_prefill=args.num_prefill_workers,   # noqa: E731
+                                       num_decode=args.num_decode_workers)
+    engine = AsyncEngine(factory, on_fatal=fatal)
     app = build_app(engine, served_names=args.served_model_name or [args.model], api_key=args.api_key,
                     max_request_bytes=args.max_request_bytes, max_waiting_requests=args.max_waiting_requests,
                     model_root=args.model, tokenizer_pool_size=args.tokenizer_pool_size,

@@ -1,0 +1,164 @@
+"""Prefill/decode disaggregation on this machine's CPUs: worker processes, KV pulled through
+``jax.experimental.transfer``. The oracle is one colocated engine with the same settings:
+tokens, exit depths and float32 logprobs must equal it; after every workload each live
+worker's pages are all free; a worker killed with SIGKILL costs retries or errors, never a hang."""
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from conftest import FIXTURES
+from engine_helpers import make_engine, run_workload
+from rltjax.disagg.coordinator import DisaggEngine
+from rltjax.engine_config import CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig
+from rltjax.sampling_params import SamplingParams
+
+ENGINE = dict(page_size=4, max_num_seqs=4, max_num_batched_tokens=16, prefill_chunk_size=8, decode_window=8)
+
+
+def configs(overrides=None):
+    return dict(dtype="float32", hf_overrides=overrides,
+                cache_config=CacheConfig(page_size=4, num_pages=256),
+                scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, prefill_chunk_size=8),
+                exit_config=ExitConfig(),
+                execution_config=ExecutionConfig(compile_ahead=False, show_progress=False, decode_window=8))
+
+
+def workload(n=6, seed=0):
+    """Random arrivals; prompts up to 40 tokens (5 prefill chunks); greedy and seeded sampling."""
+    rng = np.random.default_rng(seed)
+    return [(int(rng.integers(0, 6)), f"r{i}", rng.integers(3, 500, int(rng.integers(3, 40))).tolist(),
+             SamplingParams(max_tokens=int(rng.integers(2, 10)), temperature=0.0 if i % 2 else 0.9, seed=i,
+                            exit_threshold=0.6, ignore_eos=True, logprobs=1)) for i in range(n)]
+
+
+def check_same(got, want, skip=()):
+    for rid, w in want.items():
+        if rid in skip:
+            continue
+        g = got[rid]
+        assert (g.token_ids, g.exit_depths, g.finish_reason) == (w.token_ids, w.exit_depths, w.finish_reason), rid
+        np.testing.assert_allclose([max(d.values()) for d in g.logprobs], [max(d.values()) for d in w.logprobs],
+                                   atol=1e-5)
+
+
+def all_free(engine, timeout=10.0):
+    """Every live worker reports no request and no page held (its reports may lag a step)."""
+    import time
+    deadline, stats = time.monotonic() + timeout, []
+    while time.monotonic() < deadline:
+        engine.step()
+        stats = engine.worker_stats()
+        if stats and all(s.kv_pages_used == 0 and s.num_running == 0 and s.num_waiting == 0 for s in stats):
+            return
+        time.sleep(0.05)
+    raise AssertionError([(s.kv_pages_used, s.num_running, s.num_waiting) for s in stats])
+
+
+@pytest.mark.parametrize("name,overrides,p,d", [("ouro-tiny", None, 1, 1), ("ouro-tiny-gqa", None, 1, 2),
+                                                ("nanbeige-tiny", None, 2, 1),
+                                                ("huginn-tiny", {"state_init": "zero"}, 1, 2)])
+def test_disaggregated_equals_colocated(name, overrides, p, d):
+    want = run_workload(make_engine(name=name, hf_overrides=overrides, **ENGINE), workload())
+    engine = DisaggEngine(str(FIXTURES / name), configs(overrides), num_prefill=p, num_decode=d)
+    try:
+        aborted = {3: "r4"}                   # mid-prefill or mid-transfer, whichever it is at step 3
+        got = run_workload(engine, workload(), aborts=aborted)
+        check_same(got, want, skip={"r4"})
+        assert got["r4"].finish_reason in ("abort", "length")
+        assert engine.transfer_bytes > 0
+        all_free(engine)
+    finally:
+        engine.close()
+
+
+def test_a_prefill_worker_killed_mid_transfer_makes_its_requests_retry():
+    want = run_workload(make_engine(**ENGINE), workload(4, seed=1))
+    engine = DisaggEngine(str(FIXTURES / "ouro-tiny"), configs(), num_prefill=2, num_decode=1)
+    try:
+        hand_over, killed = engine._hand_over, []
+
+        def kill_first(rid, t, ready):      # its pages wait on the worker's transfer server: kill it now
+            if not killed:
+                killed.append(t.prefill.index)
+                os.kill(t.prefill.proc.pid, signal.SIGKILL)
+                t.prefill.proc.wait(30)
+            return hand_over(rid, t, ready)
+        engine._hand_over = kill_first
+        got = run_workload(engine, workload(4, seed=1))
+        check_same(got, want)
+        assert killed and engine.retries >= 1
+        all_free(engine)
+    finally:
+        engine.close()
+
+
+def test_a_decode_worker_killed_mid_decode_fails_its_requests_only():
+    engine = DisaggEngine(str(FIXTURES / "ouro-tiny"), configs(), num_prefill=1, num_decode=2)
+    try:
+        long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+        for i in range(4):
+            engine.add_request(f"r{i}", [5 + i, 9, 17], long)
+        while not all(t.imported for t in engine.requests.values()):
+            engine.step()
+        victim = engine.requests["r0"].decode
+        os.kill(victim.proc.pid, signal.SIGKILL)
+        outs = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                outs[out.request_id] = out
+        for rid, t in engine.requests.items():
+            assert outs[rid].finish_reason == ("error" if t.decode is victim else "length"), rid
+        assert any(outs[rid].finish_reason == "length" for rid in outs)
+        after = run_workload(engine, [(0, "late", [4, 5, 6], SamplingParams(max_tokens=3, temperature=0.0))])
+        assert after["late"].finish_reason == "length"       # the server side goes on with the live worker
+        all_free(engine)
+    finally:
+        engine.close()
+
+
+def test_serve_with_prefill_and_decode_workers():
+    """``rltjax serve --num-prefill-workers 1 --num-decode-workers 1``: answers equal the oracle,
+    streamed too, and a SIGTERM stops the server and its workers."""
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    from conftest import reference_model
+    from rltjax.tokenizer import Tokenizer
+    from server_helpers import sse_events
+    from test_server_large_prompts import _free_port
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "rltjax", "serve", str(FIXTURES / "ouro-tiny"), "--port", str(port),
+                             "--served-model-name", "m", "--num-prefill-workers", "1", "--num-decode-workers", "1",
+                             "--no-compile-ahead", "--compilation-cache-dir", "", "--log-level", "warning",
+                             "--dtype", "float32"], stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, "server did not start"
+            time.sleep(0.2)
+        tok, ref = Tokenizer.from_dir(FIXTURES / "ouro-tiny"), reference_model("ouro-tiny")
+        body = {"model": "m", "prompt": "The cook said", "max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+        want = tok.decode(ref.generate(tok.encode(body["prompt"]), SamplingParams(max_tokens=6, temperature=0.0,
+                                                                                  ignore_eos=True)).token_ids)
+        assert httpx.post(url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"] == want
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+            events = sse_events(list(r.iter_lines()))
+        assert "".join(e["choices"][0]["text"] for e in events) == want
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) == 0
+    finally:
+        proc.kill()

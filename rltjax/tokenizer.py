@@ -42,6 +42,10 @@ class TokenizerError(ValueError):
     """A model directory's tokenizer files are missing or unreadable; the message names the file."""
 
 
+class TemplateKwargsError(ValueError):
+    """``chat_template_kwargs`` that would replace what the template is given itself."""
+
+
 class PromptTooLong(ValueError):
     """A text has more than ``limit`` tokens (at least ``at_least``), found without tokenizing all of it."""
 
@@ -57,6 +61,7 @@ class PromptTooLong(ValueError):
 # many, and stops once the count proves it too long: a 10 MB prompt is refused after its first
 # pieces, not 10 s later.
 COUNT_PIECE_CHARS = 1 << 18
+MIN_PIECE_CHARS = 4096
 # A piece boundary can change the count by a token or two (a word's merges, a prefix space);
 # each boundary is charged this many so the bound never refuses a text that fits.
 _PER_CUT_SLACK = 4
@@ -198,25 +203,33 @@ class Tokenizer:
             raise ValueError(f"text must be a str, got {type(text).__name__}")
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def encode_bounded(self, text: str, limit: int) -> list[int]:
+    def encode_bounded(self, text: str, limit: int, add_special_tokens: bool = False) -> list[int]:
         """``encode(text)``, or PromptTooLong as soon as ``text`` provably has over ``limit`` tokens.
 
-        Texts shorter than 8 x ``limit`` characters are simply encoded. Longer ones are
-        first counted piece by piece, cut before a space that starts a word (where the
-        pre-tokenisers of these models split anyway); the count less a slack per cut is a
+        Texts shorter than 8 x ``limit`` characters (or two pieces) are simply encoded. Longer
+        ones are first counted piece by piece, cut before a space that starts a word (where
+        the pre-tokenisers of these models split anyway); the count less a slack per cut (the
+        most a cut can add: an added token cut in two falls apart into its characters) is a
         lower bound, so crossing ``limit`` proves the whole text too long. A long text
         that fits is then encoded whole, so the ids never depend on the pieces.
         """
         if not isinstance(text, str):
             raise ValueError(f"text must be a str, got {type(text).__name__}")
-        if len(text) > max(COUNT_PIECE_CHARS, 8 * limit):
+        piece = min(COUNT_PIECE_CHARS, max(4 * limit, MIN_PIECE_CHARS))
+        if len(text) > max(2 * piece, 8 * limit):
+            # a cut inside an added token (no space to cut at) splits it into its characters' tokens
+            slack = max(_PER_CUT_SLACK, self._longest_added + 1)
             counted, start = 0, 0
-            for cuts, end in enumerate(_piece_ends(text, min(COUNT_PIECE_CHARS, max(4 * limit, 4096)))):
+            for cuts, end in enumerate(_piece_ends(text, piece)):
                 counted += len(self.backend.encode(text[start:end], add_special_tokens=False).ids)
                 start = end
-                if counted - _PER_CUT_SLACK * cuts > limit:
-                    raise PromptTooLong(counted - _PER_CUT_SLACK * cuts, limit)
-        return self.encode(text)
+                if counted - slack * cuts > limit:
+                    raise PromptTooLong(counted - slack * cuts, limit)
+        return self.encode(text, add_special_tokens)
+
+    @property
+    def _longest_added(self) -> int:
+        return max((len(t.content) for t in self.backend.get_added_tokens_decoder().values()), default=0)
 
     def __getstate__(self):   # picklable for a tokenizing process; the compiled template is rebuilt there
         return {**self.__dict__, "_compiled": None}
@@ -249,7 +262,8 @@ class Tokenizer:
         fixed = {"messages", "add_generation_prompt", *self.special_strings}
         clash = sorted(fixed & set(template_kwargs))
         if clash:
-            raise ValueError(f"chat_template_kwargs may not set {', '.join(clash)}")
+            raise TemplateKwargsError(f"may not set {', '.join(clash)} (the template gets them from the request "
+                                      f"and the tokenizer)")
         try:
             text = self._template().render(**template_kwargs, messages=list(messages),
                                            add_generation_prompt=add_generation_prompt,

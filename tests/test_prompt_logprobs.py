@@ -86,3 +86,11 @@ def test_one_token_prompt_and_bad_values():
     for bad in (-1, 21, 1.5, "2"):
         with pytest.raises(SamplingParamsError, match="prompt_logprobs"):
             SamplingParams(prompt_logprobs=bad)
+
+
+def test_a_long_chunk_is_scored_in_slices():
+    """A 300-token chunk (a 512-token batch): the head runs on 256-row slices, same numbers."""
+    prompt = np.random.default_rng(3).integers(3, 500, 300).tolist()
+    eng = make_engine(prefill_chunk_size=512, max_num_batched_tokens=512, page_size=16)
+    out = run_workload(eng, [(0, "long", prompt, SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1))])
+    check_against_oracle(out["long"].prompt_logprobs, prompt, oracle("ouro-tiny", (), prompt), 1)

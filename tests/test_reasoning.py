@@ -133,3 +133,17 @@ def test_streamed_splits_add_up_to_the_final_split(parts, cuts, name):
         sent = (now.reasoning, now.content)
     final = parser.split(text, True)
     assert sent == (final.reasoning, final.content)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "deepseek_r1"])
+@pytest.mark.parametrize("deltas", [["<th", "ink>x</think>y"], ["<", "t", "hink>", "abc", "</th", "ink>", "z"]])
+def test_a_marker_split_across_deltas_is_held_back(name, deltas):
+    parser, text, sent = ReasoningParser(name), "", ("", "")
+    for d in deltas:
+        text += d
+        now = parser.split(text, False)
+        assert now.reasoning.startswith(sent[0]) and now.content.startswith(sent[1]), (text, now, sent)
+        sent = (now.reasoning, now.content)
+    final = parser.split(text, True)
+    assert final.reasoning.startswith(sent[0]) and final.content.startswith(sent[1])
+    assert "<" not in final.reasoning

@@ -3,6 +3,7 @@ the executable store, answers as before, and never loads a damaged entry (store 
 written atomically with a checksum, which is checked before anything deserializes them)."""
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -71,6 +72,9 @@ def test_kill_9_under_load_then_a_warm_restart_that_never_loads_a_damaged_entry(
     data[len(data) // 2] ^= 0xFF                # a bit flip deep inside the serialized executable
     flipped.write_bytes(bytes(data))
     cut.write_bytes(cut.read_bytes()[:len(data) // 3])
+    stale = flipped.parent / f".{flipped.name}.999.1.tmp"      # what a writer killed mid-write leaves
+    stale.write_bytes(b"half a file")
+    os.utime(stale, (time.time() - 3600, time.time() - 3600))
     second = Server(cache)
     try:
         ready = second.ready_line()
@@ -79,6 +83,7 @@ def test_kill_9_under_load_then_a_warm_restart_that_never_loads_a_damaged_entry(
         dropped = [line for line in second.log if "dropping the stored step" in line]
         assert len(dropped) == 2 and all("checksum" in d or "cut short" in d for d in dropped), dropped
         assert second.greedy() == want
+        assert not stale.exists()
     finally:
         second.proc.terminate()
         second.proc.wait(60)

@@ -12,6 +12,7 @@ engine's XLA options).
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, NamedTuple
 
 import jax
@@ -71,12 +72,29 @@ def prefill_step(params, kv: PagedKV, slot_state, bkv, batch: PrefillBatch, *, m
     last = num_loops - 1
     x, kv = one_loop(last, x, kv, b.write_page[last:] if b.write_page.shape[0] > num_loops else b.write_page[last])
     scores = None
-    if bkv is not None or b.targets is not None:
-        logits, head_bkv = _head(model, backend, params, x, bkv, bmeta)
-        bkv = bkv if head_bkv is None else head_bkv
+    if bkv is not None:              # the coda writes boundary KV for every row: it runs on all at once
+        logits, bkv = _head(model, backend, params, x, bkv, bmeta)
         if b.targets is not None:
             scores = token_logprobs(logits, b.targets, num_top)
+    elif b.targets is not None:
+        scores = _scores_by_slices(model, backend, params, x, b.targets, num_top)
     return kv, set_slots(slot_state, b.out_slots, x), bkv, scores
+
+
+SCORE_ROWS = 256     # prompt logprobs' head in slices of rows: [256, V] float32 logits at a time, not [T, V]
+
+
+def _scores_by_slices(model, backend, params, x, targets, num_top: int):
+    """Prompt logprobs of a plain model's rows, the head and log-softmax run a slice at a time
+    (a long chunk's [T, V] logits would otherwise be live at once beside the KV pool)."""
+    t = x.shape[0]
+    rows = math.gcd(t, SCORE_ROWS)   # slices that divide t (token buckets are powers of two)
+
+    def one(slice_):
+        xs, ts = slice_
+        return token_logprobs(_head(model, backend, params, xs, None, None)[0], ts, num_top)
+    chosen, top_ids, top_lp = jax.lax.map(one, (x.reshape(t // rows, rows, -1), targets.reshape(t // rows, rows)))
+    return chosen.reshape(t), top_ids.reshape(t, -1), top_lp.reshape(t, -1)
 
 
 @engine_jit(static_argnames=("model", "backend"), donate_argnames=("bkv", "slot_state", "slot_inject"))

@@ -39,16 +39,9 @@ class TokenStrings:
     """The text of single tokens, for logprobs (a partial UTF-8 byte shows as U+FFFD, as in vLLM)."""
 
     def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
         decode = (lambda t: f"token_id:{t}") if tokenizer is None else (
             lambda t: tokenizer.decode([t], skip_special_tokens=False))
         self._decode = functools.lru_cache(maxsize=65536)(decode)
-
-    def text(self, token_ids: list[int]) -> str:
-        """A prompt given as ids, as text (special tokens shown, as its tokens' strings are)."""
-        if self.tokenizer is None:
-            return "".join(map(self, token_ids))
-        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
 
     def __call__(self, token_id: int) -> str:
         return self._decode(int(token_id))

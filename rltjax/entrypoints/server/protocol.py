@@ -187,7 +187,7 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool = False     # as the completion routes encode a prompt
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 

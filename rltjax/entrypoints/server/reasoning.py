@@ -42,9 +42,9 @@ class ReasoningParser:
     def split(self, text: str, finished: bool) -> Split:
         """The reasoning and the content of ``text`` (all of it when ``finished``, else what is safe)."""
         opened = text.startswith(START)
+        if not opened and not finished and START.startswith(text):      # may still open: hold it
+            return Split("", "")
         if self.name == "qwen3" and not opened:
-            if not finished and START.startswith(text):     # may still open
-                return Split("", "")
             return Split("", text)
         body = text[len(START):] if opened else text
         end = body.find(END)

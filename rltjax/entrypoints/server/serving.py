@@ -114,9 +114,7 @@ async def create_completion(ctx: ServingContext, request: Request, prep: Prepare
     body, echo = prep.body, None
     max_tokens = 16 if body.max_tokens is None else body.max_tokens
     if body.echo:   # the prompt's logprobs come with the completion's (vLLM, and lm-eval's loglikelihood)
-        prompt = body.single_prompt()
-        text = prompt if isinstance(prompt, str) else ctx.token_strings.text(prep.ids)
-        echo = Echo(text, prep.ids, hide_output=max_tokens == 0)
+        echo = Echo(prep.echo_text, prep.ids, hide_output=max_tokens == 0)
         max_tokens = max(max_tokens, 1)    # max_tokens 0: one token is sampled and not shown
     params = _sampling_params(body, max_tokens, body.logprobs,
                               prompt_logprobs=body.logprobs if body.echo else None)

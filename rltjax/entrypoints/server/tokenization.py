@@ -10,6 +10,7 @@ import asyncio
 
 from rltjax.entrypoints.server.protocol import APIError, DetokenizeRequest, TokenizeRequest, parse_body
 from rltjax.entrypoints.server.serving import ServingContext
+from rltjax.entrypoints.server.tokenize_pool import TOKENIZE_LIMIT
 from rltjax.tokenizer import CHATML_TEMPLATE
 
 
@@ -21,12 +22,21 @@ async def tokenize(ctx: ServingContext, raw: bytes) -> dict:
 
 async def detokenize(ctx: ServingContext, raw: bytes) -> dict:
     tok = _tokenizer(ctx)
-    body = await asyncio.to_thread(parse_body, DetokenizeRequest, raw)
+    limit = TOKENIZE_LIMIT * ctx.engine.engine.scheduler.max_model_len
+    return {"prompt": await asyncio.to_thread(_detokenize, ctx, tok, raw, limit)}
+
+
+def _detokenize(ctx: ServingContext, tok, raw: bytes, limit: int) -> str:
+    """In a thread: parsing, the checks and the decode hold the GIL for as long as the body is big."""
+    body = parse_body(DetokenizeRequest, raw)
     _check_model(ctx, body.model)
+    if len(body.tokens) > limit:
+        raise APIError(400, f"tokens: {len(body.tokens)} ids; /detokenize takes up to {limit} "
+                            f"({TOKENIZE_LIMIT} x the context)", "tokens")
     bad = [t for t in body.tokens if not 0 <= t < tok.vocab_size]
     if bad:
         raise APIError(400, f"tokens: ids {bad[:8]} are outside the vocabulary (size {tok.vocab_size})", "tokens")
-    return {"prompt": await asyncio.to_thread(tok.decode, body.tokens, False)}
+    return tok.decode(body.tokens, False)
 
 
 def tokenizer_info(ctx: ServingContext) -> dict:

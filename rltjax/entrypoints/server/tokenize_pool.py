@@ -23,11 +23,12 @@ from concurrent.futures.process import BrokenProcessPool
 
 from rltjax.entrypoints.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, TokenizeRequest,
                                                 parse_body)
-from rltjax.tokenizer import PromptTooLong, Tokenizer
+from rltjax.tokenizer import PromptTooLong, TemplateKwargsError, Tokenizer
 
 # Bodies up to this many bytes are prepared in a thread of the server process: about
 # 20 ms of GIL at the tiny fixture's measured ~1.1 us a character.
 INLINE_BYTES = 16_384
+TOKENIZE_LIMIT = 8      # /tokenize counts up to this many contexts' worth of tokens
 
 Body = CompletionRequest | ChatCompletionRequest | TokenizeRequest
 
@@ -44,6 +45,7 @@ class Prepared:
     body: Body
     ids: list[int]
     field: str          # the request field that holds the prompt ("prompt" or "messages")
+    echo_text: str | None = None    # /v1/completions with echo: the prompt as text
 
 
 def prepare(tok: Tokenizer | None, kind: type[Body], raw: bytes, limits: Limits) -> Prepared:
@@ -52,30 +54,45 @@ def prepare(tok: Tokenizer | None, kind: type[Body], raw: bytes, limits: Limits)
     if body.model is not None and body.model not in limits.served_names:
         raise APIError(404, f"The model `{body.model}` does not exist.", "model")
     body.unsupported()
-    if isinstance(body, TokenizeRequest):   # counted in full, as asked (no limit)
-        return _tokenize(tok, body)
+    if isinstance(body, TokenizeRequest):
+        return _tokenize(tok, body, limits)
     if isinstance(body, CompletionRequest):
         prompt, field = body.single_prompt(), "prompt"
         if isinstance(prompt, list):
-            return Prepared(body, prompt, field)
+            _check_length(prompt, limits, field)     # before an echo decodes it
+            echo = _need(tok, field).decode(prompt, skip_special_tokens=False) if body.echo else None
+            return Prepared(body, prompt, field, echo)
         text = prompt
     else:
         field = "messages"
         text = _need(tok, field).apply_chat_template([m.as_dict() for m in body.messages], True, False,
                                                       body.chat_template_kwargs)
     try:
-        return Prepared(body, _need(tok, field).encode_bounded(text, limits.max_model_len), field)
+        return Prepared(body, _need(tok, field).encode_bounded(text, limits.max_model_len), field,
+                        text if isinstance(body, CompletionRequest) and body.echo else None)
     except PromptTooLong as exc:
         raise APIError(400, f"This model's maximum context length is {limits.max_model_len} tokens; the "
                             f"{field} has at least {exc.at_least} tokens", field) from None
 
 
-def _tokenize(tok: Tokenizer | None, body: TokenizeRequest) -> Prepared:
-    if body.prompt is not None:
-        return Prepared(body, _need(tok, "prompt").encode(body.prompt, body.add_special_tokens), "prompt")
-    text = _need(tok, "messages").apply_chat_template([m.as_dict() for m in body.messages],
-                                                      body.add_generation_prompt, False, body.chat_template_kwargs)
-    return Prepared(body, tok.encode(text, body.add_special_tokens), "messages")
+def _tokenize(tok: Tokenizer | None, body: TokenizeRequest, limits: Limits) -> Prepared:
+    """Counted in full up to TOKENIZE_LIMIT x the context (lm-eval tokenizes whole documents and
+    truncates them itself); beyond, refused after a bounded count, like a prompt."""
+    field = "prompt" if body.prompt is not None else "messages"
+    text = body.prompt if body.prompt is not None else _need(tok, field).apply_chat_template(
+        [m.as_dict() for m in body.messages], body.add_generation_prompt, False, body.chat_template_kwargs)
+    limit = TOKENIZE_LIMIT * limits.max_model_len
+    try:
+        return Prepared(body, _need(tok, field).encode_bounded(text, limit, body.add_special_tokens), field)
+    except PromptTooLong as exc:
+        raise APIError(400, f"{field}: at least {exc.at_least} tokens; /tokenize counts up to {limit} "
+                            f"({TOKENIZE_LIMIT} x the context)", field) from None
+
+
+def _check_length(ids: list[int], limits: Limits, field: str) -> None:
+    if len(ids) >= limits.max_model_len:
+        raise APIError(400, f"This model's maximum context length is {limits.max_model_len} tokens; the {field} "
+                            f"has {len(ids)} tokens, leaving no room to generate", field)
 
 
 def _need(tok: Tokenizer | None, field: str) -> Tokenizer:
@@ -87,6 +104,8 @@ def _need(tok: Tokenizer | None, field: str) -> Tokenizer:
 def _prepare_checked(tok, kind, raw, limits) -> Prepared:
     try:
         return prepare(tok, kind, raw, limits)
+    except TemplateKwargsError as exc:
+        raise APIError(400, f"chat_template_kwargs: {exc}", "chat_template_kwargs") from None
     except ValueError as exc:   # the chat template's own errors
         raise APIError(400, f"messages: {exc}", "messages") from None
 
@@ -119,10 +138,12 @@ class RequestReader:
             return await asyncio.to_thread(_prepare_checked, self.tokenizer, kind, raw, self.limits)
         loop = asyncio.get_running_loop()
         for attempt in (0, 1):
+            pool = self._executor()
             try:
-                return await loop.run_in_executor(self._executor(), _prepare_in_worker, kind, raw, self.limits)
+                return await loop.run_in_executor(pool, _prepare_in_worker, kind, raw, self.limits)
             except BrokenProcessPool:   # a worker died (killed, out of memory): start afresh once
-                self.close()
+                if self._pool is pool:  # not a fresh pool a sibling request already made
+                    self.close()
                 if attempt:
                     raise
 

@@ -158,7 +158,30 @@ def test_serve_with_prefill_and_decode_workers():
         with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
             events = sse_events(list(r.iter_lines()))
         assert "".join(e["choices"][0]["text"] for e in events) == want
+        from prometheus_client.parser import text_string_to_metric_families
+        time.sleep(0.3)
+        samples = {(x.name, x.labels.get("stage")): x.value for f in
+                   text_string_to_metric_families(httpx.get(url + "/metrics").text) for x in f.samples}
+        assert samples[("rltjax:disagg_stage_seconds_count", "prefill")] == 2
+        assert samples[("rltjax:disagg_stage_seconds_count", "transfer")] == 2
+        assert samples[("rltjax:disagg_transfer_bytes_total", None)] > 0
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(120) == 0
     finally:
         proc.kill()
+
+
+def test_llm_with_prefill_and_decode_workers():
+    from rltjax import LLM
+    want = run_workload(make_engine(**ENGINE), workload(3, seed=2))
+    cfg = configs()
+    llm = LLM(str(FIXTURES / "ouro-tiny"), dtype="float32", cache_config=cfg["cache_config"],
+              scheduler_config=cfg["scheduler_config"], execution_config=cfg["execution_config"],
+              num_prefill_workers=1, num_decode_workers=1)
+    try:
+        outs = llm.generate([p for _, _, p, _ in workload(3, seed=2)], [sp for _, _, _, sp in workload(3, seed=2)],
+                            use_tqdm=False)
+        for out, (_, rid, _, _) in zip(outs, workload(3, seed=2)):
+            assert (out.token_ids, out.exit_depths) == (want[rid].token_ids, want[rid].exit_depths)
+    finally:
+        llm.close()

@@ -104,6 +104,7 @@ class DisaggEngine:
         self.transfer_seconds = 0.0
         self.retries = 0
         self._changed: dict[str, RequestOutput] = {}     # outputs to hand out at the next step
+        self._stages: list[tuple[str, float]] = []         # (stage, seconds) since the last take_stage_timings
 
     def _decoders(self) -> list[_Link]:
         return [link for link in self.links if link.role == "decode" and link.alive]
@@ -185,6 +186,7 @@ class DisaggEngine:
         if msg.transfer_seconds is not None:
             t.imported = True
             self.transfer_seconds += msg.transfer_seconds
+            self._stages.append(("transfer", msg.transfer_seconds))
             if t.prefill is not None and t.prefill.alive:
                 self._send(t.prefill, Pulled(rid))
         if len(out.token_ids) < len(t.output.token_ids) and not out.finished:
@@ -196,6 +198,7 @@ class DisaggEngine:
         self._changed[rid] = out
 
     def _hand_over(self, rid, t: _Tracked, ready: Ready) -> None:
+        self._stages.append(("prefill", ready.prefill_seconds))
         t.prefill.load -= 1
         workers = self._decoders()
         if not workers:
@@ -266,6 +269,12 @@ class DisaggEngine:
 
     def forget(self, request_id: str) -> None:
         self.requests.pop(str(request_id), None)
+
+    def take_stage_timings(self) -> tuple[list[tuple[str, float]], int]:
+        """(stage, seconds) of each prompt's prefill and pages' transfer since the last call, and
+        the bytes moved in total (the server's /metrics)."""
+        stages, self._stages = self._stages, []
+        return stages, self.transfer_bytes
 
     def worker_stats(self) -> list[EngineStats]:
         return [link.stats for link in self.links if link.alive and link.stats is not None]

@@ -116,9 +116,22 @@ class LLM:
                  cache_config: CacheConfig | None = None, scheduler_config: SchedulerConfig | None = None,
                  exit_config: ExitConfig | None = None, execution_config: ExecutionConfig | None = None,
                  tensor_parallel_size: int = 1, data_parallel_size: int = 1,
-                 parallel_config: ParallelConfig | None = None):
+                 parallel_config: ParallelConfig | None = None, num_prefill_workers: int = 0,
+                 num_decode_workers: int = 0):
         """tensor_parallel_size: devices each engine spans; data_parallel_size: engines side by
-        side (vLLM's names; or a ``parallel_config``); they take the first tp x dp of ``jax.devices()``."""
+        side (vLLM's names; or a ``parallel_config``); they take the first tp x dp of ``jax.devices()``.
+        num_prefill_workers / num_decode_workers: prefill/decode disaggregation over worker
+        processes (``rltjax.disagg``); ``close()`` stops them."""
+        if num_prefill_workers or num_decode_workers:
+            from rltjax.disagg.coordinator import DisaggEngine
+            configs = dict(dtype=dtype, hf_overrides=hf_overrides, cache_config=cache_config or CacheConfig(),
+                           scheduler_config=scheduler_config or SchedulerConfig(),
+                           exit_config=exit_config or ExitConfig(), execution_config=execution_config or
+                           ExecutionConfig(), parallel_config=parallel_config or ParallelConfig(tensor_parallel_size))
+            self.engine = DisaggEngine(model, configs, num_prefill=num_prefill_workers,
+                                       num_decode=num_decode_workers)
+            self._next_id = 0
+            return
         self.engine = build_engine(model, dtype=dtype, hf_overrides=hf_overrides, cache_config=cache_config,
                                    scheduler_config=scheduler_config, exit_config=exit_config,
                                    execution_config=execution_config,
@@ -128,6 +141,11 @@ class LLM:
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    def close(self) -> None:
+        """Stop worker processes (disaggregation); a no-op for an engine in this process."""
+        if hasattr(self.engine, "close"):
+            self.engine.close()
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

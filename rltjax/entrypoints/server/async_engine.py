@@ -193,6 +193,8 @@ class AsyncEngine:
         if self.metrics is not None:
             self.metrics.set_state(stats)
             self.metrics.set_replicas(each)
+            if hasattr(self.engine, "take_stage_timings"):      # prefill/decode workers
+                self.metrics.observe_stages(*self.engine.take_stage_timings())
 
     def _fail_all(self, message: str) -> None:
         """Finish every tracked request with an error (the engine cannot go on), then die."""

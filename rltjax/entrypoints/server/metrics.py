@@ -51,6 +51,11 @@ class ServerMetrics:
                                 ["finished_reason"], registry=r)
         self.rejected = Counter(p + "request_rejected", "Requests refused before queueing, by HTTP status.",
                                 ["status"], registry=r)
+        # prefill/decode disaggregation: each prompt's prefill on its worker and its pages' pull
+        self.stage_seconds = Histogram(p + "disagg_stage_seconds", "Prefill on a prefill worker, and the pull of "
+                                       "its KV pages by a decode worker.", ["stage"], buckets=_LATENCY, registry=r)
+        self.transfer_bytes = Counter(p + "disagg_transfer_bytes", "KV bytes moved from prefill to decode workers.",
+                                      registry=r)
         # data-parallel replicas (one, "0", without --data-parallel-size)
         self.replica_requests = Counter(p + "replica_requests", "Requests queued on each replica.", ["replica"],
                                         registry=r)
@@ -83,6 +88,14 @@ class ServerMetrics:
     def exit_depth_of(self, depths) -> None:
         for d in depths:   # exit_depths[0] is the prompt's (always R): only decode tokens count
             self.exit_depth.observe(d)
+
+    def observe_stages(self, stages, total_bytes: int) -> None:
+        for stage, seconds in stages:
+            self.stage_seconds.labels(stage).observe(seconds)
+        seen = self._seen.get("transfer_bytes", 0)
+        if total_bytes > seen:
+            self.transfer_bytes.inc(total_bytes - seen)
+        self._seen["transfer_bytes"] = total_bytes
 
     def set_replicas(self, each) -> None:
         """Each replica's ``EngineStats`` now."""

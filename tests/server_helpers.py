@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import FIXTURES
+from conftest import FIXTURES, reference_model
 from engine_helpers import assert_all_pages_free, make_engine
 from rltjax.entrypoints.server.app import build_app
 from rltjax.entrypoints.server.async_engine import AsyncEngine
@@ -98,3 +98,42 @@ def sse_events(lines):
     return [json.loads(e) for e in events[:-1]]
 
 
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_process(port: int, *args: str, env=None, stderr=None, text=False):
+    """``rltjax serve`` of the tiny fixture as its own process on ``port`` (served as "m",
+    compiled on first use, float32); ``args``: more flags."""
+    import os
+    import subprocess
+    import sys
+    return subprocess.Popen([sys.executable, "-m", "rltjax", "serve", str(FIXTURES / MODEL), "--port", str(port),
+                             "--served-model-name", "m", "--no-compile-ahead", "--compilation-cache-dir", "",
+                             "--log-level", "warning", "--dtype", "float32", *args],
+                            env={**os.environ, **(env or {})}, stderr=stderr, text=text)
+
+
+def wait_healthy(url: str, procs, timeout: float = 180.0, why=lambda: "") -> None:
+    """Until /health answers 200; fails at once when a process of ``procs`` has ended."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), f"server did not start {why()}"
+        time.sleep(0.2)
+
+
+def greedy_reference(prompt: str, max_tokens: int) -> str:
+    """The oracle's greedy text for a prompt of the tiny fixture."""
+    from rltjax.sampling_params import SamplingParams
+    tok = Tokenizer.from_dir(FIXTURES / MODEL)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return tok.decode(reference_model(MODEL).generate(tok.encode(prompt), params).token_ids)

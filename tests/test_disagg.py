@@ -124,36 +124,19 @@ def test_serve_with_prefill_and_decode_workers():
     """``rltjax serve --num-prefill-workers 1 --num-decode-workers 1``: answers equal the oracle,
     streamed too, and a SIGTERM stops the server and its workers."""
     import subprocess
-    import sys
     import time
 
     import httpx
 
-    from conftest import reference_model
-    from rltjax.tokenizer import Tokenizer
-    from server_helpers import sse_events
-    from test_server_large_prompts import _free_port
+    from server_helpers import free_port, greedy_reference, serve_process, sse_events, wait_healthy
 
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "rltjax", "serve", str(FIXTURES / "ouro-tiny"), "--port", str(port),
-                             "--served-model-name", "m", "--num-prefill-workers", "1", "--num-decode-workers", "1",
-                             "--no-compile-ahead", "--compilation-cache-dir", "", "--log-level", "warning",
-                             "--dtype", "float32"], stderr=subprocess.DEVNULL)
+    proc = serve_process(port, "--num-prefill-workers", "1", "--num-decode-workers", "1", stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline and proc.poll() is None, "server did not start"
-            time.sleep(0.2)
-        tok, ref = Tokenizer.from_dir(FIXTURES / "ouro-tiny"), reference_model("ouro-tiny")
+        wait_healthy(url, [proc])
         body = {"model": "m", "prompt": "The cook said", "max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
-        want = tok.decode(ref.generate(tok.encode(body["prompt"]), SamplingParams(max_tokens=6, temperature=0.0,
-                                                                                  ignore_eos=True)).token_ids)
+        want = greedy_reference(body["prompt"], 6)
         assert httpx.post(url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"] == want
         with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
             events = sse_events(list(r.iter_lines()))

@@ -77,29 +77,14 @@ def test_serve_with_tensor_parallel_replicas():
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
-    from conftest import FIXTURES, reference_model
-    from rltjax.sampling_params import SamplingParams
-    from rltjax.tokenizer import Tokenizer
-    from test_server_large_prompts import _free_port
+    from server_helpers import free_port, greedy_reference, serve_process, wait_healthy
 
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-    proc = subprocess.Popen([sys.executable, "-m", "rltjax", "serve", str(FIXTURES / "ouro-tiny"), "--port", str(port),
-                             "--served-model-name", "m", "-tp", "2", "-dp", "2", "--no-compile-ahead",
-                             "--compilation-cache-dir", "", "--log-level", "warning", "--dtype", "float32"],
-                            env=env, stderr=subprocess.DEVNULL)
+    proc = serve_process(port, "-tp", "2", "-dp", "2", env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
+                         stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline and proc.poll() is None, "server did not start"
-            time.sleep(0.2)
-        tok, ref = Tokenizer.from_dir(FIXTURES / "ouro-tiny"), reference_model("ouro-tiny")
+        wait_healthy(url, [proc])
         prompts = ["The cook said", "Rivers carry", "Loops", "Hello there", "A token", "Depth"]
         answers = {}
 
@@ -115,8 +100,7 @@ def test_serve_with_tensor_parallel_replicas():
         for t in threads:
             t.join(120)
         for p in prompts:
-            want = ref.generate(tok.encode(p), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
-            assert answers[p] == tok.decode(want.token_ids), p
+            assert answers[p] == greedy_reference(p, 6), p
         time.sleep(0.5)
         metrics = {(s.name, s.labels.get("replica")): s.value
                    for f in text_string_to_metric_families(httpx.get(url + "/metrics").text) for s in f.samples}
@@ -160,42 +144,26 @@ def test_serve_across_two_processes():
     lets process 1 go, and both exit 0."""
     import signal
     import threading
-    import time
 
     import httpx
 
-    from conftest import FIXTURES, reference_model
-    from rltjax.sampling_params import SamplingParams
-    from rltjax.tokenizer import Tokenizer
-    from test_server_large_prompts import _free_port
+    from server_helpers import free_port, greedy_reference, serve_process, wait_healthy
 
-    http, coord = _free_port(), _free_port()
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    procs = [subprocess.Popen([sys.executable, "-m", "rltjax", "serve", str(FIXTURES / "ouro-tiny"), "--port", str(http),
-                               "--served-model-name", "m", "-tp", "4", "--num-processes", "2", "--process-id", str(pid),
-                               "--coordinator-address", f"127.0.0.1:{coord}", "--no-compile-ahead",
-                               "--compilation-cache-dir", "", "--log-level", "warning", "--dtype", "float32"],
-                              env=env, stderr=subprocess.PIPE, text=True) for pid in (0, 1)]
+    http, coord = free_port(), free_port()
+    procs = [serve_process(http, "-tp", "4", "--num-processes", "2", "--process-id", str(pid),
+                           "--coordinator-address", f"127.0.0.1:{coord}",
+                           env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
+                           stderr=subprocess.PIPE, text=True) for pid in (0, 1)]
     logs = [[], []]
     for p, log in zip(procs, logs):
         threading.Thread(target=lambda p=p, log=log: log.extend(p.stderr), daemon=True).start()
     url = f"http://127.0.0.1:{http}"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "".join(logs[0] + logs[1])
-            time.sleep(0.2)
-        tok, ref = Tokenizer.from_dir(FIXTURES / "ouro-tiny"), reference_model("ouro-tiny")
+        wait_healthy(url, procs, why=lambda: "".join(logs[0] + logs[1]))
         for prompt in ("The cook said", "Loops"):
             body = {"model": "m", "prompt": prompt, "max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
             text = httpx.post(url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
-            want = ref.generate(tok.encode(prompt), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
-            assert text == tok.decode(want.token_ids)
+            assert text == greedy_reference(prompt, 6)
         sampled = {"model": "m", "prompt": "Hello", "max_tokens": 8, "temperature": 1.0}   # a seed drawn on process 0
         assert httpx.post(url + "/v1/completions", json=sampled, timeout=120).status_code == 200
         procs[0].send_signal(signal.SIGTERM)

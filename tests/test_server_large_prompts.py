@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
-import sys
 import threading
 import time
 
@@ -19,6 +17,7 @@ from hypothesis import given, settings, strategies as st
 
 from conftest import FIXTURES
 from rltjax.tokenizer import PromptTooLong, Tokenizer
+from server_helpers import free_port, serve_process, wait_healthy
 
 MODEL = FIXTURES / "ouro-tiny"
 TOK = Tokenizer.from_dir(MODEL)
@@ -61,12 +60,6 @@ def test_a_10_mb_prompt_is_refused_after_a_small_part_of_it():
     assert time.perf_counter() - start < 2.0     # the whole text takes ~10 s on this machine's cores
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _stream_gaps(url: str, stop: threading.Event, gaps: list[float]) -> None:
     """Back-to-back streamed requests; the longest pause between events of each stream."""
     body = {"model": "m", "prompt": "Hello", "max_tokens": 400, "ignore_eos": True, "stream": True}
@@ -81,21 +74,11 @@ def _stream_gaps(url: str, stop: threading.Event, gaps: list[float]) -> None:
 
 
 def test_eight_10_mb_prompts_do_not_stall_health_or_running_streams():
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "rltjax", "serve", str(MODEL), "--port", str(port),
-                             "--served-model-name", "m", "--log-level", "warning", "--no-compile-ahead",
-                             "--compilation-cache-dir", ""], stderr=subprocess.DEVNULL)
+    proc = serve_process(port, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline and proc.poll() is None, "server did not start"
-            time.sleep(0.1)
+        wait_healthy(url, [proc])
         warm = {"model": "m", "prompt": "Hello", "max_tokens": 8, "ignore_eos": True}
         assert httpx.post(url + "/v1/completions", json=warm, timeout=120).status_code == 200
         stop, gaps = threading.Event(), []

@@ -15,14 +15,14 @@ from pathlib import Path
 import httpx
 
 from conftest import FIXTURES
-from test_server_large_prompts import _free_port
+from server_helpers import free_port
 
 PROMPTS = ["The cook said", "Rivers carry stones", "Loops of the model", "Hello"]
 
 
 class Server:
     def __init__(self, cache: Path):
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
             [sys.executable, "-W", "always", "-m", "rltjax", "serve", str(FIXTURES / "ouro-tiny"), "--port",

@@ -16,7 +16,8 @@ from rltjax.entrypoints.llm import build_engine
 from rltjax.parallel import ParallelConfig
 from rltjax.sampling_params import SamplingParams
 
-PROMPTS = [[5, 9, 17], [3, 41, 8, 22], [60, 7, 12, 31, 2], [19, 44, 5, 6, 70, 13], [9, 1, 4], [33, 34, 35, 36]]
+PROMPTS = [[5, 9, 17], [3, 41, 8, 22], [60, 7, 12, 31, 2], [19, 44, 5, 6, 70, 13], [9, 1, 4], [33, 34, 35, 36],
+           [(7 * i) % 490 + 3 for i in range(60)]]      # 8 prefill chunks: several steps that read nothing
 
 
 def arrivals():
@@ -26,7 +27,7 @@ def arrivals():
 
 
 def run(name: str, tp: int, dp: int, window: int, abort: bool, pallas: bool = False, layout: str = "last_exited",
-        exit_mode: str = "ouro") -> dict:
+        exit_mode: str = "ouro", store: str | None = None) -> dict:
     """pallas: the Pallas attention kernels in interpret mode (under TP: one per device, shard_map),
     on test_engine_kernels' small Ouro (head_dim 64, the kernels' smallest; ``name`` unused)."""
     overrides = {"state_init": "zero"} if name.startswith("huginn") else {}
@@ -41,7 +42,8 @@ def run(name: str, tp: int, dp: int, window: int, abort: bool, pallas: bool = Fa
                               scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16,
                                                                prefill_chunk_size=8),
                               exit_config=ExitConfig(mode=exit_mode),
-                              execution_config=ExecutionConfig(compile_ahead=False, show_progress=False,
+                              execution_config=ExecutionConfig(compile_ahead=store is not None, show_progress=False,
+                                                               compilation_cache_dir=store,
                                                                decode_window=window,
                                                                attn_impl="pallas" if pallas else "auto",
                                                                interpret=pallas))
@@ -76,9 +78,10 @@ def _small_ouro_counting():
 
 if __name__ == "__main__":
     name, window, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    store = mode.split(":", 1)[1] if mode.startswith("store:") else None
     layout, exit_mode = (mode.split(":")[1:] + ["last_exited", "ouro"])[:2] if mode.startswith("cfg:") else (
         "last_exited", "ouro")
     sizes = [tuple(map(int, s.split("x"))) for s in sys.argv[4:]]
     assert jax.device_count() >= 4, jax.devices()
-    print(json.dumps({f"{tp}x{dp}": run(name, tp, dp, window, mode == "abort", mode == "pallas", layout, exit_mode)
-                      for tp, dp in sizes}))
+    print(json.dumps({f"{tp}x{dp}": run(name, tp, dp, window, mode == "abort", mode == "pallas", layout, exit_mode,
+                                        store) for tp, dp in sizes}))

@@ -106,14 +106,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_process(port: int, *args: str, env=None, stderr=None, text=False):
+def serve_process(port: int, *args: str, env=None, stderr=None, text=False, compile_ahead=False):
     """``rltjax serve`` of the tiny fixture as its own process on ``port`` (served as "m",
-    compiled on first use, float32); ``args``: more flags."""
+    float32, compiled on first use unless ``compile_ahead``); ``args``: more flags."""
     import os
     import subprocess
     import sys
     return subprocess.Popen([sys.executable, "-m", "rltjax", "serve", str(FIXTURES / MODEL), "--port", str(port),
-                             "--served-model-name", "m", "--no-compile-ahead", "--compilation-cache-dir", "",
+                             "--served-model-name", "m", "--compile-ahead" if compile_ahead else "--no-compile-ahead",
+                             "--compilation-cache-dir", "",
                              "--log-level", "warning", "--dtype", "float32", *args],
                             env={**os.environ, **(env or {})}, stderr=stderr, text=text)
 

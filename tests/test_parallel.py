@@ -15,10 +15,11 @@ import pytest
 HERE = Path(__file__).parent
 
 
-def outputs(name, window, sizes, abort=False, pallas=False, cfg=None):
-    """cfg: (kv_layout, exit mode) other than the defaults."""
+def outputs(name, window, sizes, abort=False, pallas=False, cfg=None, store=None):
+    """cfg: (kv_layout, exit mode) other than the defaults; store: compile ahead with this cache folder."""
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "PYTHONPATH": str(HERE)}
-    mode = "abort" if abort else "pallas" if pallas else f"cfg:{cfg[0]}:{cfg[1]}" if cfg else "-"
+    mode = ("abort" if abort else "pallas" if pallas else f"cfg:{cfg[0]}:{cfg[1]}" if cfg else f"store:{store}"
+            if store else "-")
     res = subprocess.run([sys.executable, str(HERE / "parallel_worker.py"), name, str(window), mode, *sizes],
                          capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -56,6 +57,16 @@ def test_pallas_attention_kernels_run_per_device_under_tensor_parallel():
     same(got["2x1"]["outputs"], got["1x1"]["outputs"])
     one, two = got["1x1"]["kernel_heads"], got["2x1"]["kernel_heads"]
     assert one and two and max(one) == 2 * max(two), (one, two)
+
+
+def test_replicas_compiled_ahead_with_the_executable_store(tmp_path):
+    """TP 2 x DP 2 compiled ahead into one store, cold then warm: a replica never loads a program
+    compiled for the other's devices (the program key names them)."""
+    base = outputs("ouro-tiny", 8, ["1x1"])["1x1"]["outputs"]
+    for _ in ("cold", "warm"):
+        got = outputs("ouro-tiny", 8, ["2x2"], store=str(tmp_path))
+        assert "error" not in got["2x2"], got["2x2"]
+        same(got["2x2"]["outputs"], base)
 
 
 def test_data_parallel_replicas_share_the_work_and_equal_one_engine():
@@ -113,8 +124,8 @@ def test_serve_with_tensor_parallel_replicas():
 
 
 def _two_processes(argv_of, env_extra=None, timeout=300):
-    from test_server_large_prompts import _free_port
-    port = _free_port()
+    from server_helpers import free_port
+    port = free_port()
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "PYTHONPATH": str(HERE),
            **(env_extra or {})}
     procs = [subprocess.Popen(argv_of(pid, port), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -139,9 +150,9 @@ def test_two_processes_through_jax_distributed_equal_one_process():
 
 
 def test_serve_across_two_processes():
-    """``rltjax serve`` as a two-process job: process 0 answers HTTP and process 1 follows its
-    steps (its devices hold half of every weight and KV page); a SIGTERM to process 0 drains,
-    lets process 1 go, and both exit 0."""
+    """``rltjax serve`` as a two-process job, compiled ahead: process 0 answers HTTP and process 1
+    follows its steps (its devices hold half of every weight and KV page); a SIGTERM to process 0
+    drains, lets process 1 go, and both exit 0."""
     import signal
     import threading
 
@@ -153,7 +164,7 @@ def test_serve_across_two_processes():
     procs = [serve_process(http, "-tp", "4", "--num-processes", "2", "--process-id", str(pid),
                            "--coordinator-address", f"127.0.0.1:{coord}",
                            env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
-                           stderr=subprocess.PIPE, text=True) for pid in (0, 1)]
+                           stderr=subprocess.PIPE, text=True, compile_ahead=True) for pid in (0, 1)]
     logs = [[], []]
     for p, log in zip(procs, logs):
         threading.Thread(target=lambda p=p, log=log: log.extend(p.stderr), daemon=True).start()

@@ -21,7 +21,10 @@ from rltjax.jit_options import jit_kwargs_of
 
 def _leaf_spec(leaf) -> str:
     if isinstance(leaf, jax.Array):
-        return f"{leaf.shape}{leaf.dtype}{'w' if leaf.weak_type else ''}@{leaf.sharding}"
+        # the devices too: a sharding's repr names only the mesh's axis sizes, and a replica's
+        # program must not load one compiled for another replica's devices
+        devices = sorted(d.id for d in leaf.sharding.device_set)
+        return f"{leaf.shape}{leaf.dtype}{'w' if leaf.weak_type else ''}@{leaf.sharding}{devices}"
     if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):            # numpy: a host value
         return f"{tuple(leaf.shape)}{leaf.dtype}@host"
     return f"{type(leaf).__name__}:{leaf!r}"                            # a Python scalar

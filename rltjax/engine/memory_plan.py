@@ -24,6 +24,7 @@ import logging
 from pathlib import Path
 
 import jax
+import numpy as np
 
 from rltjax.cache.block_tables import BlockTables, pages_needed
 from rltjax.engine import verified_file
@@ -64,17 +65,19 @@ def page_bytes_of(cfg, page_size: int, dtype, boundary_layers: int, num_planes: 
     return b
 
 
-def plan_memory(cache, settings, cfg, params, dtype, *, boundary_layers: int, measure, placement=None) -> MemoryPlan:
+def plan_memory(cache, settings, cfg, params, dtype, *, boundary_layers: int, measure, placement=None,
+                device=None) -> MemoryPlan:
     """The pool's size. measure: () -> the largest step's temporaries in bytes (called only
     when sizing from device memory); placement: the engine's devices (their first one's memory
     is read; on a tensor-parallel mesh a page and the weights are split over its devices, so
-    the plan is per device)."""
+    the plan is per device); device: read this device's memory instead (tests)."""
     P, planes = cache.page_size, settings.num_planes
     shards = placement.tp if placement is not None else 1
     page_bytes = page_bytes_of(cfg, P, dtype, boundary_layers, planes) // shards
     weights = sum(int(x.nbytes) for x in jax.tree.leaves(params)) // shards
     # this process's first device of the engine's (several processes: each reads its own)
-    device = next(d for d in placement.devices if d.process_index == jax.process_index()) if placement else None
+    if device is None and placement is not None:
+        device = next(d for d in placement.devices if d.process_index == jax.process_index())
     plan = dict(page_bytes=page_bytes, weights=weights)
     if cache.num_pages is not None:
         return _plan("num_pages", cache.num_pages, boundary_layers, planes, P, **plan)
@@ -92,7 +95,7 @@ def plan_memory(cache, settings, cfg, params, dtype, *, boundary_layers: int, me
     peak = measure()
     reserve = max(RESERVE_BYTES, peak // 4)
     budget = int(free * cache.gpu_memory_utilization) - peak - reserve
-    pages = budget // page_bytes
+    pages = _agreed(budget // page_bytes)
     if pages < 2:
         raise KVSizingError(
             f"{free / 2**30:.2f} GiB free after the weights; x gpu_memory_utilization "
@@ -100,6 +103,15 @@ def plan_memory(cache, settings, cfg, params, dtype, *, boundary_layers: int, me
             f"{reserve / 2**30:.2f} GiB reserve leaves room for {max(pages, 0)} KV pages of {page_bytes} bytes: "
             f"raise --gpu-memory-utilization, lower --max-num-seqs or --max-num-batched-tokens, or give --num-pages")
     return _plan("measured", pages, boundary_layers, planes, P, peak=peak, reserve=reserve, device_free=free, **plan)
+
+
+def _agreed(pages: int) -> int:
+    """Several processes (jax.distributed) run one engine: each measured its own device, and all
+    must build the same pool, the smallest."""
+    if jax.process_count() == 1:
+        return pages
+    from jax.experimental import multihost_utils
+    return int(np.min(multihost_utils.process_allgather(np.int64(pages))))
 
 
 def _plan(source, pages, boundary_layers, planes, page_size, **kw) -> MemoryPlan:
@@ -116,8 +128,9 @@ def measure_peak(model, params, settings, cfg, dtype, *, boundary_layers: int, s
     from rltjax.engine.warm_up import bucket_jobs, stand_ins
 
     P = settings.page_size
-    kv = allocate_paged_kv(cfg, 2, P, dtype)
-    bkv = allocate_paged_kv(cfg, 2, P, dtype, num_layers=boundary_layers) if boundary_layers else None
+    sharding = placement.kv if placement is not None else None
+    kv = allocate_paged_kv(cfg, 2, P, dtype, sharding=sharding)
+    bkv = allocate_paged_kv(cfg, 2, P, dtype, num_layers=boundary_layers, sharding=sharding) if boundary_layers else None
     runner = ModelRunner(model, params, kv, bkv, settings, placement)
     width = pages_needed(settings.max_model_len, P)
     batches = HostBatches(settings, BlockTables(settings.max_num_seqs * settings.num_planes, width),

@@ -19,6 +19,8 @@ import jax
 
 log = logging.getLogger(__name__)
 _PREFIX = "rltjax/step/"
+_ACK = "rltjax/ack/"          # each follower's last step read: the leader deletes only below all of them
+PRUNE_EVERY = 64
 POLL_MS = 60_000        # a follower's wait for the next step, repeated while process 0 is idle
 
 
@@ -47,6 +49,7 @@ class Leader:
         self.engine = engine
         self._pending: list[tuple] = []
         self._step = 0
+        self._pruned = 0              # step keys below this are deleted
         self._client = _client()
 
     def __getattr__(self, name):          # everything else is the engine's
@@ -76,9 +79,23 @@ class Leader:
 
     def _send(self, commands: list[tuple]) -> None:
         self._client.key_value_set_bytes(f"{_PREFIX}{self._step}", pickle.dumps(commands))
-        if self._step >= 2:              # every follower has read the step before last
-            self._client.key_value_delete(f"{_PREFIX}{self._step - 2}")
         self._step += 1
+        if self._step % PRUNE_EVERY == 0:
+            self._prune()
+
+    def _prune(self) -> None:
+        """Delete the step keys every follower has read (a follower may lag: a step need not
+        wait on it, e.g. one that launches nothing to read)."""
+        acks = []
+        for pid in range(1, jax.process_count()):
+            try:
+                acks.append(int(self._client.key_value_try_get(f"{_ACK}{pid}")))
+            except Exception:  # noqa: BLE001 - no ack yet (NOT_FOUND): nothing of it is read
+                acks.append(0)
+        done = min(acks, default=self._step)
+        for step in range(self._pruned, done):
+            self._client.key_value_delete(f"{_PREFIX}{step}")
+        self._pruned = max(self._pruned, done)
 
 
 def follow(engine) -> int:
@@ -92,6 +109,8 @@ def follow(engine) -> int:
                 continue
             raise
         step += 1
+        if step % PRUNE_EVERY == 0:           # the leader may delete what is below
+            client.key_value_set(f"{_ACK}{jax.process_index()}", str(step), allow_overwrite=True)
         for cmd in pickle.loads(data):
             if cmd[0] == "stop":
                 return step

@@ -71,9 +71,10 @@ class EngineReplicas:
         return self.replicas[i].get_output(request_id)
 
     def forget(self, request_id: str) -> None:
-        i = self._where.pop(request_id, None)
+        i = self._where.get(request_id)
         if i is not None:
-            self.replicas[i].forget(request_id)
+            self.replicas[i].forget(request_id)     # raises for a running request: keep its route
+            del self._where[request_id]
 
     @property
     def requests(self) -> dict:

@@ -204,11 +204,12 @@ def stand_ins(out_info, args):
     """Arrays shaped like the outputs: input arrays of the same shape and dtype, taken in
     order (the donated state comes back as itself), else zeros on the inputs' device."""
     spare = defaultdict(deque)
-    device = None
-    for leaf in jax.tree.leaves(args):
+    place = None         # where a zeros stand-in goes: an input's replicated sharding (on a mesh of
+    for leaf in jax.tree.leaves(args):     # several processes, on every process's devices)
         if isinstance(leaf, jax.Array):
             spare[(leaf.shape, leaf.dtype)].append(leaf)
-            device = device or next(iter(leaf.devices()))
+            if place is None or (leaf.sharding.is_fully_replicated and not place.is_fully_replicated):
+                place = leaf.sharding
 
     def one(info):
         queue = spare[(tuple(info.shape), info.dtype)]
@@ -218,5 +219,5 @@ def stand_ins(out_info, args):
             return jnp.zeros(info.shape, info.dtype)
         # a host copy, not jnp.zeros: that compiles an executable per shape (~40 small compiles
         # on the start-up thread, none of them cached on disk)
-        return jax.device_put(np.zeros(info.shape, info.dtype), device)
+        return jax.device_put(np.zeros(info.shape, info.dtype), place)
     return jax.tree.map(one, out_info)

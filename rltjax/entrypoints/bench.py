@@ -181,6 +181,9 @@ def run_bench(args: argparse.Namespace) -> int:
 
     from rltjax.source_files import source_identity
 
+    if args.data_parallel_size > 1:
+        raise ValueError("rltjax bench measures one engine: leave --data-parallel-size at 1 (scripts/bench_serving.py "
+                         "drives replicas through the server)")
     variants = [variant_args(args, spec) for spec in args.variant]     # bad flags fail before any engine
     base_outputs: dict = {}
     info = dict(jax=jax.__version__, source=source_identity(), model=args.model or args.preset,

@@ -62,10 +62,16 @@ def build_engine(model_dir, *, dtype=None, hf_overrides=None, cache_config: Cach
         cfg, params = ckpt.cfg, ckpt.params
         tokenizer = tokenizer or Tokenizer.from_dir(ckpt.model_dir)
         del ckpt
-    build = functools.partial(_build_one, params, cfg, tokenizer, cache_config or CacheConfig(),
+    if len(groups) > 1 or len(groups[0]) > 1:
+        # spread over devices: each replica or shard is put from host memory, not from a whole
+        # copy on the first device (which would also shrink that device's KV pool)
+        params = jax.device_get(params)
+    source = [params]       # the one reference: a single engine's split copy replaces it (not two
+    del params              # copies of the weights in memory while the KV pool is sized)
+    build = functools.partial(_build_one, source, cfg, tokenizer, cache_config or CacheConfig(),
                               scheduler_config or SchedulerConfig(), exit_config or ExitConfig(), execution_config)
     if len(groups) == 1:
-        return build(groups[0])
+        return build(groups[0], keep_source=False)
     engines = []
     for i, group in enumerate(groups):
         log.info(f"replica {i} of {len(groups)} on {', '.join(str(d) for d in group)}")
@@ -73,13 +79,13 @@ def build_engine(model_dir, *, dtype=None, hf_overrides=None, cache_config: Cach
     return EngineReplicas(engines)
 
 
-def _build_one(params, cfg, tokenizer, cache_config, scheduler_config, exit_config, execution_config,
-               devices) -> LLMEngine:
+def _build_one(source: list, cfg, tokenizer, cache_config, scheduler_config, exit_config, execution_config,
+               devices, keep_source: bool = True) -> LLMEngine:
     # The engine reads the layers per layer (``ModelRunner``): split them now and keep that one
     # copy, so the KV pool below is sized without a second copy of the weights in memory.
     placement = Placement(devices)
     check_heads(cfg, placement.tp)
-    params = placement.put_params(split_layer_stacks(params))
+    params = placement.put_params(split_layer_stacks(source[0] if keep_source else source.pop()))
     max_model_len = min(cfg.max_position, scheduler_config.max_model_len or cfg.max_position)
     dtype = params.embed.dtype
     model = get_model(cfg)

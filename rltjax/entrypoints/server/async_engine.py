@@ -214,6 +214,11 @@ class AsyncEngine:
         for cmd in cmds:
             if cmd[0] == "add":
                 _call(cmd[4].loop, _settle, cmd[5], EngineUnavailable("the engine stopped"))
+        if message is not None and hasattr(self.engine, "close"):
+            try:                     # worker processes, or a multi-host job's followers, let go
+                self.engine.close()
+            except Exception:  # noqa: BLE001 - already failing; the message below says why
+                pass
         if message is not None and self.on_fatal is not None:
             self.on_fatal(message)
 

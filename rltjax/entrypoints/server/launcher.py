@@ -132,6 +132,9 @@ def _run_multihost(args: argparse.Namespace, configs: dict) -> int:
     if args.coordinator_address is None or not 0 <= args.process_id < args.num_processes:
         raise ValueError("--num-processes > 1 needs --coordinator-address HOST:PORT and 0 <= --process-id < "
                          "--num-processes")
+    if configs["parallel_config"].data_parallel_size > 1:
+        raise ValueError("--data-parallel-size > 1 with --num-processes > 1: process 0 drives one engine over every "
+                         "process's devices; run a separate job per replica instead")
     multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
     if args.process_id == 0:
         args.num_processes = 1           # what follows serves as usual, around the leader

@@ -17,7 +17,7 @@ from rltjax.parallel import ParallelConfig
 from rltjax.sampling_params import SamplingParams
 
 PROMPTS = [[5, 9, 17], [3, 41, 8, 22], [60, 7, 12, 31, 2], [19, 44, 5, 6, 70, 13], [9, 1, 4], [33, 34, 35, 36],
-           [(7 * i) % 490 + 3 for i in range(60)]]      # 8 prefill chunks: several steps that read nothing
+           [(7 * i) % 250 + 3 for i in range(60)]]      # 8 prefill chunks: several steps that read nothing
 
 
 def arrivals():

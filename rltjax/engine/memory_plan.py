@@ -130,7 +130,8 @@ def measure_peak(model, params, settings, cfg, dtype, *, boundary_layers: int, s
     P = settings.page_size
     sharding = placement.kv if placement is not None else None
     kv = allocate_paged_kv(cfg, 2, P, dtype, sharding=sharding)
-    bkv = allocate_paged_kv(cfg, 2, P, dtype, num_layers=boundary_layers, sharding=sharding) if boundary_layers else None
+    bkv = (allocate_paged_kv(cfg, 2, P, dtype, num_layers=boundary_layers, sharding=sharding) if boundary_layers
+           else None)
     runner = ModelRunner(model, params, kv, bkv, settings, placement)
     width = pages_needed(settings.max_model_len, P)
     batches = HostBatches(settings, BlockTables(settings.max_num_seqs * settings.num_planes, width),

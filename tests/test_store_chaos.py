@@ -71,7 +71,8 @@ def test_kill_9_under_load_then_a_warm_restart_that_never_loads_a_damaged_entry(
     data = bytearray(flipped.read_bytes())
     data[len(data) // 2] ^= 0xFF                # a bit flip deep inside the serialized executable
     flipped.write_bytes(bytes(data))
-    cut.write_bytes(cut.read_bytes()[:len(data) // 3])
+    whole = cut.read_bytes()
+    cut.write_bytes(whole[:len(whole) // 3])      # cut short: a copy that stopped
     stale = flipped.parent / f".{flipped.name}.999.1.tmp"      # what a writer killed mid-write leaves
     stale.write_bytes(b"half a file")
     os.utime(stale, (time.time() - 3600, time.time() - 3600))

@@ -14,6 +14,7 @@ _EXPORTS = {
     "SchedulerConfig": "rltjax.engine_config",
     "ExitConfig": "rltjax.engine_config",
     "ExecutionConfig": "rltjax.engine_config",
+    "SpeculativeConfig": "rltjax.engine_config",
     "ParallelConfig": "rltjax.parallel",
 }
 

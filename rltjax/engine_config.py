@@ -155,6 +155,28 @@ class SchedulerConfig:
 
 
 
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """Self-speculative decoding (DESIGN section 5): each round drafts up to
+    ``num_speculative_tokens`` tokens one after another at ``draft_loops`` loops, then verifies
+    them in one batch of the remaining loops up to ``target_loops`` (None: the model's R).
+    Greedy output equals plain decoding at target_loops; sampled output keeps its
+    distribution (rejection sampling). ``rounds_per_window``: rounds one decode window runs
+    on the device (None: ``ExecutionConfig.decode_window`` // target_loops, at least 1)."""
+    num_speculative_tokens: int = 4
+    draft_loops: int = 2
+    target_loops: int | None = None
+    rounds_per_window: int | None = None
+
+    def __post_init__(self) -> None:
+        _positive("SpeculativeConfig", num_speculative_tokens=self.num_speculative_tokens,
+                  draft_loops=self.draft_loops, target_loops=self.target_loops,
+                  rounds_per_window=self.rounds_per_window)
+        if self.target_loops is not None and self.draft_loops >= self.target_loops:
+            _bad("SpeculativeConfig", "draft_loops", self.draft_loops,
+                 f"must be below target_loops ({self.target_loops}): the draft is the first loops of the target")
+
+
 def check_kv_layout(kv_layout: str) -> str:
     if kv_layout not in KV_LAYOUTS:
         raise EngineConfigError(f"kv_layout={kv_layout!r}: choose one of {KV_LAYOUTS}")

@@ -42,17 +42,35 @@ def _sample_row(logits, temperature, top_k, top_p, key, truncate: bool):
     scaled = logits / jnp.where(temperature > 0, temperature, 1.0)
     noisy = scaled + jax.random.gumbel(key, (vocab,), jnp.float32)
     if truncate:
-        order = jnp.argsort(-scaled, stable=True)                     # [V] most likely first
-        ranked = scaled[order]
-        rank = jnp.arange(vocab)
-        k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-        keep = rank < k
-        probs = jax.nn.softmax(jnp.where(keep, ranked, -jnp.inf))
-        mass_before = jnp.cumsum(probs) - probs
-        keep = keep & ((mass_before < top_p) | (rank == 0) | (top_p >= 1.0))
-        noisy = jnp.where(jnp.zeros(vocab, bool).at[order].set(keep), noisy, -jnp.inf)
+        noisy = jnp.where(keep_mask(scaled, top_k, top_p), noisy, -jnp.inf)
     sampled = jnp.argmax(noisy).astype(jnp.int32)
     return jnp.where(temperature > 0, sampled, greedy)
+
+
+def keep_mask(scaled, top_k, top_p):
+    """scaled [V] (temperature applied) -> [V] bool, in token order: the top-k tokens, then of
+    those the smallest set whose probability reaches top_p (the most likely always kept)."""
+    vocab = scaled.shape[0]
+    order = jnp.argsort(-scaled, stable=True)                     # [V] most likely first
+    ranked = scaled[order]
+    rank = jnp.arange(vocab)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    keep = rank < k
+    probs = jax.nn.softmax(jnp.where(keep, ranked, -jnp.inf))
+    mass_before = jnp.cumsum(probs) - probs
+    keep = keep & ((mass_before < top_p) | (rank == 0) | (top_p >= 1.0))
+    return jnp.zeros(vocab, bool).at[order].set(keep)
+
+
+def sampling_probs(logits, temperature, top_k, top_p, truncate: bool):
+    """The distribution ``_sample_row`` draws from, one row: logits [V] f32 -> probabilities
+    [V] f32 (a greedy row: one-hot at its argmax). Speculative decoding's rejection sampler
+    compares the draft's and the target's (``engine.window.spec_accept``)."""
+    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)
+    if truncate:
+        scaled = jnp.where(keep_mask(scaled, top_k, top_p), scaled, -jnp.inf)
+    greedy = jax.nn.one_hot(jnp.argmax(logits), logits.shape[0], dtype=jnp.float32)
+    return jnp.where(temperature > 0, jax.nn.softmax(scaled), greedy)
 
 
 def sampler_for(temperature, top_k, top_p, vocab_size: int) -> str:
@@ -77,8 +95,9 @@ def window_sampler(sampling_params, vocab_size: int) -> str:
                        [p.top_p for p in sampling_params], vocab_size)
 
 
-@functools.partial(jax.jit, static_argnames=("sampler",))
-def sample_tokens(logits, temperature, top_k, top_p, seed_hi, seed_lo, output_index, sampler: str = "auto"):
+@functools.partial(jax.jit, static_argnames=("sampler", "stream"))
+def sample_tokens(logits, temperature, top_k, top_p, seed_hi, seed_lo, output_index, sampler: str = "auto",
+                  stream: int = 0):
     """Sample one token per row.
 
     logits [B, V] f32; temperature/top_p [B] f32; top_k [B] int32 (<= 0: off);
@@ -86,10 +105,13 @@ def sample_tokens(logits, temperature, top_k, top_p, seed_hi, seed_lo, output_in
     sampler: one of ``SAMPLERS``, when the caller knows it is exact for these rows
     (``sampler_for``): no data-dependent branch, so XLA's GPU runtime reads nothing back
     on the host. "auto": an all-greedy batch skips the full-vocabulary sort through a
-    ``lax.cond``, whose predicate the GPU runtime reads on the host.
+    ``lax.cond``, whose predicate the GPU runtime reads on the host. stream: 0 for the tokens
+    a request outputs; another number draws from keys of its own (speculative drafts).
     """
     def draw(truncate: bool):
         keys = jax.vmap(sample_key)(seed_hi, seed_lo, output_index)
+        if stream:
+            keys = jax.vmap(lambda k: jax.random.fold_in(k, stream))(keys)
         row = functools.partial(_sample_row, truncate=truncate)
         return jax.vmap(row)(logits, temperature, top_k, top_p, keys)
 

@@ -43,6 +43,7 @@ class SamplingParams:
     logprobs: int | None = None     # number of top logprobs besides the chosen token
     prompt_logprobs: int | None = None   # the same for each prompt token after the first (full depth)
     priority: int = 0               # lower runs first (SchedulerConfig(policy="priority") only)
+    num_speculative_tokens: int | None = None   # drafts a speculative round makes (None: the engine's; 0: off)
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str):
@@ -85,6 +86,9 @@ class SamplingParams:
             bad("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None")
         if not _is_int(self.priority):
             bad("priority", "must be an integer")
+        if self.num_speculative_tokens is not None and (
+                not _is_int(self.num_speculative_tokens) or self.num_speculative_tokens < 0):
+            bad("num_speculative_tokens", "must be an integer >= 0 (0: no speculation) or None (the engine's)")
 
     def resolved_loops(self, num_loops: int) -> tuple[int, int]:
         """(min_loops, max_loops) checked against the model's loop count R."""

@@ -38,6 +38,7 @@ class Worker:
         if self.role == "prefill":   # a request is taken off between steps: nothing may be in flight
             configs["execution_config"] = dataclasses.replace(configs["execution_config"], decode_window=0,
                                                               async_scheduling=False)
+            configs.pop("speculative_config", None)   # a prefill worker makes one token a request
         self.engine = build_engine(setup.model, **configs)
         host = os.environ.get("RLTJAX_TRANSFER_HOST", "127.0.0.1")
         self.server = transfer.start_transfer_server(jax.devices()[0].client, f"{host}:0", [f"{host}:0"])

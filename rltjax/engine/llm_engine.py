@@ -104,10 +104,8 @@ class LLMEngine:
         request_id = str(request_id)
         if request_id in self.requests:
             raise RequestRejectedError(f"request_id {request_id!r} is already in use")
-        s = self.settings
-        req = new_request(request_id, prompt, params, tokenizer=self.tokenizer, cfg=self.cfg,
-                          loop_limit=s.loop_limit, loop_cap=s.loop_cap, exit_config=s.exit_config,
-                          arrivals=self._arrivals, policy=s.scheduler.policy)
+        req = new_request(request_id, prompt, params, tokenizer=self.tokenizer, cfg=self.cfg, settings=self.settings,
+                          arrivals=self._arrivals)
         why = self.scheduler.never_fits(req)
         if why:
             raise RequestRejectedError(f"request {request_id!r} can never run: {why}")

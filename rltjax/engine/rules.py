@@ -13,8 +13,7 @@ from typing import Callable
 
 from rltjax.engine.exit_policy import SAME_STEP_MODES
 from rltjax.engine_config import (DEFAULT_PREFILL_TOKENS_KERNEL, DEFAULT_PREFILL_TOKENS_XLA, CacheConfig,
-                                  EngineConfigError, ExecutionConfig, ExitConfig, SchedulerConfig)
-
+                                  EngineConfigError, ExecutionConfig, ExitConfig, SchedulerConfig, SpeculativeConfig)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +31,7 @@ class RuleInputs:
     window_passes: int        # K, resolved (0: no windows)
     fixed_trip: bool          # resolved window_trip
     tensor_parallel: int = 1  # devices one engine spans
+    speculative: SpeculativeConfig | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +53,8 @@ def mixed_prefill_blocker(i: RuleInputs) -> str | None:
         return f"decode_window={i.window_passes} leaves no pass after the prompts' R={i.num_loops} loops"
     if i.cache.kv_layout != "last_exited":
         return "the shared KV layout prefills one position at a time"
+    if i.speculative is not None:
+        return "speculative rounds replace the windows' loop passes"
     return None
 
 
@@ -62,6 +64,20 @@ def _cap(i: RuleInputs) -> int:
 
 def _windows_asked(i: RuleInputs) -> bool:
     return (i.execution.decode_window or 0) > 0
+
+
+def _target(i: RuleInputs) -> int:
+    """Speculation's target depth D as it runs (None: R)."""
+    return i.speculative.target_loops or i.num_loops
+
+
+def _runs_fixed(i: RuleInputs) -> bool:
+    """Every token runs its max_loops: mode fixed, or an ouro mode on a model without a gate."""
+    return i.exit.mode == "fixed" or (i.exit.mode in ("ouro", "ouro_delayed") and i.signal_kind == "none")
+
+
+def _spec(i: RuleInputs) -> bool:
+    return i.speculative is not None
 
 
 RULES: tuple[Rule, ...] = (
@@ -107,6 +123,29 @@ RULES: tuple[Rule, ...] = (
          "would gather the split weights onto every device",
          lambda i: i.tensor_parallel > 1 and i.execution.matmul_impl == "pallas",
          "leave ExecutionConfig.matmul_impl at 'auto' (XLA's projections under tensor parallelism) or use 'xla'"),
+    Rule("speculative decoding runs its rounds inside decode windows",
+         lambda i: _spec(i) and not i.window_passes,
+         "leave ExecutionConfig.decode_window unset (or > 0), SchedulerConfig.mode='refill' and "
+         "min_coda_batch_size=1, or drop the speculative config"),
+    Rule(lambda i: f"speculative decoding verifies every token at the fixed depth target_loops={_target(i)}, "
+         f"which ExitConfig.mode={i.exit.mode!r} does not run",
+         lambda i: _spec(i) and not _runs_fixed(i),
+         "use ExitConfig.mode='fixed' (--exit-mode fixed)"),
+    Rule("speculative drafts read earlier tokens' KV at their own depth: the last_exited KV layout (the shared "
+         "layout's one plane would hold a draft's shallow KV where the target reads full depth)",
+         lambda i: _spec(i) and i.cache.kv_layout != "last_exited",
+         "use CacheConfig.kv_layout='last_exited'"),
+    Rule(lambda i: f"speculative decoding on {i.arch}: its prelude / coda write boundary KV per token, which "
+         "drafting does not run",
+         lambda i: _spec(i) and i.has_boundary,
+         "serve this model without a speculative config"),
+    Rule("speculative windows carry no prompts (mixed prefill)",
+         lambda i: _spec(i) and i.execution.asks_mixed_prefill,
+         "set ExecutionConfig.mixed_prefill_tokens=0 (or leave it unset)"),
+    Rule(lambda i: f"SpeculativeConfig target_loops={_target(i)} with draft_loops={i.speculative.draft_loops}: the "
+         f"target must be deeper than the draft and at most the engine's loop cap {_cap(i)}",
+         lambda i: _spec(i) and not i.speculative.draft_loops < _target(i) <= _cap(i),
+         "lower draft_loops, or set target_loops within (draft_loops, CacheConfig.max_loops or R]"),
     Rule("the Pallas kernel needs page_size >= 8",
          lambda i: i.execution.attn_impl == "pallas" and i.cache.page_size < 8,
          "use CacheConfig.page_size >= 8 or ExecutionConfig.attn_impl='xla'"),

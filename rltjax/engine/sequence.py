@@ -35,6 +35,7 @@ class Request:
     prompt: str | None = None
     trace_depths: list[int] | None = None
     token_stop_ids: tuple[int, ...] = ()   # ids that end it (EOS unless ignored, stop_token_ids): the device checks them
+    spec_tokens: int = 0                 # drafts a speculative round makes for it (0: none)
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
 
     status: Status = Status.WAITING

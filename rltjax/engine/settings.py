@@ -21,7 +21,7 @@ from rltjax.engine.exit_policy import RAW_SIGNAL_MODES
 from rltjax.engine.rules import RuleInputs, check_rules, mixed_prefill_blocker
 from rltjax.engine_config import (AUTO_MIXED_PREFILL, DEFAULT_DECODE_WINDOW, DEFAULT_PREFILL_CHUNK,
                                   DEFAULT_PREFILL_TOKENS_KERNEL, DEFAULT_PREFILL_TOKENS_XLA, CacheConfig,
-                                  ExecutionConfig, ExitConfig, SchedulerConfig)
+                                  ExecutionConfig, ExitConfig, SchedulerConfig, SpeculativeConfig)
 from rltjax.jit_options import engine_options
 from rltjax.kernels.paged_attention import kernel_unsupported
 from rltjax.kernels.prefill_attention import DEFAULT_BLOCK_Q
@@ -48,6 +48,28 @@ def buckets_up_to(limit: int, smallest: int = 1) -> tuple[int, ...]:
 
 
 @dataclasses.dataclass(frozen=True)
+class SpecSettings:
+    """Self-speculative rounds as they run (``window.speculative``)."""
+    num_tokens: int      # K: drafts a round makes at most
+    draft_loops: int     # d
+    target_loops: int    # D
+    rounds: int          # rounds a decode window runs
+
+    @property
+    def columns(self) -> int:
+        """Output tokens a window can make per row (a round makes up to K + 1)."""
+        return self.rounds * (self.num_tokens + 1)
+
+
+def spec_settings(config: SpeculativeConfig | None, num_loops: int, window_passes: int) -> SpecSettings | None:
+    if config is None:
+        return None
+    target = config.target_loops or num_loops
+    rounds = config.rounds_per_window or max(1, window_passes // target)
+    return SpecSettings(config.num_speculative_tokens, config.draft_loops, target, rounds)
+
+
+@dataclasses.dataclass(frozen=True)
 class WindowSettings:
     """Decode windows as they run: K passes a window, its trip, and per row bucket whether
     it carries prompts (mixed prefill) or takes requests as standby entries."""
@@ -57,6 +79,7 @@ class WindowSettings:
     buckets: tuple[int, ...]                 # the row buckets windows run
     prompt_tokens: tuple[tuple[int, int], ...]   # (row bucket, prompt tokens it carries), mixed buckets only
     swap_every_pass: bool                    # standby entries wait past a window's start
+    speculative: SpecSettings | None = None  # rounds of drafts and a verify instead of loop passes
 
     def prompt_tokens_for(self, rows: int) -> int:
         """Prompt tokens a window of this row bucket carries (0: none; it takes standby entries)."""
@@ -226,7 +249,8 @@ def mixed_prompt_tokens(steps, window_buckets, most_tokens: int) -> tuple[tuple[
 
 def resolve_settings(model, *, cache: CacheConfig, scheduler: SchedulerConfig, exit_config: ExitConfig,
                      execution: ExecutionConfig, max_model_len: int, kv_dtype,
-                     platform: str | None = None, mesh=None) -> EngineSettings:
+                     platform: str | None = None, mesh=None,
+                     speculative: SpeculativeConfig | None = None) -> EngineSettings:
     """The one place that resolves the configs against the model (``get_model``'s), the KV
     dtype, the platform (default: jax's backend) and the devices one engine spans (``mesh``:
     a tensor-parallel mesh, ``parallel.Placement``'s; None: one device)."""
@@ -235,7 +259,7 @@ def resolve_settings(model, *, cache: CacheConfig, scheduler: SchedulerConfig, e
     R, has_boundary = cfg.num_loops, boundary_kv_layers(model) > 0
     passes, fixed = window_passes(execution, scheduler), fixed_trip(execution, has_boundary)
     inputs = RuleInputs(cache, scheduler, exit_config, execution, cfg.arch, R, loop_limit(model),
-                        signal_kind(model), has_boundary, passes, fixed, tensor_parallel)
+                        signal_kind(model), has_boundary, passes, fixed, tensor_parallel, speculative)
     check_rules(inputs)
     layered = cache.kv_layout == "last_exited"
     on_kernel = attention_on_kernel(execution, cfg, cache.page_size, kv_dtype, platform)
@@ -281,8 +305,13 @@ def resolve_settings(model, *, cache: CacheConfig, scheduler: SchedulerConfig, e
         # entries wait past a window's start only when its rows cannot hold every request: the
         # swap then runs every pass, else once a window (every pass cost the fixed-depth
         # bench_cdb run 0.9% on an H200)
-        window = WindowSettings(passes, fixed, max_model_len if exit_mode == "trace" else 1, buckets, prompt_tokens,
-                                swap_every_pass=uses_standby and buckets[-1] < scheduler.max_num_seqs)
+        spec = spec_settings(speculative, R, passes)
+        # a speculative window's K is its output columns (positions its pages cover); its
+        # standby entries take rows at its start only (rounds are not passes)
+        window = WindowSettings(spec.columns if spec else passes, fixed, max_model_len if exit_mode == "trace" else 1,
+                                buckets, prompt_tokens,
+                                swap_every_pass=uses_standby and buckets[-1] < scheduler.max_num_seqs and not spec,
+                                speculative=spec)
     store_dir = None
     # several processes (jax.distributed): each would store its own part of a program; XLA's
     # persistent cache still serves them

@@ -23,7 +23,7 @@ from rltjax.engine.llm_engine import LLMEngine
 from rltjax.engine.memory_plan import measure_peak, plan_memory
 from rltjax.engine.outputs import RequestOutput
 from rltjax.engine.settings import resolve_settings
-from rltjax.engine_config import CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig
+from rltjax.engine_config import CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig, SpeculativeConfig
 from rltjax.models.base import boundary_kv_layers, get_model
 from rltjax.engine.replicas import EngineReplicas
 from rltjax.models.layers import split_layer_stacks
@@ -46,11 +46,13 @@ def setup_compilation_cache(path: str | None) -> None:
 def build_engine(model_dir, *, dtype=None, hf_overrides=None, cache_config: CacheConfig | None = None,
                  scheduler_config: SchedulerConfig | None = None, exit_config: ExitConfig | None = None,
                  execution_config: ExecutionConfig | None = None, params=None, cfg=None,
-                 tokenizer=None, parallel_config: ParallelConfig | None = None) -> LLMEngine | EngineReplicas:
+                 tokenizer=None, parallel_config: ParallelConfig | None = None,
+                 speculative_config: SpeculativeConfig | None = None) -> LLMEngine | EngineReplicas:
     """An LLMEngine from a checkpoint directory (or from given params + cfg, e.g. random weights;
     the engine keeps its own per-layer copy, so a caller that keeps ``params`` holds the weights
     twice, and the KV pool is sized with both in memory). ``parallel_config``: tensor parallel
-    over several devices, and data-parallel replicas (``EngineReplicas``) of such engines."""
+    over several devices, and data-parallel replicas (``EngineReplicas``) of such engines;
+    ``speculative_config``: self-speculative decoding."""
     parallel_config = parallel_config or ParallelConfig()
     execution_config = execution_config or ExecutionConfig()
     setup_compilation_cache(execution_config.compilation_cache_dir)
@@ -69,7 +71,8 @@ def build_engine(model_dir, *, dtype=None, hf_overrides=None, cache_config: Cach
     source = [params]       # the one reference: a single engine's split copy replaces it (not two
     del params              # copies of the weights in memory while the KV pool is sized)
     build = functools.partial(_build_one, source, cfg, tokenizer, cache_config or CacheConfig(),
-                              scheduler_config or SchedulerConfig(), exit_config or ExitConfig(), execution_config)
+                              scheduler_config or SchedulerConfig(), exit_config or ExitConfig(), execution_config,
+                              speculative_config)
     if len(groups) == 1:
         return build(groups[0], keep_source=False)
     engines = []
@@ -80,7 +83,7 @@ def build_engine(model_dir, *, dtype=None, hf_overrides=None, cache_config: Cach
 
 
 def _build_one(source: list, cfg, tokenizer, cache_config, scheduler_config, exit_config, execution_config,
-               devices, keep_source: bool = True) -> LLMEngine:
+               speculative_config, devices, keep_source: bool = True) -> LLMEngine:
     # The engine reads the layers per layer (``ModelRunner``): split them now and keep that one
     # copy, so the KV pool below is sized without a second copy of the weights in memory.
     placement = Placement(devices)
@@ -91,7 +94,7 @@ def _build_one(source: list, cfg, tokenizer, cache_config, scheduler_config, exi
     model = get_model(cfg)
     settings = resolve_settings(model, cache=cache_config, scheduler=scheduler_config, exit_config=exit_config,
                                 execution=execution_config, max_model_len=max_model_len, kv_dtype=dtype,
-                                mesh=placement.mesh)
+                                mesh=placement.mesh, speculative=speculative_config)
     boundary_layers = boundary_kv_layers(model)      # Huginn's prelude + coda; 0 for plain models
     measure = functools.partial(measure_peak, model, params, settings, cfg, dtype, boundary_layers=boundary_layers,
                                 store_dir=_peaks_dir(settings), placement=placement)
@@ -123,24 +126,26 @@ class LLM:
                  exit_config: ExitConfig | None = None, execution_config: ExecutionConfig | None = None,
                  tensor_parallel_size: int = 1, data_parallel_size: int = 1,
                  parallel_config: ParallelConfig | None = None, num_prefill_workers: int = 0,
-                 num_decode_workers: int = 0):
+                 num_decode_workers: int = 0, speculative_config: SpeculativeConfig | None = None):
         """tensor_parallel_size: devices each engine spans; data_parallel_size: engines side by
         side (vLLM's names; or a ``parallel_config``); they take the first tp x dp of ``jax.devices()``.
         num_prefill_workers / num_decode_workers: prefill/decode disaggregation over worker
-        processes (``rltjax.disagg``); ``close()`` stops them."""
+        processes (``rltjax.disagg``); ``close()`` stops them. speculative_config: self-speculative
+        decoding (``SpeculativeConfig``; the decode workers speculate under disaggregation)."""
         if num_prefill_workers or num_decode_workers:
             from rltjax.disagg.coordinator import DisaggEngine
             configs = dict(dtype=dtype, hf_overrides=hf_overrides, cache_config=cache_config or CacheConfig(),
                            scheduler_config=scheduler_config or SchedulerConfig(),
                            exit_config=exit_config or ExitConfig(), execution_config=execution_config or
-                           ExecutionConfig(), parallel_config=parallel_config or ParallelConfig(tensor_parallel_size))
+                           ExecutionConfig(), parallel_config=parallel_config or ParallelConfig(tensor_parallel_size),
+                           speculative_config=speculative_config)
             self.engine = DisaggEngine(model, configs, num_prefill=num_prefill_workers,
                                        num_decode=num_decode_workers)
             self._next_id = 0
             return
         self.engine = build_engine(model, dtype=dtype, hf_overrides=hf_overrides, cache_config=cache_config,
                                    scheduler_config=scheduler_config, exit_config=exit_config,
-                                   execution_config=execution_config,
+                                   execution_config=execution_config, speculative_config=speculative_config,
                                    parallel_config=parallel_config or ParallelConfig(tensor_parallel_size,
                                                                                      data_parallel_size))
         self._next_id = 0

@@ -38,6 +38,9 @@ class WindowPlanner:
         self._sampler = "truncate"           # the in-flight window's head sampler (continuations keep it)
         self._on_device: dict[int, Request] = {}   # tag -> request handed to the device
         self._waiting: set[int] = set()            # tags of standby entries not yet read taking a row
+        spec = self.w.speculative                  # speculative drafts read so far (stats)
+        self.spec_drafted = 0
+        self.spec_accepted = None if spec is None else np.zeros(spec.num_tokens, np.int64)   # by position
 
     @property
     def inflight(self) -> bool:
@@ -145,8 +148,13 @@ class WindowPlanner:
         finished rows, holding back the next request's prefill); a standby entry not yet read
         taking a row may still need one."""
         return (self._same_rows_decoding(running) and (admission_tried or not waiting or not free_slots)
-                and not all(tag_of(r) not in self._waiting
-                            and finishes_within(r, self.w.num_passes, self.s.num_loops) for r in self._live()))
+                and not all(tag_of(r) not in self._waiting and self._finishes(r) for r in self._live()))
+
+    def _finishes(self, r: Request) -> bool:
+        """Whether the request surely reaches max_tokens inside the window in flight."""
+        if self.w.speculative is not None:        # every round makes at least one token
+            return r.params.max_tokens - len(r.output_token_ids) <= self.w.speculative.rounds
+        return finishes_within(r, self.w.num_passes, self.s.num_loops)
 
     def only_admission_waits(self, running, waiting, free_slots) -> bool:
         """Whether the in-flight window could continue but for an admission."""
@@ -171,6 +179,9 @@ class WindowPlanner:
         # Python lists once a window: the host replays them token by token
         tokens, depths = out.tokens[:n].tolist(), out.depths[:n].tolist()
         counts, swap_cols, swap_tags = out.count[:n].tolist(), out.swap_col[:n].tolist(), out.swap_tag[:n].tolist()
+        if self.spec_accepted is not None:
+            self.spec_drafted += int(out.drafted[:n].sum())
+            self.spec_accepted += out.accepted[:n].sum(axis=0)
         runs = []
         for i in range(n):
             count, col = counts[i], swap_cols[i]

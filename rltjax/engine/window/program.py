@@ -40,6 +40,7 @@ from rltjax.cache.mixed_kv import MixedKVBackend, MixedMeta
 from rltjax.cache.paged_kv import PagedKV, PagedMeta
 from rltjax.engine.exit_policy import EXIT_RULES, TRIGGER_MODES
 from rltjax.engine.slot_buffers import set_slots
+from rltjax.engine.window import speculative
 from rltjax.engine.window.mixed_prefill import prompt_passes
 from rltjax.engine.window.standby import owned, start_standby, take_standby
 from rltjax.engine.window.state import WindowOutputs, WindowPrompt, WindowRows, ends_request, sample_rows
@@ -61,6 +62,7 @@ class WindowSpec:
     sampler: str                    # the head's static sampler
     num_top: int                    # top logprobs ("truncate" only; else 0)
     swap_every_pass: bool           # standby entries may take rows at every pass
+    speculative: object = None      # settings.SpecSettings: rounds instead of passes (``window.speculative``)
 
 
 @struct.dataclass
@@ -120,7 +122,7 @@ def decode_window(params, state: WindowState, inputs: WindowInputs, *, spec: Win
                                first=jnp.zeros_like(rows.first))
     b, k_max = rows.slots.shape[0], spec.num_passes
     first_out = rows.num_out if prompt is None else rows.num_out - prompt.rows   # a prompt's row: its first token too
-    out = _empty_outputs(b, k_max, spec.num_top)
+    out = _empty_outputs(b, k_max, spec.num_top, spec.speculative.num_tokens if spec.speculative else 0)
     ctx = _Pass(spec, inputs, split_layer_stacks(params),      # a no-op when the caller split them already
                 first_out, standby is not None and spec.swap_every_pass, triggers)
     one_pass = functools.partial(_one_pass, ctx)
@@ -130,7 +132,9 @@ def decode_window(params, state: WindowState, inputs: WindowInputs, *, spec: Win
     if prompt is not None:
         carry = prompt_passes(carry, one_pass, prompt, spec.model, ctx.weights, spec.backend,
                               dummy_slot=spec.dummy_slot, sampler=spec.sampler, num_top=spec.num_top)
-    if spec.fixed_trip:
+    if spec.speculative is not None:
+        carry = speculative.rounds(ctx, carry)
+    elif spec.fixed_trip:
         plain = k_max - (0 if prompt is None else prompt.row_tables.shape[0])
         carry = jax.lax.fori_loop(0, plain, lambda _, c: one_pass(c), carry)
     else:
@@ -139,13 +143,14 @@ def decode_window(params, state: WindowState, inputs: WindowInputs, *, spec: Win
     return WindowState(kv, slot_state, bkv, slot_inject), rows, out, standby
 
 
-def _empty_outputs(b: int, k_max: int, num_top: int) -> WindowOutputs:
+def _empty_outputs(b: int, k_max: int, num_top: int, spec_tokens: int) -> WindowOutputs:
     return WindowOutputs(tokens=jnp.zeros((b, k_max), jnp.int32), depths=jnp.zeros((b, k_max), jnp.int32),
                          chosen=jnp.zeros((b, k_max), jnp.float32),
                          top_ids=jnp.zeros((b, k_max, num_top), jnp.int32),
                          top_lp=jnp.zeros((b, k_max, num_top), jnp.float32),
                          count=jnp.zeros((b,), jnp.int32), passes=jnp.zeros((), jnp.int32),
-                         swap_col=jnp.full((b,), -1, jnp.int32), swap_tag=jnp.full((b,), -1, jnp.int32))
+                         swap_col=jnp.full((b,), -1, jnp.int32), swap_tag=jnp.full((b,), -1, jnp.int32),
+                         drafted=jnp.zeros((b,), jnp.int32), accepted=jnp.zeros((b, spec_tokens), jnp.int32))
 
 
 def _more(k_max: int, swap_in_passes: bool, carry):

@@ -34,7 +34,8 @@ def idle_window_rows(n: int, num_planes: int, trace_width: int) -> WindowRows:
                       threshold=z(np.float32), temperature=z(np.float32), top_k=z(), top_p=np.ones(n, np.float32),
                       seed_hi=z(np.uint32), seed_lo=z(np.uint32), tables=np.zeros((n, num_planes), np.int32),
                       btables=z(), stop_ids=np.full((n, STOP_ID_WIDTH), -1, np.int32),
-                      trace=np.zeros((n, trace_width), np.int32), first=z(bool), tag=np.full(n, -1, np.int32))
+                      trace=np.zeros((n, trace_width), np.int32), first=z(bool), tag=np.full(n, -1, np.int32),
+                      spec_tokens=z())
 
 
 def window_rows(requests, *, layered: bool, num_planes: int, trace_width: int, first=None) -> WindowRows:
@@ -63,7 +64,7 @@ def window_rows(requests, *, layered: bool, num_planes: int, trace_width: int, f
         tables=np.asarray(tables, np.int32).reshape(n, -1),
         btables=arr(lambda r: r.boundary_table if r.boundary_table is not None else 0),
         stop_ids=stop_id_matrix([r.token_stop_ids for r in requests]),
-        trace=trace, first=first, tag=arr(tag_of))
+        trace=trace, first=first, tag=arr(tag_of), spec_tokens=arr(lambda r: r.spec_tokens))
 
 
 def pad_rows_to(rows: WindowRows, n: int, dummy_slot: int) -> WindowRows:

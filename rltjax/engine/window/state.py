@@ -43,6 +43,7 @@ class WindowRows:
                               # window) wrote to ``slot_tokens``; ``tokens`` holds a placeholder
     tag: jax.Array            # int32 the request's arrival index (-1: no request): a row or standby
                               # entry runs only while ``owners[slot]`` names it
+    spec_tokens: jax.Array    # int32 drafts a speculative round may make for it (0: none)
 
 
 @struct.dataclass
@@ -72,6 +73,8 @@ class WindowOutputs:
     swap_col: jax.Array       # [B] int32 standby windows: the output column where a standby entry
                               # took the row (the columns before it are the previous request's); -1: none
     swap_tag: jax.Array       # [B] int32 the tag of the request that took the row (-1: none)
+    drafted: jax.Array        # [B] int32 speculative windows: drafts made
+    accepted: jax.Array       # [B, K] int32 speculative windows: drafts kept, by position in their round
 
     def put(self, at, tokens, depths, chosen, top_ids, top_lp, made) -> "WindowOutputs":
         """Each row's output at column ``at`` [B] (out of range, negative too: dropped); made

@@ -44,6 +44,12 @@ class ServerMetrics:
                                       registry=r)
         self.prefix_hits = Counter(p + "prefix_cache_hits", "Prompt tokens found in the prefix cache.", registry=r)
         self.preemptions = Counter(p + "num_preemptions", "Requests preempted (swapped or recomputed).", registry=r)
+        self.spec_drafts = Counter(p + "spec_decode_num_draft_tokens", "Speculative draft tokens made.", registry=r)
+        self.spec_accepted = Counter(p + "spec_decode_num_accepted_tokens", "Speculative draft tokens kept.",
+                                     registry=r)
+        self.spec_accepted_pos = Counter(p + "spec_decode_num_accepted_tokens_per_pos",
+                                         "Speculative draft tokens kept, by their position in a round.", ["position"],
+                                         registry=r)
         self._seen = {}     # the engine's running totals at the last update: counters add the difference
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prefilled prompt tokens.", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Generated (decode) tokens.", registry=r)
@@ -111,9 +117,14 @@ class ServerMetrics:
         self.pages_used.set(stats.kv_pages_used)
         self.pages_total.set(stats.kv_pages_total)
         self.kv_usage.set(stats.kv_cache_usage)
-        for counter, name in ((self.prefix_queries, "prefix_cache_queries"), (self.prefix_hits, "prefix_cache_hits"),
-                              (self.preemptions, "num_preemptions")):
-            total = getattr(stats, name)
+        totals = [(self.prefix_queries, "prefix_cache_queries", stats.prefix_cache_queries),
+                  (self.prefix_hits, "prefix_cache_hits", stats.prefix_cache_hits),
+                  (self.preemptions, "num_preemptions", stats.num_preemptions),
+                  (self.spec_drafts, "spec_drafts", stats.spec_draft_tokens),
+                  (self.spec_accepted, "spec_accepted", stats.spec_accepted_tokens)]
+        totals += [(self.spec_accepted_pos.labels(str(i)), f"spec_pos{i}", n)
+                   for i, n in enumerate(stats.spec_accepted_by_position or ())]
+        for counter, name, total in totals:
             if total > self._seen.get(name, 0):
                 counter.inc(total - self._seen.get(name, 0))
             self._seen[name] = total

@@ -19,7 +19,8 @@ def make_engine(*, kv_layout="last_exited", page_size=4, mode="refill", max_num_
                 decode_window=0, async_scheduling=False, xla_options=None, window_trip="early_stop",
                 mixed_prefill_tokens=0, attn_impl="auto", interpret=False, decode_window_rows=None,
                 compilation_cache_dir=None, executable_cache=True, kv_allocation="incremental", kv_watermark=0.0,
-                enable_prefix_caching=False, swap_space=4.0, policy="fcfs", preemption_mode="recompute"):
+                enable_prefix_caching=False, swap_space=4.0, policy="fcfs", preemption_mode="recompute",
+                speculative=None):
     """hf_overrides: config overrides (a dict), e.g. {"state_init": "zero"} for Huginn;
     max_loops: CacheConfig.max_loops (the engine's loop cap; None = R); decode_window: K passes
     per device-side window (0: step by step); window_trip: how a window's loop runs;
@@ -27,7 +28,8 @@ def make_engine(*, kv_layout="last_exited", page_size=4, mode="refill", max_num_
     most rows a window runs (the rest of max_num_seqs wait as standby entries);
     compilation_cache_dir: XLA's cache and the engine's executable store (None: neither);
     executable_cache: False keeps XLA's cache only; kv_allocation .. preemption_mode: the KV
-    memory manager's options (``CacheConfig``, ``SchedulerConfig``)."""
+    memory manager's options (``CacheConfig``, ``SchedulerConfig``); speculative: a
+    ``SpeculativeConfig``."""
     ckpt = load_fixture(name, "float32", tuple(sorted((hf_overrides or {}).items())))
     return build_engine(
         None, params=ckpt.params, cfg=ckpt.cfg,
@@ -48,7 +50,8 @@ def make_engine(*, kv_layout="last_exited", page_size=4, mode="refill", max_num_
                                          async_scheduling=async_scheduling, xla_options=xla_options or {},
                                          mixed_prefill_tokens=mixed_prefill_tokens, attn_impl=attn_impl,
                                          interpret=interpret, decode_window_rows=decode_window_rows,
-                                         executable_cache=executable_cache))
+                                         executable_cache=executable_cache),
+        speculative_config=speculative)
 
 
 def run_workload(engine, arrivals, max_steps=10_000, aborts=None, after_step=None):

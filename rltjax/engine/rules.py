@@ -139,9 +139,6 @@ RULES: tuple[Rule, ...] = (
          "drafting does not run",
          lambda i: _spec(i) and i.has_boundary,
          "serve this model without a speculative config"),
-    Rule("speculative windows carry no prompts (mixed prefill)",
-         lambda i: _spec(i) and i.execution.asks_mixed_prefill,
-         "set ExecutionConfig.mixed_prefill_tokens=0 (or leave it unset)"),
     Rule(lambda i: f"SpeculativeConfig target_loops={_target(i)} with draft_loops={i.speculative.draft_loops}: the "
          f"target must be deeper than the draft and at most the engine's loop cap {_cap(i)}",
          lambda i: _spec(i) and not i.speculative.draft_loops < _target(i) <= _cap(i),

@@ -46,6 +46,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--model", default=None, metavar="DIR", help="model directory (its weights are loaded)")
     src.add_argument("--preset", default="ouro-1.4b", metavar="NAME", help="random weights at a named model's shape")
     g.add_argument("--quick", action="store_true", help="shrink the preset to a tiny config (CPU smoke runs)")
+    g.add_argument("--converging-scale", type=float, default=None, metavar="S",
+                   help="random weights whose loops converge (residual branches x S in (0, 1]): drafts agree "
+                        "with full depth as often as S dials (speculation benchmarks)")
     g.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32], metavar="C",
                    help="closed-loop streams, one run each")
     g.add_argument("--num-requests", type=int, default=None, metavar="N",
@@ -79,6 +82,13 @@ def run_closed_loop(engine, concurrency, num_requests, prompt_len, params, rng, 
                 engine.forget(out.request_id)
 
 
+def _random_params(cfg, dtype, converging_scale: float | None):
+    """Random weights (``--converging-scale``: loops that converge); returned, not kept."""
+    from rltjax.checkpoints.random_init import converging, random_checkpoint
+    params = random_checkpoint(cfg, seed=0, dtype=dtype)
+    return params if converging_scale is None else converging(params, converging_scale)
+
+
 def measure(engine, concurrency: int, args, params, outputs=None) -> dict:
     import jax
     rng = np.random.default_rng(0)
@@ -87,6 +97,7 @@ def measure(engine, concurrency: int, args, params, outputs=None) -> dict:
     from rltjax.engine.compile_watch import CompileWatch
     engine.steps_by_kind.clear()
     n = max(concurrency, args.num_requests or concurrency)
+    before = engine.stats()
     with CompileWatch() as compiles:
         t0 = time.perf_counter()
         run_closed_loop(engine, concurrency, n, args.prompt_len, params, rng, f"c{concurrency}", outputs)
@@ -96,6 +107,11 @@ def measure(engine, concurrency: int, args, params, outputs=None) -> dict:
     row = dict(concurrency=concurrency, requests=n, output_tokens=tokens, seconds=wall,
                output_tokens_per_s=tokens / wall, steps=dict(engine.steps_by_kind),
                compiles_during_run=compiles.report())
+    after = engine.stats()
+    drafted = after.spec_draft_tokens - before.spec_draft_tokens
+    if drafted:     # speculation: its acceptance beside its throughput
+        accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
+        row.update(spec_draft_tokens=drafted, spec_accepted_tokens=accepted, spec_acceptance=accepted / drafted)
     if compiles.warning(f"C={concurrency}"):
         print(compiles.warning(f"C={concurrency}"), file=sys.stderr, flush=True)
     if args.trace_dir:
@@ -141,7 +157,6 @@ def bench_engine(args: argparse.Namespace, outputs: dict) -> dict:
     receives each request's token ids."""
     import jax
 
-    from rltjax.checkpoints.random_init import random_checkpoint
     from rltjax.entrypoints.llm import build_engine, setup_compilation_cache
     from rltjax.sampling_params import SamplingParams
 
@@ -158,7 +173,7 @@ def bench_engine(args: argparse.Namespace, outputs: dict) -> dict:
         # the draw's compile comes from the persistent cache too, as a warm engine's do
         setup_compilation_cache(configs["execution_config"].compilation_cache_dir)
         # no reference kept here: the engine keeps one (split) copy of the weights
-        engine = build_engine(None, params=random_checkpoint(cfg, seed=0, dtype=dtype), cfg=cfg,
+        engine = build_engine(None, params=_random_params(cfg, dtype, args.converging_scale), cfg=cfg,
                               **{k: v for k, v in configs.items() if k not in ("dtype", "hf_overrides")})
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True,
                             exit_threshold=args.exit_threshold)
@@ -166,8 +181,9 @@ def bench_engine(args: argparse.Namespace, outputs: dict) -> dict:
     for c in args.concurrency:
         r = measure(engine, c, args, params, outputs.setdefault(c, {}))
         rows.append(r)
+        spec = f"; draft acceptance {r['spec_acceptance']:.3f}" if "spec_acceptance" in r else ""
         print(f"C={c:<4d} {r['output_tokens_per_s']:10.1f} output tok/s  ({r['output_tokens']} tokens in "
-              f"{r['seconds']:.2f}s; steps {r['steps']})", flush=True)
+              f"{r['seconds']:.2f}s; steps {r['steps']}{spec})", flush=True)
     info = dict(device=jax.devices()[0].device_kind, compile_seconds=engine.compile_seconds,
                 kv_layout=configs["cache_config"].kv_layout, scheduler_mode=sched.mode,
                 max_num_batched_tokens=engine.scheduler.config.max_num_batched_tokens,

@@ -8,7 +8,7 @@ from rltjax.parallel import ParallelConfig
 from rltjax.engine_config import (ATTN_IMPLS, DEFAULT_DECODE_WINDOW, DEFAULT_PREFILL_CHUNK,
                                   DEFAULT_PREFILL_TOKENS_KERNEL, DEFAULT_PREFILL_TOKENS_XLA, EXIT_MODES, MATMUL_IMPLS,
                                   KV_ALLOCATIONS, KV_LAYOUTS, PREEMPTION_MODES, SCHEDULER_MODES, SCHEDULING_POLICIES,
-                                  WINDOW_TRIPS, CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig,
+                                  WINDOW_TRIPS, CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig, SpeculativeConfig,
                                   default_cache_dir)
 
 
@@ -42,7 +42,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, compile_ahead: bool = Tr
     Each help is one line; the config classes' docstrings (``rltjax.engine_config``) say more.
     compile_ahead: this command's default for ``--compile-ahead``."""
     for add in (_model_arguments, _cache_arguments, _scheduler_arguments, _exit_arguments, _kernel_arguments,
-                _window_arguments):
+                _window_arguments, _speculative_arguments):
         add(p)
     _compile_arguments(p, compile_ahead)
     g = p.add_argument_group("devices")
@@ -142,6 +142,23 @@ def _window_arguments(p: argparse.ArgumentParser) -> None:
                    help="launch each pass before reading the last one's exit signals (delayed exit modes)")
 
 
+def _speculative_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("self-speculative decoding (with --exit-mode fixed)")
+    g.add_argument("--speculative-tokens", type=int, default=None, metavar="K",
+                   help="drafts a round makes at most (unset: no speculation)")
+    g.add_argument("--draft-loops", type=int, default=2, metavar="d", help="loops a draft runs")
+    g.add_argument("--target-loops", type=int, default=None, metavar="D",
+                   help="the depth drafts are verified at (default: the model's R)")
+    g.add_argument("--speculative-rounds", type=int, default=None, metavar="N",
+                   help="rounds per decode window (default: decode window // target loops)")
+
+
+def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
+    if args.speculative_tokens is None:
+        return None
+    return SpeculativeConfig(args.speculative_tokens, args.draft_loops, args.target_loops, args.speculative_rounds)
+
+
 def _compile_arguments(p: argparse.ArgumentParser, compile_ahead: bool) -> None:
     g = p.add_argument_group("start-up")
     g.add_argument("--compile-ahead", action=argparse.BooleanOptionalAction, default=compile_ahead,
@@ -214,4 +231,5 @@ def configs_from_args(args: argparse.Namespace) -> dict:
                                          async_scheduling=args.async_scheduling,
                                          mixed_prefill_tokens=args.mixed_prefill_tokens,
                                          compilation_cache_dir=args.compilation_cache_dir or None),
-        parallel_config=ParallelConfig(args.tensor_parallel_size, args.data_parallel_size))
+        parallel_config=ParallelConfig(args.tensor_parallel_size, args.data_parallel_size),
+        speculative_config=speculative_config(args))

@@ -157,16 +157,17 @@ class SchedulerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
-    """Self-speculative decoding (DESIGN section 5): each round drafts up to
+    """Self-speculative decoding (docs/semantics.md): each round drafts up to
     ``num_speculative_tokens`` tokens one after another at ``draft_loops`` loops, then verifies
     them in one batch of the remaining loops up to ``target_loops`` (None: the model's R).
     Greedy output equals plain decoding at target_loops; sampled output keeps its
-    distribution (rejection sampling). ``rounds_per_window``: rounds one decode window runs
-    on the device (None: ``ExecutionConfig.decode_window`` // target_loops, at least 1)."""
+    distribution (rejection sampling). ``rounds_per_window``: rounds one decode window runs on
+    the device; windows are launched back to back and read one late, so 1 (the default) costs
+    no host wait and streams each round's tokens as they are read."""
     num_speculative_tokens: int = 4
     draft_loops: int = 2
     target_loops: int | None = None
-    rounds_per_window: int | None = None
+    rounds_per_window: int = 1
 
     def __post_init__(self) -> None:
         _positive("SpeculativeConfig", num_speculative_tokens=self.num_speculative_tokens,

@@ -11,7 +11,7 @@ import jax
 from conftest import load_fixture
 from engine_helpers import assert_all_pages_free, run_workload
 from rltjax.config_checks import EngineConfigError
-from rltjax.engine_config import CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig
+from rltjax.engine_config import CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig, SpeculativeConfig
 from rltjax.entrypoints.llm import build_engine
 from rltjax.parallel import ParallelConfig
 from rltjax.sampling_params import SamplingParams
@@ -27,7 +27,7 @@ def arrivals():
 
 
 def run(name: str, tp: int, dp: int, window: int, abort: bool, pallas: bool = False, layout: str = "last_exited",
-        exit_mode: str = "ouro", store: str | None = None) -> dict:
+        exit_mode: str = "ouro", store: str | None = None, spec: bool = False) -> dict:
     """pallas: the Pallas attention kernels in interpret mode (under TP: one per device, shard_map),
     on test_engine_kernels' small Ouro (head_dim 64, the kernels' smallest; ``name`` unused)."""
     overrides = {"state_init": "zero"} if name.startswith("huginn") else {}
@@ -46,7 +46,8 @@ def run(name: str, tp: int, dp: int, window: int, abort: bool, pallas: bool = Fa
                                                                compilation_cache_dir=store,
                                                                decode_window=window,
                                                                attn_impl="pallas" if pallas else "auto",
-                                                               interpret=pallas))
+                                                               interpret=pallas),
+                              speculative_config=SpeculativeConfig(2, 2) if spec else None)
     except EngineConfigError as exc:
         return {"error": str(exc)}
     placed = []
@@ -80,8 +81,8 @@ if __name__ == "__main__":
     name, window, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     store = mode.split(":", 1)[1] if mode.startswith("store:") else None
     layout, exit_mode = (mode.split(":")[1:] + ["last_exited", "ouro"])[:2] if mode.startswith("cfg:") else (
-        "last_exited", "ouro")
+        "last_exited", "fixed" if mode == "spec" else "ouro")
     sizes = [tuple(map(int, s.split("x"))) for s in sys.argv[4:]]
     assert jax.device_count() >= 4, jax.devices()
     print(json.dumps({f"{tp}x{dp}": run(name, tp, dp, window, mode == "abort", mode == "pallas", layout, exit_mode,
-                                        store) for tp, dp in sizes}))
+                                        store, mode == "spec") for tp, dp in sizes}))

@@ -136,3 +136,31 @@ def test_auto_mixed_prefill_matches_reference_on_gpu(monkeypatch):
         check_against_oracle(cfg, params, exit_config, arrivals, outputs)
     assert calls and engine.steps_by_kind.get("mixed_prefill", 0) > 0, engine.steps_by_kind
     assert_all_pages_free(engine)
+
+
+@pytest.mark.parametrize("window_trip", ["fixed", "early_stop"])
+def test_speculative_rounds_match_reference_on_gpu(window_trip):
+    """Self-speculative rounds on the kernels (drafts through the fused decode kernels, the
+    verify batch through the write and the decode attention kernel): greedy requests that
+    speculate and sampled ones that opt out (plain decoding's keys) equal the oracle at fixed
+    depth."""
+    import dataclasses
+
+    from rltjax.engine_config import SpeculativeConfig
+    cfg = preset_config("ouro-1.4b", SMALL)
+    params = random_checkpoint(cfg, seed=4, dtype="float32")
+    exit_config = ExitConfig(mode="fixed")
+    arrivals = [(step, rid, prompt, dataclasses.replace(sp, num_speculative_tokens=None if sp.temperature == 0 else 0))
+                for step, rid, prompt, sp in workload(cfg, 10, seed=4)]
+    with jax.default_matmul_precision("highest"):
+        engine = build_engine(
+            None, params=params, cfg=cfg,
+            cache_config=CacheConfig(kv_layout="last_exited", page_size=8, num_pages=4096),
+            scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk_size=32),
+            exit_config=exit_config, speculative_config=SpeculativeConfig(3, 2),
+            execution_config=ExecutionConfig(compilation_cache_dir=None, show_progress=False, decode_window=4,
+                                             window_trip=window_trip))
+        outputs = run_workload(engine, arrivals)
+        check_against_oracle(cfg, params, exit_config, arrivals, outputs)
+    assert engine.stats().spec_draft_tokens > 0
+    assert_all_pages_free(engine)

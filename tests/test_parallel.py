@@ -15,11 +15,12 @@ import pytest
 HERE = Path(__file__).parent
 
 
-def outputs(name, window, sizes, abort=False, pallas=False, cfg=None, store=None):
-    """cfg: (kv_layout, exit mode) other than the defaults; store: compile ahead with this cache folder."""
+def outputs(name, window, sizes, abort=False, pallas=False, cfg=None, store=None, spec=False):
+    """cfg: (kv_layout, exit mode) other than the defaults; store: compile ahead with this cache folder;
+    spec: self-speculative decoding (K = 2, d = 2) at fixed depth."""
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "PYTHONPATH": str(HERE)}
-    mode = ("abort" if abort else "pallas" if pallas else f"cfg:{cfg[0]}:{cfg[1]}" if cfg else f"store:{store}"
-            if store else "-")
+    mode = ("abort" if abort else "pallas" if pallas else "spec" if spec else f"cfg:{cfg[0]}:{cfg[1]}" if cfg
+            else f"store:{store}" if store else "-")
     res = subprocess.run([sys.executable, str(HERE / "parallel_worker.py"), name, str(window), mode, *sizes],
                          capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -48,6 +49,13 @@ def test_tensor_parallel_equals_one_device(name, window, cfg):
     else:
         same(got["4x1"]["outputs"], base)
         assert got["4x1"]["kv_devices"] == 4 and got["4x1"]["kv_shard_heads"] * 4 == got["1x1"]["kv_shard_heads"]
+
+
+def test_speculative_rounds_under_tensor_parallel_equal_one_device():
+    """Drafts and the (K + 1)-row verify batch split by heads: greedy and sampled outputs equal
+    one device's."""
+    got = outputs("ouro-tiny", 4, ["1x1", "2x1"], spec=True)
+    same(got["2x1"]["outputs"], got["1x1"]["outputs"])
 
 
 def test_pallas_attention_kernels_run_per_device_under_tensor_parallel():

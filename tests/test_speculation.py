@@ -166,3 +166,28 @@ def test_config_and_request_errors_name_the_field():
     with pytest.raises(RequestRejectedError, match="does not speculate"):
         plain.add_request("c", TOKENS[:4], SamplingParams(num_speculative_tokens=1))
     assert not engine.has_unfinished_requests() and not plain.has_unfinished_requests()
+
+
+def test_server_streams_speculative_rounds_with_exact_usage():
+    """Through the OpenAI server: the streamed text is plain greedy decoding's, usage counts
+    every token, a request may opt out, and /metrics counts drafts and kept drafts."""
+    import httpx
+    from server_helpers import ENGINE, MODEL, LiveServer, greedy_reference
+
+    def factory():
+        return make_engine(**ENGINE, exit_mode="fixed", decode_window=4, speculative=SpeculativeConfig(3, 2))
+    with LiveServer(factory=factory) as srv:
+        client = srv.client()
+        for extra in ({}, {"num_speculative_tokens": 0}):
+            chunks = list(client.completions.create(
+                model=MODEL, prompt="Hello there", max_tokens=20, temperature=0.0, stream=True,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True, **extra}))
+            assert "".join(c.choices[0].text for c in chunks if c.choices) == greedy_reference("Hello there", 20)
+            assert chunks[-1].usage.completion_tokens == 20
+        metrics = {line.split()[0]: float(line.split()[1]) for line in httpx.get(srv.url + "/metrics").text.splitlines()
+                   if line.startswith("rltjax:spec_decode")}
+        drafted = metrics["rltjax:spec_decode_num_draft_tokens_total"]
+        kept = metrics["rltjax:spec_decode_num_accepted_tokens_total"]
+        assert drafted > 0 and 0 <= kept <= drafted
+        assert sum(v for k, v in metrics.items() if "per_pos_total{" in k) == kept
+        srv.wait_idle()

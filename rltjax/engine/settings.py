@@ -61,12 +61,11 @@ class SpecSettings:
         return self.rounds * (self.num_tokens + 1)
 
 
-def spec_settings(config: SpeculativeConfig | None, num_loops: int, window_passes: int) -> SpecSettings | None:
+def spec_settings(config: SpeculativeConfig | None, num_loops: int) -> SpecSettings | None:
     if config is None:
         return None
-    target = config.target_loops or num_loops
-    rounds = config.rounds_per_window or max(1, window_passes // target)
-    return SpecSettings(config.num_speculative_tokens, config.draft_loops, target, rounds)
+    return SpecSettings(config.num_speculative_tokens, config.draft_loops, config.target_loops or num_loops,
+                        config.rounds_per_window)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -305,7 +304,7 @@ def resolve_settings(model, *, cache: CacheConfig, scheduler: SchedulerConfig, e
         # entries wait past a window's start only when its rows cannot hold every request: the
         # swap then runs every pass, else once a window (every pass cost the fixed-depth
         # bench_cdb run 0.9% on an H200)
-        spec = spec_settings(speculative, R, passes)
+        spec = spec_settings(speculative, R)
         # a speculative window's K is its output columns (positions its pages cover); its
         # standby entries take rows at its start only (rounds are not passes)
         window = WindowSettings(spec.columns if spec else passes, fixed, max_model_len if exit_mode == "trace" else 1,

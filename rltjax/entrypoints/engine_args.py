@@ -8,8 +8,8 @@ from rltjax.parallel import ParallelConfig
 from rltjax.engine_config import (ATTN_IMPLS, DEFAULT_DECODE_WINDOW, DEFAULT_PREFILL_CHUNK,
                                   DEFAULT_PREFILL_TOKENS_KERNEL, DEFAULT_PREFILL_TOKENS_XLA, EXIT_MODES, MATMUL_IMPLS,
                                   KV_ALLOCATIONS, KV_LAYOUTS, PREEMPTION_MODES, SCHEDULER_MODES, SCHEDULING_POLICIES,
-                                  WINDOW_TRIPS, CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig, SpeculativeConfig,
-                                  default_cache_dir)
+                                  WINDOW_TRIPS, CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig,
+                                  SpeculativeConfig, default_cache_dir)
 
 
 def mixed_prefill_tokens(text: str) -> int | dict[int, int] | None:
@@ -149,8 +149,7 @@ def _speculative_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-loops", type=int, default=2, metavar="d", help="loops a draft runs")
     g.add_argument("--target-loops", type=int, default=None, metavar="D",
                    help="the depth drafts are verified at (default: the model's R)")
-    g.add_argument("--speculative-rounds", type=int, default=None, metavar="N",
-                   help="rounds per decode window (default: decode window // target loops)")
+    g.add_argument("--speculative-rounds", type=int, default=1, metavar="N", help="rounds per decode window")
 
 
 def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:

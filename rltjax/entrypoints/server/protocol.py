@@ -104,6 +104,7 @@ class _Common(BaseModel):
     max_loops: int | None = None
     exit_threshold: float = 1.0
     priority: int = 0           # lower runs first (a server started with --scheduling-policy priority)
+    num_speculative_tokens: int | None = None   # drafts a speculative round makes (0: none; None: the server's)
 
     def unsupported(self) -> None:
         """Options the OpenAI API has but this server cannot honour: 400, naming them."""

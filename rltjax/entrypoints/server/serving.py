@@ -96,7 +96,7 @@ def _sampling_params(body, max_tokens: int, logprobs: int | None, aliases=None,
             seed=body.seed, stop=body.stop or (), stop_token_ids=body.stop_token_ids or (),
             ignore_eos=body.ignore_eos, min_loops=body.min_loops, max_loops=body.max_loops,
             exit_threshold=body.exit_threshold, logprobs=logprobs, priority=body.priority,
-            prompt_logprobs=prompt_logprobs)
+            prompt_logprobs=prompt_logprobs, num_speculative_tokens=body.num_speculative_tokens)
     except SamplingParamsError as exc:
         param = sampling_error_param(str(exc))
         raise APIError(400, str(exc), (aliases or {}).get(param, param)) from None

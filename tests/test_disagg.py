@@ -69,7 +69,7 @@ def test_disaggregated_equals_colocated(name, overrides, p, d):
         got = run_workload(engine, workload(), aborts=aborted)
         check_same(got, want, skip={"r4"})
         assert got["r4"].finish_reason in ("abort", "length")
-        assert engine.transfer_bytes > 0
+        assert 0 < engine.streamed_bytes < engine.transfer_bytes     # prompt pages moved while prompts ran
         all_free(engine)
     finally:
         engine.close()
@@ -118,6 +118,47 @@ def test_a_decode_worker_killed_mid_decode_fails_its_requests_only():
         all_free(engine)
     finally:
         engine.close()
+
+
+def test_workers_started_on_their_own_connect_to_the_coordinator(monkeypatch):
+    """--disagg-remote-workers: the coordinator starts no worker; workers started by hand (as on
+    other hosts: their number, the coordinator's address, the shared key, their transfer host)
+    connect in any order, before the coordinator listens too, and serve as usual."""
+    import secrets
+    import subprocess
+    import sys
+
+    from server_helpers import free_port
+    address, key = f"127.0.0.1:{free_port()}", secrets.token_hex(16)
+    monkeypatch.setenv("RLTJAX_DISAGG_KEY", key)
+    env = {**os.environ, "RLTJAX_TRANSFER_HOST": "127.0.0.1"}
+    procs = [subprocess.Popen([sys.executable, "-m", "rltjax.disagg.worker", address, str(k)], env=env)
+             for k in (1, 0)]
+    want = run_workload(make_engine(**ENGINE), workload(3, seed=2))
+    try:
+        engine = DisaggEngine(str(FIXTURES / "ouro-tiny"), configs(), num_prefill=1, num_decode=1, address=address,
+                              remote_workers=True)
+        assert all(link.proc is None for link in engine.links)
+        try:
+            check_same(run_workload(engine, workload(3, seed=2)), want)
+            all_free(engine)
+        finally:
+            engine.close()
+        assert [p.wait(30) for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def test_server_level_combinations_are_in_the_rules_table():
+    from rltjax.engine.rules import ServerInputs, check_rules
+    from rltjax.engine_config import EngineConfigError
+    check_rules(ServerInputs(1, 2))
+    for inputs, match in [(ServerInputs(1, 0), "both kinds"), (ServerInputs(1, 1, processes=2), "jax.distributed"),
+                          (ServerInputs(1, 1, data_parallel=2), "data-parallel"),
+                          (ServerInputs(processes=2, data_parallel=2), "separate job")]:
+        with pytest.raises(EngineConfigError, match=match):
+            check_rules(inputs)
 
 
 def test_serve_with_prefill_and_decode_workers():

@@ -3,6 +3,8 @@ prefill/decode disaggregation): a prefill engine runs the prompt and the first h
 engine (windows on) takes it from there; the oracle is one engine running it throughout."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -51,3 +53,58 @@ def test_a_request_handed_off_continues_exactly(name, overrides, after):
         np.testing.assert_allclose([max(d.values()) for d in got.logprobs], [max(d.values()) for d in w.logprobs],
                                    atol=1e-5)
     assert_all_pages_free(decode)
+
+
+@pytest.mark.parametrize("name,overrides", [FIXTURES[0], FIXTURES[3]], ids=["ouro-tiny", "huginn-tiny"])
+def test_pages_streamed_while_the_prompt_runs_put_together_exactly(name, overrides):
+    """Each step, the prompt pages that completed are copied (``export_pages``); with the first
+    token the rest follows (``export_running(start_page=...)``); the decode engine, which held
+    pages for each request before its prompt ran, puts the pieces together (``assemble``) and
+    continues exactly as one engine would."""
+    from rltjax.engine.handoff import assemble, complete_pages, export_pages
+    want = run_workload(make_engine(name=name, hf_overrides=overrides, decode_window=8), requests())
+    prefill = make_engine(name=name, hf_overrides=overrides, decode_window=0)
+    decode = make_engine(name=name, hf_overrides=overrides, decode_window=8, max_num_seqs=3)
+    blocks = decode.scheduler.blocks
+    free = blocks.num_free_pages
+    for _, rid, prompt, params in requests():
+        prefill.add_request(rid, prompt, params)
+        assert blocks.hold(rid, len(prompt) + 1)
+    assert blocks.num_free_pages < free
+    parts, sent, moved = {}, {}, []
+    while prefill.has_unfinished_requests():
+        prefill.step()
+        for rid, req in list(prefill.requests.items()):
+            if req.finished:
+                continue
+            if req.output_token_ids:
+                moved.append(export_running(prefill, rid, sent.get(rid, 0)))
+                continue
+            full = complete_pages(prefill, rid)
+            if full > sent.get(rid, 0):
+                parts.setdefault(rid, {})[sent.get(rid, 0)] = (full - sent.get(rid, 0),
+                                                              export_pages(prefill, rid, sent.get(rid, 0), full))
+                sent[rid] = full
+    assert sum(len(p) for p in parts.values()) >= 4 and any(h.start_page > 0 for h in moved)
+    for h in moved:
+        whole = assemble(h, parts.get(h.request_id, {}), decode.settings.num_planes)
+        import_running(decode, dataclasses.replace(h, data=whole, start_page=0))
+    while decode.has_unfinished_requests():
+        decode.step()
+    for rid, w in want.items():
+        got = decode.get_output(rid)
+        assert (got.token_ids, got.exit_depths, got.finish_reason) == (w.token_ids, w.exit_depths, w.finish_reason)
+    assert_all_pages_free(decode)
+
+
+def test_a_hold_is_given_back_and_never_blocks_its_own_request():
+    engine = make_engine(num_pages=40, decode_window=8)
+    blocks = engine.scheduler.blocks
+    free = blocks.num_free_pages
+    assert blocks.hold("a", 30) and not blocks.hold("b", 200)     # 8 pages per plane x 4 planes; the rest won't fit
+    assert blocks.num_free_pages == free - 32
+    blocks.drop_hold("a")
+    assert blocks.num_free_pages == free
+    assert blocks.hold("c", 36)                 # its own admission may use every held page
+    run_workload(engine, [(0, "c", list(range(3, 33)), SamplingParams(max_tokens=4, ignore_eos=True))])
+    assert_all_pages_free(engine)

@@ -1,9 +1,11 @@
 """The coordinator: the engine the server drives when prefill and decode run on separate workers.
 
 ``DisaggEngine`` has the engine interface ``AsyncEngine`` uses (add, step, abort, outputs,
-stats). It starts the workers (``disagg.worker``, one process each), gives each request to the
-least-loaded prefill worker and, once its prompt ran, to the least-loaded decode worker, which
-pulls the pages straight from the prefill worker's transfer server. ``step`` waits briefly
+stats). It starts the workers (``disagg.worker``, one process each; or waits for them to connect
+from other hosts), and gives each request to the least-loaded decode worker, which holds pages
+for its prompt, and to the least-loaded prefill worker, whose completed prompt pages the decode
+worker pulls straight from the prefill worker's transfer server while the rest of the prompt
+runs (``Chunk``), then the rest once its first token is out. ``step`` waits briefly
 for what the workers report and returns the outputs that changed. A worker that dies is
 handled, never waited on: its requests in prefill go to another prefill worker (or fail when
 none is left), those on a dead decode worker fail; the server stays up.
@@ -12,15 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-import secrets
 import subprocess
-import sys
 import time
-from multiprocessing.connection import Listener, wait
+from multiprocessing.connection import wait
 
-from rltjax.disagg.messages import (Abort, Failed, Hello, Import, Output, Prefill, Pulled, Ready, Setup, Stats,
-                                    Stop)
+from rltjax.disagg.links import Link, start_workers, stop_workers
+from rltjax.disagg.messages import Abort, Chunk, Failed, Hold, Import, Output, Prefill, Pulled, PullChunk, Ready, Stats
 from rltjax.engine.outputs import RequestOutput
 from rltjax.engine.request_intake import resolve_seed
 from rltjax.engine.sequence import RequestRejectedError
@@ -28,19 +27,7 @@ from rltjax.engine.stats import EngineStats
 from rltjax.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-START_TIMEOUT_S = 300.0
-
-
-@dataclasses.dataclass
-class _Link:
-    role: str
-    index: int
-    proc: subprocess.Popen
-    conn: object = None
-    hello: Hello | None = None
-    stats: EngineStats | None = None
-    alive: bool = True
-    load: int = 0                 # requests it holds
+MAX_ATTEMPTS = 3      # prefills a request gets when its pages cannot be pulled
 
 
 @dataclasses.dataclass
@@ -48,10 +35,11 @@ class _Tracked:
     prompt_token_ids: list[int]
     params: object
     output: RequestOutput
-    prefill: _Link | None = None
-    decode: _Link | None = None
+    prefill: Link | None = None
+    decode: Link | None = None
     stage: str = "prefill"        # prefill | decode | done
     imported: bool = False        # the decode worker has its pages
+    attempts: int = 0             # prefills asked for it
 
 
 class _Facts:
@@ -65,34 +53,17 @@ class _Facts:
 
 
 class DisaggEngine:
-    def __init__(self, model: str, configs: dict, *, num_prefill: int, num_decode: int):
-        if num_prefill < 1 or num_decode < 1:
-            raise ValueError("--num-prefill-workers and --num-decode-workers must both be >= 1")
-        key = secrets.token_bytes(16)
-        self._listener = Listener(("127.0.0.1", 0), authkey=key)
-        address = "%s:%d" % self._listener.address
-        roles = [(role, i) for role, n in (("prefill", num_prefill), ("decode", num_decode)) for i in range(n)]
-        tp = configs["parallel_config"].tensor_parallel_size if configs.get("parallel_config") else 1
-        self.links = []
-        for k, (role, i) in enumerate(roles):     # worker k owns GPUs k*tp .. (k+1)*tp - 1 (CPUs: its own)
-            env = {**os.environ, "RLTJAX_DISAGG_KEY": key.hex(), "RLTJAX_WORKER": str(k),
-                   "CUDA_VISIBLE_DEVICES": ",".join(str(k * tp + j) for j in range(tp))}
-            self.links.append(_Link(role, i, subprocess.Popen(
-                [sys.executable, "-m", "rltjax.disagg.worker", address], env=env)))
-        for _ in self.links:          # workers connect in any order and say which they are
-            conn = self._listener.accept()
-            self.links[conn.recv()].conn = conn
-        for link in self.links:
-            link.conn.send(Setup(model, configs, link.role, link.index))
-        deadline = time.monotonic() + START_TIMEOUT_S
-        for link in self.links:
-            if not link.conn.poll(max(0.0, deadline - time.monotonic())):
-                raise RuntimeError(f"{link.role} worker {link.index} did not start in {START_TIMEOUT_S:.0f} s")
-            link.hello = link.conn.recv()
-        prints = {link.hello.fingerprint for link in self.links}
-        if len(prints) > 1:
-            self.close()
-            raise ValueError(f"the workers compute different things: {sorted(prints)}")
+    def __init__(self, model: str, configs: dict, *, num_prefill: int, num_decode: int,
+                 address: str = "127.0.0.1:0", remote_workers: bool = False, stream_pages: bool = True):
+        """address: where the workers reach this coordinator (HOST:PORT; port 0: any free one).
+        remote_workers: start no worker here; wait for num_prefill + num_decode workers started
+        on other hosts (``python -m rltjax.disagg.worker HOST:PORT K``, K = 0 .. P + D - 1, the
+        first P prefill; RLTJAX_DISAGG_KEY the same hex key on every host, and each worker's
+        RLTJAX_TRANSFER_HOST an address the other workers reach). stream_pages: a prompt's pages
+        move as they complete (False: all once its first token is out; ``scripts/bench_disagg.py``
+        compares the two)."""
+        self._listener, self.links = start_workers(model, configs, num_prefill, num_decode, address, remote_workers,
+                                                   stream_pages)
         try:
             self.tokenizer = Tokenizer.from_dir(model)
         except ValueError:            # a model without a tokenizer takes token ids
@@ -101,15 +72,16 @@ class DisaggEngine:
         self.requests: dict[str, _Tracked] = {}
         self.steps_by_kind: dict[str, int] = {}
         self.transfer_bytes = 0
+        self.streamed_bytes = 0          # of them, pulled while their prompt still ran
         self.transfer_seconds = 0.0
         self.retries = 0
         self._changed: dict[str, RequestOutput] = {}     # outputs to hand out at the next step
         self._stages: list[tuple[str, float]] = []         # (stage, seconds) since the last take_stage_timings
 
-    def _decoders(self) -> list[_Link]:
+    def _decoders(self) -> list[Link]:
         return [link for link in self.links if link.role == "decode" and link.alive]
 
-    def _prefillers(self) -> list[_Link]:
+    def _prefillers(self) -> list[Link]:
         return [link for link in self.links if link.role == "prefill" and link.alive]
 
     # -- the engine interface ------------------------------------------------------------
@@ -128,11 +100,18 @@ class DisaggEngine:
         self._send_prefill(request_id)
 
     def _send_prefill(self, rid: str) -> None:
+        """The least-loaded decode worker holds pages for the prompt, then the least-loaded
+        prefill worker runs it."""
         t = self.requests[rid]
+        if t.decode is None:
+            t.decode = min(self._decoders(), key=lambda w: w.load)
+            t.decode.load += 1
+        t.attempts += 1
+        self._send(t.decode, Hold(rid, len(t.prompt_token_ids) + 1, t.attempts))
         t.prefill = min(self._prefillers(), key=lambda w: w.load)
         t.prefill.load += 1
         t.stage = "prefill"
-        self._send(t.prefill, Prefill(rid, t.prompt_token_ids, t.params))
+        self._send(t.prefill, Prefill(rid, t.prompt_token_ids, t.params, t.attempts))
 
     def step(self) -> list[RequestOutput]:
         live = {link.conn: link for link in self.links if link.alive}
@@ -149,7 +128,7 @@ class DisaggEngine:
         changed, self._changed = self._changed, {}
         return list(changed.values())
 
-    def _send(self, link: _Link, msg) -> bool:
+    def _send(self, link: Link, msg) -> bool:
         """Send, or learn that the worker is gone (its requests are then retried or failed)."""
         try:
             link.conn.send(msg)
@@ -159,7 +138,7 @@ class DisaggEngine:
                 self._lost(link)
             return False
 
-    def _receive(self, link: _Link, msg) -> None:
+    def _receive(self, link: Link, msg) -> None:
         if isinstance(msg, Stats):
             link.stats = msg.stats
             return
@@ -171,13 +150,21 @@ class DisaggEngine:
             return
         if isinstance(msg, Output):
             self._update(rid, t, msg)
+        elif isinstance(msg, Chunk):
+            self.transfer_bytes += msg.nbytes
+            self.streamed_bytes += msg.nbytes
+            if t.decode is not None and t.decode.alive:
+                self._send(t.decode, PullChunk(msg, link.hello.transfer_address))
         elif isinstance(msg, Ready):
             self._hand_over(rid, t, msg)
         elif isinstance(msg, Failed):
-            if link.role == "decode" and t.decode is not link:
-                return                           # stale: it was retried elsewhere meanwhile
-            if link.role == "decode" and not t.imported and (t.prefill is None or not t.prefill.alive):
-                self._retry(rid, t)     # the pull failed: its prefill worker died mid-transfer
+            if (link.role == "decode" and t.decode is not link) or (msg.pull and msg.attempt != t.attempts):
+                return                           # stale: it was retried meanwhile
+            if msg.pull and t.prefill is not None and t.prefill.alive and t.prefill.proc is not None \
+                    and t.prefill.proc.poll() is not None:
+                self._lost(t.prefill)           # the pull failed because its prefill worker died: retried
+            elif msg.pull and not t.imported and t.attempts < MAX_ATTEMPTS:
+                self._retry(rid, t)             # the pull failed (its prefill worker died mid-transfer)
             else:
                 self._fail(rid, msg.error)
 
@@ -194,44 +181,48 @@ class DisaggEngine:
         out.metrics = {**t.output.metrics, **{k: v for k, v in out.metrics.items() if v is not None}}
         t.output = out
         if out.finished:
+            if t.stage == "prefill" and t.decode is not None and t.decode.alive:
+                self._send(t.decode, Abort(rid))     # done in its prefill: the held pages go back
             self._done(t)
         self._changed[rid] = out
 
     def _hand_over(self, rid, t: _Tracked, ready: Ready) -> None:
         self._stages.append(("prefill", ready.prefill_seconds))
         t.prefill.load -= 1
-        workers = self._decoders()
-        if not workers:
-            return self._fail(rid, "no decode worker is alive")
-        t.decode, t.stage = min(workers, key=lambda w: w.load), "decode"
-        t.decode.load += 1
+        t.stage = "decode"
+        if not t.decode.alive:
+            return self._fail(rid, "the decode worker holding its pages died")
         self.transfer_bytes += ready.nbytes
         self._send(t.decode, Import(ready, t.prefill.hello.transfer_address))
 
-    def _lost(self, link: _Link) -> None:
+    def _lost(self, link: Link) -> None:
         """A worker died: retry its prompts elsewhere, fail what it was decoding."""
         link.alive = False
         try:
-            code = link.proc.wait(1)
+            code = link.proc.wait(1) if link.proc is not None else None
         except subprocess.TimeoutExpired:
             code = None
         log.warning(f"{link.role} worker {link.index} is gone (exit status {code})")
         for rid, t in list(self.requests.items()):
-            if t.stage == "prefill" and t.prefill is link:
-                link.load, t.stage = link.load - 1, "retry"
-                self._retry(rid, t)
-            elif t.stage == "decode" and t.decode is link:
+            if t.stage in ("prefill", "decode") and t.decode is link:
+                if t.stage == "prefill" and t.prefill.alive:
+                    self._send(t.prefill, Abort(rid))
                 self._fail(rid, "the decode worker holding it died")
+            elif t.stage == "prefill" and t.prefill is link:
+                link.load = link.load - 1
+                self._retry(rid, t)
             elif t.stage == "decode" and t.prefill is link and not t.imported:
                 if t.decode.alive:
                     self._send(t.decode, Abort(rid))   # its pull cannot finish: prefill again
                 self._retry(rid, t)
 
     def _retry(self, rid: str, t: _Tracked) -> None:
-        if t.stage == "decode":
-            t.decode.load -= 1
-        t.decode, t.stage = None, "retry"
-        if not self._prefillers() or not self._decoders():
+        """Its prompt again on another prefill worker; the decode worker drops what it pulled
+        and holds its pages again."""
+        t.stage = "retry"
+        if t.decode is not None and t.decode.alive:
+            self._send(t.decode, Abort(rid))
+        if not self._prefillers() or t.decode is None or not t.decode.alive:
             return self._fail(rid, "no prefill or decode worker left to retry on")
         self.retries += 1
         self._send_prefill(rid)
@@ -246,7 +237,7 @@ class DisaggEngine:
     def _done(self, t: _Tracked) -> None:
         if t.stage == "prefill" and t.prefill is not None:
             t.prefill.load -= 1
-        if t.stage == "decode" and t.decode is not None:
+        if t.stage != "done" and t.decode is not None:
             t.decode.load -= 1
         t.stage = "done"
 
@@ -287,15 +278,4 @@ class DisaggEngine:
         return EngineStats(**{f: sum(getattr(s, f) for s in each) for f in fields})
 
     def close(self) -> None:
-        for link in self.links:
-            if link.alive:
-                try:
-                    link.conn.send(Stop())
-                except (OSError, ValueError):
-                    pass
-        for link in self.links:
-            try:
-                link.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                link.proc.kill()
-        self._listener.close()
+        stop_workers(self._listener, self.links)

@@ -1,9 +1,12 @@
 """What the coordinator and the workers say to each other (pickled over a local connection).
 
-A request's life: ``Prefill`` to a prefill worker -> its first ``Output`` and ``Ready`` (the
-handoff without its pages, which wait on the worker's transfer server under ``uuid``) ->
-``Import`` to the chosen decode worker, which pulls the pages and goes on -> ``Output``s until
-it finishes. ``Abort`` reaches whichever worker holds it.
+A request's life: ``Hold`` to the decode worker picked for it (pages kept for its prompt) and
+``Prefill`` to a prefill worker, which sends a ``Chunk`` (pages waiting on its transfer server
+under ``uuid``) as each run of prompt pages completes, passed on as ``PullChunk`` to the decode
+worker, which pulls it at once; then its first ``Output`` and ``Ready`` (the handoff of the
+remaining pages and slot rows) -> ``Import`` to the decode worker, which pulls the rest, puts
+the pages together and goes on -> ``Output``s until it finishes. ``Abort`` reaches whichever
+worker holds it.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ class Setup:
     configs: dict                 # build_engine's keyword arguments
     role: str                     # "prefill" | "decode"
     index: int
+    stream: bool = True           # prefill: announce prompt pages as they complete (else all with the first token)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +42,7 @@ class Prefill:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams        # seed drawn by the coordinator
+    attempt: int = 1              # which prefill of the request this is (a retry counts up)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +53,34 @@ class Ready:
     uuid: int
     nbytes: int
     prefill_seconds: float
+    attempt: int = 1              # the ``Prefill`` it answers
+
+
+@dataclasses.dataclass(frozen=True)
+class Hold:
+    """Keep pages for a request's first ``positions`` until it is imported (or aborted)."""
+    request_id: str
+    positions: int
+    attempt: int = 1              # the prefill attempt whose pages will come
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """Pages [start, start + num_pages) of every plane of a prompt still running, waiting under
+    ``uuid`` (``specs``: their pieces' shapes)."""
+    request_id: str
+    uuid: int
+    start: int
+    num_pages: int
+    specs: Any
+    nbytes: int
+    attempt: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class PullChunk:
+    chunk: Chunk
+    transfer_address: str         # the prefill worker's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +110,8 @@ class Output:
 class Failed:
     request_id: str
     error: str
+    pull: bool = False            # a decode worker could not pull its pages (the prefill side may be gone)
+    attempt: int = 0              # pull: the prefill attempt whose pages they were
 
 
 @dataclasses.dataclass(frozen=True)

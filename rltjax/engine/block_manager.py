@@ -104,7 +104,7 @@ class BlockManager:
         # prompt's alone it would preempt others as it replays (and be preempted again)
         target = req.max_positions if self.allocation == "lifetime" else req.prompt_len + req.replay_left
         fresh = pages_needed(target, P) - len(blocks)
-        if not self._can_take(fresh, keep):
+        if not self._can_take(fresh, keep, req):
             if blocks:
                 self.cache.release(blocks)
             return False
@@ -148,7 +148,7 @@ class BlockManager:
         fit with ``keep`` core pages left free."""
         target = req.max_positions if self.allocation == "lifetime" else positions
         fresh = pages_needed(target, self.page_size)
-        if not self._can_take(fresh, keep):
+        if not self._can_take(fresh, keep, req):
             return False
         self._assign(req)
         self._take(req, fresh)
@@ -167,18 +167,48 @@ class BlockManager:
         need = pages_needed(min(positions, req.max_positions), self.page_size) - self.covered(req) // self.page_size
         if need <= 0:
             return True
-        if not self._can_take(need):
+        if not self._can_take(need, req=req):
             return False
         self._take(req, need)
         return True
 
-    def _can_take(self, pages_per_plane: int, keep: int = 0) -> bool:
+    def _can_take(self, pages_per_plane: int, keep: int = 0, req: Request | None = None) -> bool:
+        """Whether pages_per_plane fresh pages per plane fit with ``keep`` core pages left free
+        (``req``'s own held pages, ``hold``, count as free for it)."""
+        held, bheld = self.held_for(req)
         core = pages_per_plane * self.num_planes
-        ok = self.num_free_pages - core >= keep
+        ok = self.num_free_pages + held - core >= keep
         if ok and self.boundary_allocator is not None:
             evictable = self.cache.num_evictable_boundary_pages if self.cache is not None else 0
-            ok = self.boundary_allocator.num_free + evictable >= pages_per_plane
+            ok = self.boundary_allocator.num_free + evictable + bheld >= pages_per_plane
         return ok
+
+    # -- holds (prefill/decode disaggregation) -----------------------------------------
+    def hold(self, request_id: str, positions: int) -> bool:
+        """Hold pages for a request that is not here yet (its prompt runs on another engine):
+        its first ``positions`` on every plane and in the boundary pool, out of everyone else's
+        reach until it arrives (its admission takes them) or ``drop_hold``. False, holding
+        nothing, when they are not free."""
+        per_plane = pages_needed(positions, self.page_size)
+        if not self._can_take(per_plane):
+            return False
+        self.allocator.reserve(request_id, per_plane * self.num_planes)
+        if self.boundary_allocator is not None:
+            self.boundary_allocator.reserve(request_id, per_plane)
+        return True
+
+    def drop_hold(self, request_id: str) -> None:
+        """Give back what ``hold`` kept for a request that will not come (or left)."""
+        for alloc in (self.allocator, self.boundary_allocator):
+            if alloc is not None and alloc.holds(request_id) and not alloc.pages_held_by(request_id):
+                alloc.release(request_id)
+
+    def held_for(self, req: Request | None) -> tuple[int, int]:
+        """(core, boundary) pages held for the request (``hold``) and not yet taken."""
+        if req is None:
+            return 0, 0
+        return tuple(a.reserved_for(req.request_id) if a is not None and a.holds(req.request_id) else 0
+                     for a in (self.allocator, self.boundary_allocator))
 
     def _take(self, req: Request, pages_per_plane: int) -> None:
         """Append pages_per_plane fresh pages to each of the request's tables (``_can_take``
@@ -186,8 +216,9 @@ class BlockManager:
         if pages_per_plane <= 0:
             return
         core = pages_per_plane * self.num_planes
-        if self.cache is not None:
-            self.cache.evict(core, pages_per_plane if self.boundary_allocator is not None else 0)
+        if self.cache is not None:      # what the request's hold does not cover must be free
+            held, bheld = self.held_for(req)
+            self.cache.evict(core - held, pages_per_plane - bheld if self.boundary_allocator is not None else 0)
         pages = self.allocator.allocate(req.request_id, core)
         for i, table in enumerate(req.tables):
             self.block_tables.append_pages(table, pages[i * pages_per_plane:(i + 1) * pages_per_plane])

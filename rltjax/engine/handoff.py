@@ -21,7 +21,7 @@ import numpy as np
 from rltjax.engine.outputs import RequestOutput
 from rltjax.engine.plan import SwapOutStep
 from rltjax.engine.sequence import RequestRejectedError, Status
-from rltjax.engine.swap import SwapData, Swapped, chunks
+from rltjax.engine.swap import SWAP_CHUNK, SwapData, Swapped, chunks
 from rltjax.sampling_params import SamplingParams
 
 
@@ -41,6 +41,7 @@ class Handoff:
     record: Swapped              # status, positions and pages per plane at the copy
     data: list[SwapData]         # the pages (in ``engine.swap`` pieces) and slot rows, numpy
     fingerprint: str
+    start_page: int = 0          # pages per plane sent before (``export_pages``): ``data`` holds the rest
 
     @property
     def nbytes(self) -> int:
@@ -62,20 +63,41 @@ def check_exportable(engine) -> None:
                          "in flight cannot be copied")
 
 
-def export_running(engine, request_id: str) -> Handoff:
-    """Copy a running request off ``engine`` (which then forgets it)."""
+def complete_pages(engine, request_id: str) -> int:
+    """Pages per plane of the request whose every position has run all its prompt loops."""
+    req = engine.requests[str(request_id)]
+    return req.num_prefilled // engine.settings.page_size
+
+
+def export_pages(engine, request_id: str, start: int, end: int) -> list[SwapData]:
+    """A copy of pages [start, end) of every plane (and of the boundary pool) of a request
+    still here, mid-prompt too (``complete_pages``): streamed while the rest of the prompt runs."""
+    check_exportable(engine)
+    req = engine.requests[str(request_id)]
+    return _gather(engine, req, start, end)
+
+
+def _gather(engine, req, start: int, end: int | None = None) -> list[SwapData]:
+    core, boundary = engine.scheduler.blocks.pages_of(req)
+    pages = [p for plane in core for p in plane[start:end]]
+    step = SwapOutStep(req, *chunks(pages, boundary[start:end]), req.slot, None)
+    return engine.executor.launch(step).read()
+
+
+def export_running(engine, request_id: str, start_page: int = 0) -> Handoff:
+    """Copy a running request off ``engine`` (which then forgets it); start_page: pages per
+    plane already sent by ``export_pages`` (the copy holds the rest)."""
     check_exportable(engine)
     req = engine.requests.get(str(request_id))
     if req is None or req.finished or req.status in (Status.WAITING, Status.PREFILLING):
         raise ValueError(f"request {request_id!r} is not running past its prompt")
     blocks = engine.scheduler.blocks
-    core, boundary = blocks.pages_of(req)
+    core, _ = blocks.pages_of(req)
     record = Swapped(req.status, blocks.covered(req), len(core[0]) if core else 0, 0)
-    step = SwapOutStep(req, *chunks([p for plane in core for p in plane], boundary), req.slot, record)
-    data = engine.executor.launch(step).read()
+    data = _gather(engine, req, start_page)
     handoff = Handoff(req.request_id, list(req.prompt_token_ids), req.params, req.seed, list(req.output_token_ids),
                       list(req.exit_depths), req.logprobs, req.prompt_logprobs, req.loops_done,
-                      float(req.exit_remaining), req.exit_triggered, record, data, fingerprint(engine))
+                      float(req.exit_remaining), req.exit_triggered, record, data, fingerprint(engine), start_page)
     req.status, req.finish_reason = Status.FINISHED, "handoff"    # its pages and slot go back here
     engine.scheduler.release(req)
     engine.outputs.finish(req, "handoff")
@@ -101,3 +123,40 @@ def import_running(engine, h: Handoff) -> RequestOutput:
         h.exit_triggered
     req.swapped = dataclasses.replace(h.record, data=h.data, nbytes=0)
     return engine.get_output(h.request_id)
+
+
+def assemble(h: Handoff, parts: dict[int, tuple[int, list[SwapData]]], num_planes: int) -> list[SwapData]:
+    """The whole copy of a handoff whose first ``h.start_page`` pages per plane came ahead
+    (``parts``: start page -> (pages per plane, ``export_pages``' pieces)), in ``engine.swap``'s
+    pieces again (host numpy)."""
+    segments = sorted(parts.items()) + [(h.start_page, (h.record.num_pages - h.start_page, h.data))]
+    at = 0
+    for start, (n, _) in segments:
+        if start != at:
+            raise ValueError(f"request {h.request_id!r}: its pages came with a gap at page {at} (this is a bug)")
+        at += n
+    core = [_per_plane(pieces, n, num_planes) for _, (n, pieces) in segments]
+    k, v = (np.concatenate([c[i] for c in core], axis=3) for i in (0, 1))      # [L, Hkv, planes, pages, ...]
+    flat = lambda a: a.reshape(a.shape[:2] + (-1,) + a.shape[4:])           # noqa: E731
+    last = h.data[0]
+    bk = bv = None
+    if last.bk is not None:
+        bk, bv = (np.concatenate([np.concatenate([p.bk if i == 0 else p.bv for p in pieces], axis=2)[:, :, :n]
+                                  for _, (n, pieces) in segments], axis=2) for i in (0, 1))
+    core_pages, bpages = chunks(list(range(k.shape[2] * k.shape[3])), [] if bk is None else list(range(bk.shape[2])))
+    pad = lambda a, m: np.pad(a, [(0, 0), (0, 0), (0, m - a.shape[2])] + [(0, 0)] * (a.ndim - 3))   # noqa: E731
+    total = len(core_pages) * SWAP_CHUNK
+    k, v = pad(flat(k), total), pad(flat(v), total)
+    if bk is not None:
+        bk, bv = pad(bk, total), pad(bv, total)
+    cut = lambda a, i: None if a is None else a[:, :, i * SWAP_CHUNK:(i + 1) * SWAP_CHUNK]     # noqa: E731
+    return [SwapData(cut(k, i), cut(v, i), cut(bk, i), cut(bv, i), last.state, last.inject, last.token)
+            for i in range(len(core_pages))]
+
+
+def _per_plane(pieces: list[SwapData], n: int, num_planes: int):
+    """Pieces of n pages per plane (plane by plane) -> k, v as [L, Hkv, planes, n, page, Dh]."""
+    def one(a):
+        a = np.concatenate(a, axis=2)[:, :, :n * num_planes]
+        return a.reshape(a.shape[:2] + (num_planes, n) + a.shape[3:])
+    return one([p.k for p in pieces]), one([p.v for p in pieces])

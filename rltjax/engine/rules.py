@@ -35,10 +35,24 @@ class RuleInputs:
 
 
 @dataclasses.dataclass(frozen=True)
+class ServerInputs:
+    """How ``rltjax serve`` spreads engines over processes: what its rows are about."""
+    prefill_workers: int = 0      # --num-prefill-workers
+    decode_workers: int = 0       # --num-decode-workers
+    processes: int = 1            # --num-processes (one engine over several hosts)
+    data_parallel: int = 1        # --data-parallel-size
+
+
+@dataclasses.dataclass(frozen=True)
 class Rule:
     what: str | Callable[[RuleInputs], str]    # the combination, in words (with the values given)
     broken: Callable[[RuleInputs], bool]       # true when these inputs break the rule
     fix: str                                   # what to change (flags named)
+    scope: type = RuleInputs                   # which inputs the row reads (one engine's, or the server's)
+
+
+def _disagg(i: ServerInputs) -> bool:
+    return bool(i.prefill_workers or i.decode_workers)
 
 
 def mixed_prefill_blocker(i: RuleInputs) -> str | None:
@@ -143,15 +157,27 @@ RULES: tuple[Rule, ...] = (
          f"target must be deeper than the draft and at most the engine's loop cap {_cap(i)}",
          lambda i: _spec(i) and not i.speculative.draft_loops < _target(i) <= _cap(i),
          "lower draft_loops, or set target_loops within (draft_loops, CacheConfig.max_loops or R]"),
+    Rule("prefill/decode disaggregation needs both kinds of worker",
+         lambda i: bool(i.prefill_workers) != bool(i.decode_workers),
+         "give --num-prefill-workers and --num-decode-workers together (both >= 1)", ServerInputs),
+    Rule("prefill/decode disaggregation runs its workers under one coordinator, not in a jax.distributed job",
+         lambda i: _disagg(i) and i.processes > 1,
+         "leave --num-processes at 1 (workers may run on other hosts: --disagg-remote-workers)", ServerInputs),
+    Rule("prefill/decode disaggregation with data-parallel replicas (each worker is one engine)",
+         lambda i: _disagg(i) and i.data_parallel > 1,
+         "add decode workers instead of --data-parallel-size", ServerInputs),
+    Rule("data-parallel replicas in a jax.distributed job: process 0 drives one engine over every process's devices",
+         lambda i: i.processes > 1 and i.data_parallel > 1,
+         "run a separate job per replica instead of --data-parallel-size", ServerInputs),
     Rule("the Pallas kernel needs page_size >= 8",
          lambda i: i.execution.attn_impl == "pallas" and i.cache.page_size < 8,
          "use CacheConfig.page_size >= 8 or ExecutionConfig.attn_impl='xla'"),
 )
 
 
-def check_rules(inputs: RuleInputs) -> None:
-    """Raise EngineConfigError for the first rule these inputs break."""
+def check_rules(inputs: RuleInputs | ServerInputs) -> None:
+    """Raise EngineConfigError for the first rule of these inputs' scope they break."""
     for rule in RULES:
-        if rule.broken(inputs):
+        if rule.scope is type(inputs) and rule.broken(inputs):
             what = rule.what(inputs) if callable(rule.what) else rule.what
             raise EngineConfigError(f"unsupported option combination: {what}; {rule.fix}")

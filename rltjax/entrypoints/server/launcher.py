@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import os
 
+from rltjax.engine.rules import ServerInputs, check_rules
 from rltjax.entrypoints.engine_args import add_engine_arguments, configs_from_args
 from rltjax.entrypoints.server.reasoning import REASONING_PARSERS
 
@@ -42,6 +43,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-prefill-workers", type=int, default=0, metavar="P", help="processes that run prompts")
     g.add_argument("--num-decode-workers", type=int, default=0, metavar="D",
                    help="processes that decode (each pulls a prompt's KV from its prefill worker)")
+    g.add_argument("--disagg-address", default="127.0.0.1:0", metavar="HOST:PORT",
+                   help="where the workers reach this server (port 0: any free one)")
+    g.add_argument("--disagg-remote-workers", action="store_true",
+                   help="start no worker here: wait for P + D workers started on other hosts with "
+                        "`python -m rltjax.disagg.worker HOST:PORT K` (RLTJAX_DISAGG_KEY: one hex key everywhere)")
     g = p.add_argument_group("several hosts (jax.distributed: one process per host, the server on process 0)")
     g.add_argument("--num-processes", type=int, default=1, metavar="N", help="processes in the job")
     g.add_argument("--process-id", type=int, default=0, metavar="I", help="this process (0 serves HTTP)")
@@ -81,10 +87,8 @@ def run_serve(args: argparse.Namespace, engine_wrapper=None) -> int:
     from rltjax.config import load_hf_config
 
     configs = configs_from_args(args)   # bad flags fail here, before anything starts
-    if (args.num_prefill_workers or args.num_decode_workers) and args.num_processes > 1:
-        raise ValueError("--num-prefill-workers / --num-decode-workers run on one host; leave --num-processes at 1")
-    if bool(args.num_prefill_workers) != bool(args.num_decode_workers):
-        raise ValueError("--num-prefill-workers and --num-decode-workers go together (both >= 1)")
+    check_rules(ServerInputs(args.num_prefill_workers, args.num_decode_workers, args.num_processes,
+                             args.data_parallel_size))
     if args.num_processes > 1:
         return _run_multihost(args, configs)
     for flag in ("max_waiting_requests", "max_request_bytes", "tokenizer_pool_size", "num_prefill_workers",
@@ -108,7 +112,8 @@ def run_serve(args: argparse.Namespace, engine_wrapper=None) -> int:
     if args.num_prefill_workers or args.num_decode_workers:
         from rltjax.disagg.coordinator import DisaggEngine
         factory = lambda: DisaggEngine(args.model, configs, num_prefill=args.num_prefill_workers,   # noqa: E731
-                                       num_decode=args.num_decode_workers)
+                                       num_decode=args.num_decode_workers, address=args.disagg_address,
+                                       remote_workers=args.disagg_remote_workers)
     engine = AsyncEngine(factory, on_fatal=fatal)
     app = build_app(engine, served_names=args.served_model_name or [args.model], api_key=args.api_key,
                     max_request_bytes=args.max_request_bytes, max_waiting_requests=args.max_waiting_requests,
@@ -132,9 +137,6 @@ def _run_multihost(args: argparse.Namespace, configs: dict) -> int:
     if args.coordinator_address is None or not 0 <= args.process_id < args.num_processes:
         raise ValueError("--num-processes > 1 needs --coordinator-address HOST:PORT and 0 <= --process-id < "
                          "--num-processes")
-    if configs["parallel_config"].data_parallel_size > 1:
-        raise ValueError("--data-parallel-size > 1 with --num-processes > 1: process 0 drives one engine over every "
-                         "process's devices; run a separate job per replica instead")
     multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
     if args.process_id == 0:
         args.num_processes = 1           # what follows serves as usual, around the leader

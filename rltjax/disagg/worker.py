@@ -58,6 +58,7 @@ class Worker:
         self.started: dict[str, float] = {}
         self.attempts: dict[str, int] = {}          # prefill: each request's attempt (``Prefill.attempt``)
         self.peers: dict[str, object] = {}
+        self.peers_lock = threading.Lock()
         self.pulled: queue.Queue = queue.Queue()    # decode: (kind, message, data or exception, seconds)
         self.parts: dict[str, tuple] = {}           # decode: request -> (attempt, start page -> (pages, data or None))
         self.finals: dict[str, tuple] = {}          # decode: request -> (Import, data, when asked) pulled
@@ -156,7 +157,7 @@ class Worker:
             self.conn.send(Chunk(rid, uuid, sent, full - sent, _specs(data), _nbytes(data), self.attempts.get(rid, 1)))
 
     def _export(self, rid: str) -> None:
-        h = export_running(self.engine, rid, self.sent.pop(rid, 0))
+        h = export_running(self.engine, rid, self.sent.pop(rid, 0), trim=True)
         uuid, arrays = self._offer(h.data)
         self.waiting_pull.setdefault(rid, []).append(arrays)
         self.conn.send(Ready(rid, dataclasses.replace(h, data=_specs(h.data)), uuid, h.nbytes,
@@ -168,8 +169,10 @@ class Worker:
         def pull():
             t0 = time.monotonic()
             try:
-                peer = self.peers.get(address) or self.server.connect(address)
-                self.peers[address] = peer
+                with self.peers_lock:       # one connection a peer: pulls run on several threads
+                    if address not in self.peers:
+                        self.peers[address] = self.server.connect(address)
+                    peer = self.peers[address]
                 device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
                 flat = [[jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device) for x in jax.tree.leaves(piece)]
                         for piece in specs]

@@ -74,19 +74,31 @@ def export_pages(engine, request_id: str, start: int, end: int) -> list[SwapData
     still here, mid-prompt too (``complete_pages``): streamed while the rest of the prompt runs."""
     check_exportable(engine)
     req = engine.requests[str(request_id)]
-    return _gather(engine, req, start, end)
+    return _gather(engine, req, start, end, trim=True)
 
 
-def _gather(engine, req, start: int, end: int | None = None) -> list[SwapData]:
+def _gather(engine, req, start: int, end: int | None = None, trim: bool = False) -> list[SwapData]:
+    """The pages [start, end) of every plane, in ``engine.swap`` pieces; trim: without the
+    last piece's padding (what moves between hosts; ``assemble`` pads them again)."""
     core, boundary = engine.scheduler.blocks.pages_of(req)
-    pages = [p for plane in core for p in plane[start:end]]
-    step = SwapOutStep(req, *chunks(pages, boundary[start:end]), req.slot, None)
-    return engine.executor.launch(step).read()
+    pages, bpages = [p for plane in core for p in plane[start:end]], boundary[start:end]
+    step = SwapOutStep(req, *chunks(pages, bpages), req.slot, None)
+    data = engine.executor.launch(step).read()
+    if not trim:
+        return data
+
+    def cut(piece, i):       # no page: no array (a zero-byte transfer never completed)
+        n, nb = (min(max(total - i * SWAP_CHUNK, 0), SWAP_CHUNK) for total in (len(pages), len(bpages)))
+        own = lambda a, m: np.ascontiguousarray(a[:, :, :m]) if m else None      # noqa: E731
+        boundary_part = {} if piece.bk is None else dict(bk=own(piece.bk, nb), bv=own(piece.bv, nb))
+        return dataclasses.replace(piece, k=own(piece.k, n), v=own(piece.v, n), **boundary_part)
+    return [cut(piece, i) for i, piece in enumerate(data)]
 
 
-def export_running(engine, request_id: str, start_page: int = 0) -> Handoff:
+def export_running(engine, request_id: str, start_page: int = 0, trim: bool = False) -> Handoff:
     """Copy a running request off ``engine`` (which then forgets it); start_page: pages per
-    plane already sent by ``export_pages`` (the copy holds the rest)."""
+    plane already sent by ``export_pages`` (the copy holds the rest); trim: the copy's pieces
+    without their padding (then ``assemble`` it before ``import_running``)."""
     check_exportable(engine)
     req = engine.requests.get(str(request_id))
     if req is None or req.finished or req.status in (Status.WAITING, Status.PREFILLING):
@@ -94,7 +106,7 @@ def export_running(engine, request_id: str, start_page: int = 0) -> Handoff:
     blocks = engine.scheduler.blocks
     core, _ = blocks.pages_of(req)
     record = Swapped(req.status, blocks.covered(req), len(core[0]) if core else 0, 0)
-    data = _gather(engine, req, start_page)
+    data = _gather(engine, req, start_page, trim=trim)
     handoff = Handoff(req.request_id, list(req.prompt_token_ids), req.params, req.seed, list(req.output_token_ids),
                       list(req.exit_depths), req.logprobs, req.prompt_logprobs, req.loops_done,
                       float(req.exit_remaining), req.exit_triggered, record, data, fingerprint(engine), start_page)
@@ -135,13 +147,15 @@ def assemble(h: Handoff, parts: dict[int, tuple[int, list[SwapData]]], num_plane
         if start != at:
             raise ValueError(f"request {h.request_id!r}: its pages came with a gap at page {at} (this is a bug)")
         at += n
+    segments = [s for s in segments if s[1][0]]
     core = [_per_plane(pieces, n, num_planes) for _, (n, pieces) in segments]
     k, v = (np.concatenate([c[i] for c in core], axis=3) for i in (0, 1))      # [L, Hkv, planes, pages, ...]
     flat = lambda a: a.reshape(a.shape[:2] + (-1,) + a.shape[4:])           # noqa: E731
     last = h.data[0]
     bk = bv = None
-    if last.bk is not None:
-        bk, bv = (np.concatenate([np.concatenate([p.bk if i == 0 else p.bv for p in pieces], axis=2)[:, :, :n]
+    if segments[0][1][1][0].bk is not None:
+        bk, bv = (np.concatenate([np.concatenate([x for x in (p.bk if i == 0 else p.bv for p in pieces)
+                                                  if x is not None], axis=2)[:, :, :n]
                                   for _, (n, pieces) in segments], axis=2) for i in (0, 1))
     core_pages, bpages = chunks(list(range(k.shape[2] * k.shape[3])), [] if bk is None else list(range(bk.shape[2])))
     pad = lambda a, m: np.pad(a, [(0, 0), (0, 0), (0, m - a.shape[2])] + [(0, 0)] * (a.ndim - 3))   # noqa: E731
@@ -157,6 +171,6 @@ def assemble(h: Handoff, parts: dict[int, tuple[int, list[SwapData]]], num_plane
 def _per_plane(pieces: list[SwapData], n: int, num_planes: int):
     """Pieces of n pages per plane (plane by plane) -> k, v as [L, Hkv, planes, n, page, Dh]."""
     def one(a):
-        a = np.concatenate(a, axis=2)[:, :, :n * num_planes]
+        a = np.concatenate([x for x in a if x is not None], axis=2)[:, :, :n * num_planes]
         return a.reshape(a.shape[:2] + (num_planes, n) + a.shape[3:])
     return one([p.k for p in pieces]), one([p.v for p in pieces])

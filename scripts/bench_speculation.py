@@ -34,8 +34,9 @@ from benchmarks.speculation import break_even  # noqa: E402
 def build(cfg, params, args, spec):
     from rltjax.engine_config import CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig
     from rltjax.entrypoints.llm import build_engine
-    return build_engine(None, params=params, cfg=cfg, cache_config=CacheConfig(page_size=16),
-                        scheduler_config=SchedulerConfig(max_num_seqs=args.concurrency),
+    # a pool of its own size (not 90% of a GPU): part 2 copies it to start both variants from one KV
+    return build_engine(None, params=params, cfg=cfg, cache_config=CacheConfig(page_size=16, num_pages=2048),
+                        scheduler_config=SchedulerConfig(max_num_seqs=args.concurrency, max_model_len=1024),
                         exit_config=ExitConfig(mode="fixed"), speculative_config=spec,
                         execution_config=ExecutionConfig(compile_ahead=True, show_progress=False))
 

@@ -120,6 +120,32 @@ def test_a_decode_worker_killed_mid_decode_fails_its_requests_only():
         engine.close()
 
 
+def test_a_decode_workers_cached_prefix_is_not_sent_again():
+    """Prefix caching on both sides: a decode worker offers the prompt pages it imported to its
+    own prefix cache; a later prompt with the same prefix gets those pages held at once, the
+    prefill worker sends only the rest, and outputs still equal one engine's."""
+    import dataclasses
+    system = list(range(3, 35))                  # 32 tokens: 8 full pages
+    arrivals = [(i, f"r{i}", system + [40 + i, 50 + i, 60 + i],
+                 SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=1)) for i in range(3)]
+    want = run_workload(make_engine(**ENGINE, enable_prefix_caching=True), arrivals)
+    cached = configs()
+    cached["cache_config"] = dataclasses.replace(cached["cache_config"], enable_prefix_caching=True)
+    engine = DisaggEngine(str(FIXTURES / "ouro-tiny"), cached, num_prefill=1, num_decode=1)
+    try:
+        got, moved = {}, []
+        for step, rid, prompt, sp in arrivals:          # one after another: the first fills the cache
+            before = engine.transfer_bytes
+            got.update(run_workload(engine, [(0, rid, prompt, sp)]))
+            moved.append(engine.transfer_bytes - before)
+        check_same(got, want)
+        assert engine.cached_pages == 2 * 8             # the later two found the 8 prefix pages
+        assert moved[1] < moved[0] / 2 and moved[2] < moved[0] / 2, moved
+        all_free(engine)
+    finally:
+        engine.close()
+
+
 def test_workers_started_on_their_own_connect_to_the_coordinator(monkeypatch):
     """--disagg-remote-workers: the coordinator starts no worker; workers started by hand (as on
     other hosts: their number, the coordinator's address, the shared key, their transfer host)

@@ -19,7 +19,8 @@ import time
 from multiprocessing.connection import wait
 
 from rltjax.disagg.links import Link, start_workers, stop_workers
-from rltjax.disagg.messages import Abort, Chunk, Failed, Hold, Import, Output, Prefill, Pulled, PullChunk, Ready, Stats
+from rltjax.disagg.messages import (Abort, Chunk, Failed, Held, Hold, Import, Output, Prefill, Pulled, PullChunk,
+                                    Ready, Stats)
 from rltjax.engine.outputs import RequestOutput
 from rltjax.engine.request_intake import resolve_seed
 from rltjax.engine.sequence import RequestRejectedError
@@ -73,6 +74,7 @@ class DisaggEngine:
         self.steps_by_kind: dict[str, int] = {}
         self.transfer_bytes = 0
         self.streamed_bytes = 0          # of them, pulled while their prompt still ran
+        self.cached_pages = 0            # prompt pages per plane not sent: the decode worker's prefix cache had them
         self.transfer_seconds = 0.0
         self.retries = 0
         self._changed: dict[str, RequestOutput] = {}     # outputs to hand out at the next step
@@ -100,18 +102,28 @@ class DisaggEngine:
         self._send_prefill(request_id)
 
     def _send_prefill(self, rid: str) -> None:
-        """The least-loaded decode worker holds pages for the prompt, then the least-loaded
-        prefill worker runs it."""
+        """The least-loaded decode worker holds pages for the prompt (``Held`` says how much of
+        its prefix it has cached); then the least-loaded prefill worker runs it."""
         t = self.requests[rid]
         if t.decode is None:
             t.decode = min(self._decoders(), key=lambda w: w.load)
             t.decode.load += 1
         t.attempts += 1
-        self._send(t.decode, Hold(rid, len(t.prompt_token_ids) + 1, t.attempts))
+        t.stage = "holding"
+        reuse = t.params.prompt_logprobs is None        # those run (and score) every prompt token
+        self._send(t.decode, Hold(rid, len(t.prompt_token_ids) + 1, t.attempts,
+                                  tuple(t.prompt_token_ids) if reuse else (), t.params.seed))
+
+    def _held(self, rid: str, t: _Tracked, msg: Held) -> None:
+        if t.stage != "holding" or msg.attempt != t.attempts:
+            return                                       # a retry's earlier hold
+        if not self._prefillers():
+            return self._fail(rid, "no prefill worker is alive")
         t.prefill = min(self._prefillers(), key=lambda w: w.load)
         t.prefill.load += 1
         t.stage = "prefill"
-        self._send(t.prefill, Prefill(rid, t.prompt_token_ids, t.params, t.attempts))
+        self.cached_pages += msg.cached_pages
+        self._send(t.prefill, Prefill(rid, t.prompt_token_ids, t.params, t.attempts, msg.cached_pages))
 
     def step(self) -> list[RequestOutput]:
         live = {link.conn: link for link in self.links if link.alive}
@@ -150,6 +162,8 @@ class DisaggEngine:
             return
         if isinstance(msg, Output):
             self._update(rid, t, msg)
+        elif isinstance(msg, Held):
+            self._held(rid, t, msg)
         elif isinstance(msg, Chunk):
             self.transfer_bytes += msg.nbytes
             self.streamed_bytes += msg.nbytes
@@ -204,7 +218,7 @@ class DisaggEngine:
             code = None
         log.warning(f"{link.role} worker {link.index} is gone (exit status {code})")
         for rid, t in list(self.requests.items()):
-            if t.stage in ("prefill", "decode") and t.decode is link:
+            if t.stage in ("holding", "prefill", "decode") and t.decode is link:
                 if t.stage == "prefill" and t.prefill.alive:
                     self._send(t.prefill, Abort(rid))
                 self._fail(rid, "the decode worker holding it died")

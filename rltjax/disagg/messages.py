@@ -43,6 +43,7 @@ class Prefill:
     prompt_token_ids: list[int]
     params: SamplingParams        # seed drawn by the coordinator
     attempt: int = 1              # which prefill of the request this is (a retry counts up)
+    skip_pages: int = 0           # its first pages per plane the decode worker has: not sent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +63,17 @@ class Hold:
     request_id: str
     positions: int
     attempt: int = 1              # the prefill attempt whose pages will come
+    prompt_token_ids: tuple = ()  # its prompt, looked up in the decode worker's prefix cache (empty: not)
+    seed: int = 0                 # (the prefix key of a model whose prompt KV depends on it)
+
+
+@dataclasses.dataclass(frozen=True)
+class Held:
+    """The decode worker holds pages for the request; its first ``cached_pages`` pages per plane
+    are in its prefix cache already: the prefill worker does not send them."""
+    request_id: str
+    attempt: int
+    cached_pages: int
 
 
 @dataclasses.dataclass(frozen=True)

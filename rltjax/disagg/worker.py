@@ -31,8 +31,8 @@ import jax
 import numpy as np
 from jax.experimental import transfer
 
-from rltjax.disagg.messages import (Abort, Chunk, Failed, Hello, Hold, Import, Output, Prefill, Pulled, PullChunk,
-                                    Ready, Setup, Stats, Stop)
+from rltjax.disagg.messages import (Abort, Chunk, Failed, Held, Hello, Hold, Import, Output, Prefill, Pulled,
+                                    PullChunk, Ready, Setup, Stats, Stop)
 from rltjax.engine.handoff import (assemble, complete_pages, export_pages, export_running, fingerprint,
                                    import_running)
 
@@ -62,6 +62,7 @@ class Worker:
         self.pulled: queue.Queue = queue.Queue()    # decode: (kind, message, data or exception, seconds)
         self.parts: dict[str, tuple] = {}           # decode: request -> (attempt, start page -> (pages, data or None))
         self.finals: dict[str, tuple] = {}          # decode: request -> (Import, data, when asked) pulled
+        self.cached: dict[str, int] = {}            # decode: request -> prefix pages per plane held from its cache
         s = self.engine.scheduler
         conn.send(Hello(self.role, setup.index, self.server.address(), fingerprint(self.engine),
                         dict(max_model_len=s.max_model_len, num_pages=s.allocator.num_pages, num_planes=s.num_planes,
@@ -84,12 +85,11 @@ class Worker:
         if isinstance(msg, Prefill):
             self.started[msg.request_id] = time.monotonic()
             self.attempts[msg.request_id] = msg.attempt
+            self.sent[msg.request_id] = msg.skip_pages      # the decode worker has these
             self._guard(msg.request_id, self.engine.add_request, msg.request_id,
                         {"prompt_token_ids": msg.prompt_token_ids}, msg.params)
         elif isinstance(msg, Hold):
-            self.parts[msg.request_id] = (msg.attempt, {})
-            self.finals.pop(msg.request_id, None)
-            self.engine.scheduler.blocks.hold(msg.request_id, msg.positions)   # no room: it waits at import
+            self._hold(msg)
         elif isinstance(msg, PullChunk):
             c = msg.chunk
             if self._current(c.request_id, c.attempt):
@@ -108,10 +108,22 @@ class Worker:
             self.conn.send(Stats(self.engine.stats()))
         return True
 
+    def _hold(self, msg: Hold) -> None:
+        """Pages for a request about to be prefilled elsewhere (no room: it waits at import);
+        the coordinator learns how much of its prompt's prefix is cached here."""
+        rid, blocks = msg.request_id, self.engine.scheduler.blocks
+        blocks.drop_hold(rid)                              # a retry's earlier hold
+        self.parts[rid] = (msg.attempt, {})
+        self.finals.pop(rid, None)
+        part = (msg.seed % 2**64).to_bytes(8, "little") if self.engine.settings.state_seeded else b""
+        cached = blocks.hold(rid, msg.positions, msg.prompt_token_ids, part)
+        self.cached[rid] = cached or 0
+        self.conn.send(Held(rid, msg.attempt, cached or 0))
+
     def _forget(self, rid: str) -> None:
         """Whatever this worker keeps for a request outside its engine (pulls still on their way
         are dropped when they end)."""
-        for kept in (self.waiting_pull, self.sent, self.started, self.attempts, self.parts, self.finals):
+        for kept in (self.waiting_pull, self.sent, self.started, self.attempts, self.parts, self.finals, self.cached):
             kept.pop(rid, None)
         self.engine.scheduler.blocks.drop_hold(rid)
 
@@ -211,9 +223,9 @@ class Worker:
                                   attempt=msg.ready.attempt))
             return
         try:
-            h = msg.ready.handoff
-            data = assemble(dataclasses.replace(h, data=data), parts, self.engine.settings.num_planes)
-            out = import_running(self.engine, dataclasses.replace(h, data=data, start_page=0))
+            h, cached = msg.ready.handoff, self.cached.pop(rid, 0)
+            data = assemble(dataclasses.replace(h, data=data), parts, self.engine.settings.num_planes, cached)
+            out = import_running(self.engine, dataclasses.replace(h, data=data, start_page=cached), cached)
         except Exception as exc:  # noqa: BLE001
             self.engine.scheduler.blocks.drop_hold(rid)
             self.conn.send(Failed(rid, f"{type(exc).__name__}: {exc}"))

@@ -110,7 +110,7 @@ class Admission:
         room to grow (``BlockManager.keep_free``)."""
         keep = self.blocks.keep_free(len(self.running))
         if req.swapped is not None:
-            return self.blocks.restore(req, req.swapped.positions, keep)
+            return self.blocks.restore(req, req.swapped.positions, keep, self._prefix_part(req))
         return self.blocks.admit(req, self._prefix_part(req), keep)
 
     def _prefix_part(self, req: Request) -> bytes:

@@ -42,6 +42,7 @@ class BlockManager:
         self.watermark_pages = int(watermark * (num_pages - 1)) if allocation == "incremental" else 0
         self.prefix_context = prefix_context
         self.cache = PrefixCache(self.allocator, self.boundary_allocator) if prefix_context is not None else None
+        self._held_blocks: dict[str, tuple] = {}    # request id -> (its prompt's block keys, prefix blocks held)
 
     # -- accounting -----------------------------------------------------------------
     @property
@@ -111,15 +112,7 @@ class BlockManager:
         if self.cache is not None and not req.num_preemptions:   # a re-admission would count its own pages
             self.cache.record(len(req.block_keys[:(req.prompt_len - 1) // P]) * P, len(blocks) * P)
         self._assign(req)
-        for plane, table in enumerate(req.tables):
-            pages = [b.pages[plane] for b in blocks]
-            self.allocator.incref(pages, owner=req.request_id)
-            self.block_tables.append_pages(table, pages)
-        if self.boundary_tables is not None and blocks:
-            bpages = [b.boundary_page for b in blocks]
-            self.boundary_allocator.incref(bpages, owner=req.request_id)
-            self.boundary_tables.append_pages(req.boundary_table, bpages)
-        req.cache_blocks = list(blocks)
+        self._map(req, blocks)
         req.num_prefilled = len(blocks) * P
         if not req.num_preemptions:      # what the user is told: the first admission's hit
             req.num_cached_tokens = req.num_prefilled
@@ -142,18 +135,39 @@ class BlockManager:
         target = req.max_positions if self.allocation == "lifetime" else req.prompt_len + req.replay_left
         return (pages_needed(target, P) - hits) * self.num_planes
 
-    def restore(self, req: Request, positions: int, keep: int = 0) -> bool:
-        """Fresh pages for the first ``positions`` of a request coming back from swap (lifetime
-        allocation: every position it can write); False, with nothing taken, if they do not
-        fit with ``keep`` core pages left free."""
+    def restore(self, req: Request, positions: int, keep: int = 0, request_part: bytes = b"") -> bool:
+        """Pages for the first ``positions`` of a request coming back from swap (lifetime
+        allocation: every position it can write): the prefix blocks ``hold`` kept for it, then
+        fresh ones; False, with nothing taken, if they do not fit with ``keep`` core pages left
+        free."""
         target = req.max_positions if self.allocation == "lifetime" else positions
-        fresh = pages_needed(target, self.page_size)
+        keys, blocks = self._held_blocks.get(req.request_id, (None, []))
+        fresh = pages_needed(target, self.page_size) - len(blocks)
         if not self._can_take(fresh, keep, req):
             return False
+        self._held_blocks.pop(req.request_id, None)
         self._assign(req)
+        if blocks:
+            self._map(req, blocks)
+            req.block_keys = keys
+        elif self.cache is not None and req.block_keys is None:
+            req.block_keys = block_keys(root_key(self.prefix_context, request_part), req.prompt_token_ids,
+                                        self.page_size, req.prompt_len // self.page_size)
         self._take(req, fresh)
-        req.num_published = 0        # its pages are fresh copies: a prefill still running publishes them again
+        req.num_published = len(blocks)   # its pages are fresh copies: published again (``publish``)
         return True
+
+    def _map(self, req: Request, blocks) -> None:
+        """Cached blocks (each already used by the request) as the first pages of its tables."""
+        for plane, table in enumerate(req.tables):
+            pages = [b.pages[plane] for b in blocks]
+            self.allocator.incref(pages, owner=req.request_id)
+            self.block_tables.append_pages(table, pages)
+        if self.boundary_tables is not None and blocks:
+            bpages = [b.boundary_page for b in blocks]
+            self.boundary_allocator.incref(bpages, owner=req.request_id)
+            self.boundary_tables.append_pages(req.boundary_table, bpages)
+        req.cache_blocks = list(blocks)
 
     def _assign(self, req: Request) -> None:
         req.tables = self.block_tables.assign(req.request_id, self.num_planes)
@@ -184,24 +198,37 @@ class BlockManager:
         return ok
 
     # -- holds (prefill/decode disaggregation) -----------------------------------------
-    def hold(self, request_id: str, positions: int) -> bool:
+    def hold(self, request_id: str, positions: int, prompt_token_ids=(), request_part: bytes = b"") -> int | None:
         """Hold pages for a request that is not here yet (its prompt runs on another engine):
-        its first ``positions`` on every plane and in the boundary pool, out of everyone else's
-        reach until it arrives (its admission takes them) or ``drop_hold``. False, holding
-        nothing, when they are not free."""
-        per_plane = pages_needed(positions, self.page_size)
+        the cached blocks of its prompt's prefix (``prompt_token_ids``; none when empty) and
+        fresh pages for the rest of its first ``positions`` on every plane and in the boundary
+        pool, out of everyone else's reach until it arrives (``restore`` maps them) or
+        ``drop_hold``. Returns the prefix pages found here (the other engine need not send
+        them), or None, holding nothing, when the fresh pages are not free."""
+        keys, blocks = None, []
+        if self.cache is not None and len(prompt_token_ids):
+            keys = block_keys(root_key(self.prefix_context, request_part), list(prompt_token_ids), self.page_size,
+                              len(prompt_token_ids) // self.page_size)
+            blocks = self.cache.match(keys[:(len(prompt_token_ids) - 1) // self.page_size])
+        per_plane = pages_needed(positions, self.page_size) - len(blocks)
         if not self._can_take(per_plane):
-            return False
+            if blocks:
+                self.cache.release(blocks)
+            return None
         self.allocator.reserve(request_id, per_plane * self.num_planes)
         if self.boundary_allocator is not None:
             self.boundary_allocator.reserve(request_id, per_plane)
-        return True
+        self._held_blocks[request_id] = (keys, blocks)
+        return len(blocks)
 
     def drop_hold(self, request_id: str) -> None:
         """Give back what ``hold`` kept for a request that will not come (or left)."""
         for alloc in (self.allocator, self.boundary_allocator):
             if alloc is not None and alloc.holds(request_id) and not alloc.pages_held_by(request_id):
                 alloc.release(request_id)
+        _, blocks = self._held_blocks.pop(request_id, (None, []))
+        if blocks:
+            self.cache.release(blocks)
 
     def held_for(self, req: Request | None) -> tuple[int, int]:
         """(core, boundary) pages held for the request (``hold``) and not yet taken."""

@@ -117,8 +117,10 @@ def export_running(engine, request_id: str, start_page: int = 0, trim: bool = Fa
     return handoff
 
 
-def import_running(engine, h: Handoff) -> RequestOutput:
-    """Queue a handed-off request on ``engine``; it resumes where the other engine stopped."""
+def import_running(engine, h: Handoff, cached_pages: int = 0) -> RequestOutput:
+    """Queue a handed-off request on ``engine``; it resumes where the other engine stopped.
+    cached_pages: its first pages per plane are the prefix blocks ``BlockManager.hold`` kept
+    here (``h.data`` holds the rest)."""
     if h.fingerprint != fingerprint(engine):
         raise RequestRejectedError(f"request {h.request_id!r}: handed off by an engine that computes something "
                                    f"else ({h.fingerprint} here {fingerprint(engine)})")
@@ -133,16 +135,18 @@ def import_running(engine, h: Handoff) -> RequestOutput:
     req.num_prefilled = req.num_published = req.prompt_len
     req.loops_done, req.exit_remaining, req.exit_triggered = h.loops_done, np.float32(h.exit_remaining), \
         h.exit_triggered
-    req.swapped = dataclasses.replace(h.record, data=h.data, nbytes=0)
+    req.swapped = dataclasses.replace(h.record, data=h.data, nbytes=0, cached_pages=cached_pages)
     return engine.get_output(h.request_id)
 
 
-def assemble(h: Handoff, parts: dict[int, tuple[int, list[SwapData]]], num_planes: int) -> list[SwapData]:
-    """The whole copy of a handoff whose first ``h.start_page`` pages per plane came ahead
-    (``parts``: start page -> (pages per plane, ``export_pages``' pieces)), in ``engine.swap``'s
-    pieces again (host numpy)."""
+def assemble(h: Handoff, parts: dict[int, tuple[int, list[SwapData]]], num_planes: int,
+             first_page: int = 0) -> list[SwapData]:
+    """The copy of a handoff's pages [first_page, its last) whose pages before ``h.start_page``
+    came ahead (``parts``: start page -> (pages per plane, ``export_pages``' pieces)), in
+    ``engine.swap``'s pieces again (host numpy). first_page: the pages the receiving engine's
+    prefix cache has (not sent; ``Swapped.cached_pages``)."""
     segments = sorted(parts.items()) + [(h.start_page, (h.record.num_pages - h.start_page, h.data))]
-    at = 0
+    at = first_page
     for start, (n, _) in segments:
         if start != at:
             raise ValueError(f"request {h.request_id!r}: its pages came with a gap at page {at} (this is a bug)")

@@ -83,8 +83,11 @@ class Preemptor:
         self.swap_space.free(record.nbytes)
         req.status = record.status
         core, boundary = self.blocks.pages_of(req)
-        pages = [p for plane in core for p in plane[:record.num_pages]]
-        return SwapInStep(req, *chunks(pages, boundary[:record.num_pages]), req.slot, record.data)
+        first, last = record.cached_pages, record.num_pages
+        pages = [p for plane in core for p in plane[first:last]]
+        step = SwapInStep(req, *chunks(pages, boundary[first:last]), req.slot, record.data)
+        self.blocks.publish(req)      # its prompt pages, copies now: offered to the prefix cache again
+        return step
 
     def forget(self, req: Request) -> None:
         """A waiting request leaves for good (abort): its host copy is dropped."""

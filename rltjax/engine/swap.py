@@ -44,6 +44,7 @@ class Swapped:
     num_pages: int             # pages per plane
     nbytes: int                # host bytes reserved for it
     data: SwapData | None = None   # numpy once the copy is read
+    cached_pages: int = 0      # pages per plane the copy leaves out: the prefix cache's (a handoff)
 
 
 SWAP_CHUNK = 64       # pages a copy moves (one executable; a bounded device buffer)

@@ -102,8 +102,8 @@ class Admission:
         pages at most, the others' growth room kept): else preempting any is for nothing."""
         freed = sum(len(plane) for v in victims for plane in self.blocks.pages_of(v)[0])
         keep = self.blocks.keep_free(len(self.running) - len(victims))
-        held = self.blocks.held_for(req)[0]
-        return self.blocks.num_free_pages + held + freed - keep >= self.blocks.admission_pages(req, self._prefix_part(req))
+        room = self.blocks.num_free_pages + self.blocks.held_for(req)[0] + freed - keep
+        return room >= self.blocks.admission_pages(req, self._prefix_part(req))
 
     def _take_pages(self, req: Request) -> bool:
         """Pages for the prompt (or a swapped request's copy), leaving the running requests

@@ -215,8 +215,8 @@ class ModelRunner:
             w = self.s.window
             self._specs[sampler] = WindowSpec(
                 self.model, self.s.decode_backend, self.s.prefill_backend, w.num_passes, self.s.exit_mode,
-                self.s.layered, self.s.dummy_slot, w.fixed_trip, sampler, self.s.num_top if sampler == "truncate" else 0,
-                w.swap_every_pass, w.speculative)
+                self.s.layered, self.s.dummy_slot, w.fixed_trip, sampler,
+                self.s.num_top if sampler == "truncate" else 0, w.swap_every_pass, w.speculative)
         return self._specs[sampler]
 
     def merge_rows(self, after: WindowRows, host: WindowRows, replace: np.ndarray) -> WindowRows:

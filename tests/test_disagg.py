@@ -146,6 +146,22 @@ def test_a_decode_workers_cached_prefix_is_not_sent_again():
         engine.close()
 
 
+def test_decode_workers_speculate():
+    """With a SpeculativeConfig the decode workers run speculative rounds (the prefill workers
+    make one token a request and run without it): outputs equal one speculating engine's."""
+    from rltjax.engine_config import SpeculativeConfig
+    spec = SpeculativeConfig(3, 2)
+    want = run_workload(make_engine(**ENGINE, exit_mode="fixed", speculative=spec), workload(4, seed=3))
+    engine = DisaggEngine(str(FIXTURES / "ouro-tiny"), {**configs(), "exit_config": ExitConfig(mode="fixed"),
+                                                       "speculative_config": spec}, num_prefill=1, num_decode=1)
+    try:
+        check_same(run_workload(engine, workload(4, seed=3)), want)
+        assert engine.stats().spec_draft_tokens > 0
+        all_free(engine)
+    finally:
+        engine.close()
+
+
 def test_workers_started_on_their_own_connect_to_the_coordinator(monkeypatch):
     """--disagg-remote-workers: the coordinator starts no worker; workers started by hand (as on
     other hosts: their number, the coordinator's address, the shared key, their transfer host)
@@ -212,8 +228,8 @@ def test_serve_with_prefill_and_decode_workers():
         time.sleep(0.3)
         samples = {(x.name, x.labels.get("stage")): x.value for f in
                    text_string_to_metric_families(httpx.get(url + "/metrics").text) for x in f.samples}
-        assert samples[("rltjax:disagg_stage_seconds_count", "prefill")] == 2
-        assert samples[("rltjax:disagg_stage_seconds_count", "transfer")] == 2
+        for stage in ("hold", "prefill", "transfer", "first_token"):
+            assert samples[("rltjax:disagg_stage_seconds_count", stage)] == 2, stage
         assert samples[("rltjax:disagg_transfer_bytes_total", None)] > 0
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(120) == 0

@@ -41,6 +41,7 @@ class _Tracked:
     stage: str = "prefill"        # prefill | decode | done
     imported: bool = False        # the decode worker has its pages
     attempts: int = 0             # prefills asked for it
+    held_asked: float = 0.0       # when its decode worker was asked to hold pages
 
 
 class _Facts:
@@ -109,7 +110,7 @@ class DisaggEngine:
             t.decode = min(self._decoders(), key=lambda w: w.load)
             t.decode.load += 1
         t.attempts += 1
-        t.stage = "holding"
+        t.stage, t.held_asked = "holding", time.monotonic()
         reuse = t.params.prompt_logprobs is None        # those run (and score) every prompt token
         self._send(t.decode, Hold(rid, len(t.prompt_token_ids) + 1, t.attempts,
                                   tuple(t.prompt_token_ids) if reuse else (), t.params.seed))
@@ -117,6 +118,7 @@ class DisaggEngine:
     def _held(self, rid: str, t: _Tracked, msg: Held) -> None:
         if t.stage != "holding" or msg.attempt != t.attempts:
             return                                       # a retry's earlier hold
+        self._stages.append(("hold", time.monotonic() - t.held_asked))
         if not self._prefillers():
             return self._fail(rid, "no prefill worker is alive")
         t.prefill = min(self._prefillers(), key=lambda w: w.load)
@@ -192,6 +194,8 @@ class DisaggEngine:
                 self._send(t.prefill, Pulled(rid))
         if len(out.token_ids) < len(t.output.token_ids) and not out.finished:
             return                                 # the decode worker's echo of what was already sent
+        if out.token_ids and not t.output.token_ids:     # its first token, from the prefill worker
+            self._stages.append(("first_token", time.monotonic() - t.output.metrics["arrival_time"]))
         out.metrics = {**t.output.metrics, **{k: v for k, v in out.metrics.items() if v is not None}}
         t.output = out
         if out.finished:
@@ -276,8 +280,10 @@ class DisaggEngine:
         self.requests.pop(str(request_id), None)
 
     def take_stage_timings(self) -> tuple[list[tuple[str, float]], int]:
-        """(stage, seconds) of each prompt's prefill and pages' transfer since the last call, and
-        the bytes moved in total (the server's /metrics)."""
+        """(stage, seconds) since the last call, and the bytes moved in total (the server's
+        /metrics): each request's hold (its decode worker holding pages), prefill (on its prefill
+        worker, waiting there included), transfer (after its first token, until the decode worker
+        queued it) and first_token (from its arrival here)."""
         stages, self._stages = self._stages, []
         return stages, self.transfer_bytes
 

@@ -58,8 +58,10 @@ class ServerMetrics:
         self.rejected = Counter(p + "request_rejected", "Requests refused before queueing, by HTTP status.",
                                 ["status"], registry=r)
         # prefill/decode disaggregation: each prompt's prefill on its worker and its pages' pull
-        self.stage_seconds = Histogram(p + "disagg_stage_seconds", "Prefill on a prefill worker, and the pull of "
-                                       "its KV pages by a decode worker.", ["stage"], buckets=_LATENCY, registry=r)
+        self.stage_seconds = Histogram(p + "disagg_stage_seconds", "Per request: hold (its decode worker holding "
+                                       "pages), prefill (on its prefill worker, waiting there included), transfer "
+                                       "(after its first token, until the decode worker queued it), first_token.",
+                                       ["stage"], buckets=_LATENCY, registry=r)
         self.transfer_bytes = Counter(p + "disagg_transfer_bytes", "KV bytes moved from prefill to decode workers.",
                                       registry=r)
         # data-parallel replicas (one, "0", without --data-parallel-size)

@@ -69,7 +69,7 @@ def test_pages_streamed_while_the_prompt_runs_put_together_exactly(name, overrid
     free = blocks.num_free_pages
     for _, rid, prompt, params in requests():
         prefill.add_request(rid, prompt, params)
-        assert blocks.hold(rid, len(prompt) + 1)
+        assert blocks.hold(rid, len(prompt) + 1) == 0          # held; nothing of it cached here
     assert blocks.num_free_pages < free
     parts, sent, moved = {}, {}, []
     while prefill.has_unfinished_requests():
@@ -101,10 +101,10 @@ def test_a_hold_is_given_back_and_never_blocks_its_own_request():
     engine = make_engine(num_pages=40, decode_window=8)
     blocks = engine.scheduler.blocks
     free = blocks.num_free_pages
-    assert blocks.hold("a", 30) and not blocks.hold("b", 200)     # 8 pages per plane x 4 planes; the rest won't fit
+    assert blocks.hold("a", 30) == 0 and blocks.hold("b", 200) is None   # 8 pages per plane x 4 planes; b won't fit
     assert blocks.num_free_pages == free - 32
     blocks.drop_hold("a")
     assert blocks.num_free_pages == free
-    assert blocks.hold("c", 36)                 # its own admission may use every held page
+    assert blocks.hold("c", 36) == 0            # its own admission may use every held page
     run_workload(engine, [(0, "c", list(range(3, 33)), SamplingParams(max_tokens=4, ignore_eos=True))])
     assert_all_pages_free(engine)

@@ -22,9 +22,10 @@ from rltjax.disagg.links import Link, start_workers, stop_workers
 from rltjax.disagg.messages import (Abort, Chunk, Failed, Held, Hold, Import, Output, Prefill, Pulled, PullChunk,
                                     Ready, Stats)
 from rltjax.engine.outputs import RequestOutput
-from rltjax.engine.request_intake import resolve_seed
+from rltjax.engine.request_intake import resolve_seed, speculative_tokens
 from rltjax.engine.sequence import RequestRejectedError
 from rltjax.engine.stats import EngineStats
+from rltjax.sampling_params import SamplingParamsError
 from rltjax.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -95,12 +96,23 @@ class DisaggEngine:
         ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else (
             self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt))
         params = resolve_seed(params)
+        self._check_speculation(request_id, params)
         out = RequestOutput(request_id, prompt_token_ids=list(ids))
         out.metrics["arrival_time"] = time.monotonic()
         if not self._prefillers() or not self._decoders():
             raise RequestRejectedError("no prefill or no decode worker is alive")
         self.requests[request_id] = _Tracked(list(ids), params, out)
         self._send_prefill(request_id)
+
+    def _check_speculation(self, rid: str, params) -> None:
+        """A request's speculation against the decode workers' (the prefill workers run none):
+        refused here, before its prompt runs, as a decode worker would refuse it."""
+        spec = self._decoders()[0].hello.facts.get("speculative") if self._decoders() else None
+        depth = params.max_loops if params.max_loops is not None else (spec.target_loops if spec else 0)
+        try:
+            speculative_tokens(params, depth, spec)
+        except SamplingParamsError as exc:
+            raise RequestRejectedError(f"request {rid!r}: {exc}") from None
 
     def _send_prefill(self, rid: str) -> None:
         """The least-loaded decode worker holds pages for the prompt (``Held`` says how much of
@@ -158,9 +170,11 @@ class DisaggEngine:
             return
         rid = msg.request_id if not isinstance(msg, Output) else msg.output.request_id
         t = self.requests.get(rid)
-        if t is None or t.stage == "done":     # aborted meanwhile (a late report)
+        if t is None or t.stage == "done":     # aborted meanwhile (a late report): let go of its pages
             if isinstance(msg, Ready):
                 self._send(link, Pulled(rid))
+            elif isinstance(msg, Held):
+                self._send(link, Abort(rid))
             return
         if isinstance(msg, Output):
             self._update(rid, t, msg)
@@ -186,6 +200,8 @@ class DisaggEngine:
 
     def _update(self, rid, t: _Tracked, msg: Output) -> None:
         out = msg.output
+        if msg.transfer_seconds is not None and msg.attempt != t.attempts:
+            return                                 # an import of an attempt aborted since (its worker died)
         if msg.transfer_seconds is not None:
             t.imported = True
             self.transfer_seconds += msg.transfer_seconds
@@ -238,8 +254,9 @@ class DisaggEngine:
         """Its prompt again on another prefill worker; the decode worker drops what it pulled
         and holds its pages again."""
         t.stage = "retry"
-        if t.decode is not None and t.decode.alive:
-            self._send(t.decode, Abort(rid))
+        for link in (t.decode, t.prefill):      # what either kept of the failed attempt goes
+            if link is not None and link.alive:
+                self._send(link, Abort(rid))
         if not self._prefillers() or t.decode is None or not t.decode.alive:
             return self._fail(rid, "no prefill or decode worker left to retry on")
         self.retries += 1
@@ -247,6 +264,9 @@ class DisaggEngine:
 
     def _fail(self, rid: str, error: str) -> None:
         t = self.requests[rid]
+        for link in (t.prefill, t.decode):      # pages held, copies waiting to be pulled: freed
+            if link is not None and link.alive:
+                self._send(link, Abort(rid))
         out = dataclasses.replace(t.output, finished=True, finish_reason="error", error=error)
         t.output = out
         self._done(t)

@@ -116,6 +116,7 @@ class Pulled:
 class Output:
     output: RequestOutput
     transfer_seconds: float | None = None   # set on a decode worker's first output of a request
+    attempt: int = 0                        # with transfer_seconds: the prefill attempt it imported
 
 
 @dataclasses.dataclass(frozen=True)

@@ -66,7 +66,8 @@ class Worker:
         s = self.engine.scheduler
         conn.send(Hello(self.role, setup.index, self.server.address(), fingerprint(self.engine),
                         dict(max_model_len=s.max_model_len, num_pages=s.allocator.num_pages, num_planes=s.num_planes,
-                             page_size=s.page_size, max_num_seqs=s.config.max_num_seqs)))
+                             page_size=s.page_size, max_num_seqs=s.config.max_num_seqs,
+                             speculative=self.engine.settings.window and self.engine.settings.window.speculative)))
 
     def run(self) -> None:
         while True:
@@ -83,6 +84,8 @@ class Worker:
         if isinstance(msg, Stop):
             return False
         if isinstance(msg, Prefill):
+            # a request's drafts are the decode worker's business (checked when it is imported there)
+            msg = dataclasses.replace(msg, params=dataclasses.replace(msg.params, num_speculative_tokens=None))
             self.started[msg.request_id] = time.monotonic()
             self.attempts[msg.request_id] = msg.attempt
             self.sent[msg.request_id] = msg.skip_pages      # the decode worker has these
@@ -227,10 +230,13 @@ class Worker:
             data = assemble(dataclasses.replace(h, data=data), parts, self.engine.settings.num_planes, cached)
             out = import_running(self.engine, dataclasses.replace(h, data=data, start_page=cached), cached)
         except Exception as exc:  # noqa: BLE001
+            if rid in self.engine.requests:       # queued without its copy: it must not prefill here
+                self.engine.abort_request(rid)
+                self.engine.forget(rid)
             self.engine.scheduler.blocks.drop_hold(rid)
             self.conn.send(Failed(rid, f"{type(exc).__name__}: {exc}"))
             return
-        self.conn.send(Output(out, transfer_seconds=time.monotonic() - asked))
+        self.conn.send(Output(out, transfer_seconds=time.monotonic() - asked, attempt=msg.ready.attempt))
 
 
 def _specs(data):

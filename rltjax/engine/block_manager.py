@@ -211,13 +211,18 @@ class BlockManager:
                               len(prompt_token_ids) // self.page_size)
             blocks = self.cache.match(keys[:(len(prompt_token_ids) - 1) // self.page_size])
         per_plane = pages_needed(positions, self.page_size) - len(blocks)
-        if not self._can_take(per_plane):
+        core = per_plane * self.num_planes
+        if self._can_take(per_plane) and self.cache is not None:     # a reservation takes only free pages
+            self.cache.evict(core, per_plane if self.boundary_allocator is not None else 0)
+        held = self._can_take(per_plane) and self.allocator.reserve(request_id, core)
+        if held and self.boundary_allocator is not None and not self.boundary_allocator.reserve(request_id,
+                                                                                               per_plane):
+            self.allocator.release(request_id)
+            held = False
+        if not held:
             if blocks:
                 self.cache.release(blocks)
             return None
-        self.allocator.reserve(request_id, per_plane * self.num_planes)
-        if self.boundary_allocator is not None:
-            self.boundary_allocator.reserve(request_id, per_plane)
         self._held_blocks[request_id] = (keys, blocks)
         return len(blocks)
 

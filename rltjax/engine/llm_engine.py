@@ -300,7 +300,8 @@ class LLMEngine:
     def _replayed(self, r: Request, token: int) -> None:
         """A recomputed request's head, sampled again with the key of an output it has: the
         token is on record (and was streamed); the next one's KV is rebuilt next."""
-        if token != r.output_token_ids[r.cursor + 1]:
+        # a sampled speculative token came from a round's draw (its keys depend on where rounds started)
+        if token != r.output_token_ids[r.cursor + 1] and not (r.spec_tokens and r.params.temperature > 0):
             self.replay_mismatches += 1
             log.warning(f"request {r.request_id!r}: output {r.cursor + 1} sampled {token} when replayed after a "
                         f"preemption, {r.output_token_ids[r.cursor + 1]} before (the record is kept)")

@@ -19,7 +19,8 @@ def _outputs(rng, b, k, t):
                          top_ids=rng.integers(0, 99, (b, k, t)).astype(np.int32),
                          top_lp=rng.standard_normal((b, k, t)).astype(np.float32),
                          count=rng.integers(0, 5, b).astype(np.int32), passes=np.int32(3),
-                         swap_col=np.full(b, -1, np.int32), swap_tag=np.full(b, -1, np.int32))
+                         swap_col=np.full(b, -1, np.int32), swap_tag=np.full(b, -1, np.int32),
+                         drafted=np.zeros(b, np.int32), accepted=np.zeros((b, 0), np.int32))
 
 
 @settings(max_examples=25, deadline=None)

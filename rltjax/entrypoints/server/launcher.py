@@ -46,8 +46,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disagg-address", default="127.0.0.1:0", metavar="HOST:PORT",
                    help="where the workers reach this server (port 0: any free one)")
     g.add_argument("--disagg-remote-workers", action="store_true",
-                   help="start no worker here: wait for P + D workers started on other hosts with "
-                        "`python -m rltjax.disagg.worker HOST:PORT K` (RLTJAX_DISAGG_KEY: one hex key everywhere)")
+                   help="wait for P + D workers started elsewhere: `python -m rltjax.disagg.worker HOST:PORT K` "
+                        "(RLTJAX_DISAGG_KEY: one hex key)")
     g = p.add_argument_group("several hosts (jax.distributed: one process per host, the server on process 0)")
     g.add_argument("--num-processes", type=int, default=1, metavar="N", help="processes in the job")
     g.add_argument("--process-id", type=int, default=0, metavar="I", help="this process (0 serves HTTP)")

@@ -30,6 +30,13 @@ def sample_key(seed_hi: jax.Array, seed_lo: jax.Array, output_index: jax.Array) 
     return jax.random.fold_in(key, output_index)
 
 
+def row_keys(seed_hi, seed_lo, output_index, stream: int = 0):
+    """[B] keys of (seed, output index); a nonzero ``stream`` gives keys of their own (a
+    speculative round's drafts, acceptance and residual draws)."""
+    keys = jax.vmap(sample_key)(seed_hi, seed_lo, output_index)
+    return keys if not stream else jax.vmap(lambda k: jax.random.fold_in(k, stream))(keys)
+
+
 SAMPLERS = ("greedy", "draw", "truncate")
 
 
@@ -109,9 +116,7 @@ def sample_tokens(logits, temperature, top_k, top_p, seed_hi, seed_lo, output_in
     a request outputs; another number draws from keys of its own (speculative drafts).
     """
     def draw(truncate: bool):
-        keys = jax.vmap(sample_key)(seed_hi, seed_lo, output_index)
-        if stream:
-            keys = jax.vmap(lambda k: jax.random.fold_in(k, stream))(keys)
+        keys = row_keys(seed_hi, seed_lo, output_index, stream)
         row = functools.partial(_sample_row, truncate=truncate)
         return jax.vmap(row)(logits, temperature, top_k, top_p, keys)
 

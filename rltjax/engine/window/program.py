@@ -35,7 +35,6 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from rltjax.cache.kv_update import write_through_pages
 from rltjax.cache.mixed_kv import MixedKVBackend, MixedMeta
 from rltjax.cache.paged_kv import PagedKV, PagedMeta
 from rltjax.engine.exit_policy import EXIT_RULES, TRIGGER_MODES
@@ -43,7 +42,8 @@ from rltjax.engine.slot_buffers import set_slots
 from rltjax.engine.window import speculative
 from rltjax.engine.window.mixed_prefill import prompt_passes
 from rltjax.engine.window.standby import owned, start_standby, take_standby
-from rltjax.engine.window.state import WindowOutputs, WindowPrompt, WindowRows, ends_request, sample_rows
+from rltjax.engine.window.state import (WindowOutputs, WindowPrompt, WindowRows, ends_request, pass_meta,
+                                        sample_rows)
 from rltjax.jit_options import engine_jit
 from rltjax.models.layers import split_layer_stacks
 
@@ -178,14 +178,10 @@ def _one_pass(ctx: _Pass, carry, mixed=None):
     weights, _ = jax.lax.optimization_barrier((ctx.weights, out.passes))
     act = rows.active
     plane = rows.loops_done if spec.layered else jnp.zeros_like(rows.loops_done)
-    table = jnp.where(act, jnp.take_along_axis(rows.tables, plane[:, None], axis=1)[:, 0], 0)
-    pos = jnp.where(act, rows.positions, -1)
-    page_size = kv.page_size
-    # written through to the deeper planes: an exit needs no copy (``kv_update``)
-    write_page = write_through_pages(rows.tables, plane, rows.max_loops, pos, act, inputs.block_tables, page_size)
+    meta = pass_meta(rows.tables, plane, rows.max_loops, rows.positions, act, inputs.block_tables, kv.page_size)
+    pos = meta.positions
     slots = jnp.where(act, rows.slots, spec.dummy_slot)
     x, inject, bkv, slot_inject = _enter(ctx, weights, rows, act, pos, slots, slot_state, bkv, slot_inject)
-    meta = PagedMeta(pos, write_page, jnp.where(act, pos % page_size, 0), table, pos + 1, inputs.block_tables)
     if mixed is None:
         x, kv, signal = spec.model.loop(weights, x, inject, kv, meta, spec.backend)
     else:

@@ -15,14 +15,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from rltjax.sampling import sample_key, sample_tokens, sampling_probs
+from rltjax.sampling import row_keys, sample_tokens, sampling_probs
 
 DRAFT_STREAM, ACCEPT_STREAM, RESIDUAL_STREAM = 1, 2, 3
-
-
-def _keys(seed_hi, seed_lo, index, stream: int):
-    """[B] keys of (seed, output index) in ``stream``."""
-    return jax.vmap(lambda hi, lo, i: jax.random.fold_in(sample_key(hi, lo, i), stream))(seed_hi, seed_lo, index)
 
 
 def draft_tokens(logits, rows, index, sampler: str):
@@ -60,7 +55,7 @@ def accept(target, drafts, draft_probs, num_drafts, rows, index0, sampler: str):
     px = jnp.take_along_axis(p[:, :k], drafts[..., None], axis=-1)[..., 0]
     qx = jnp.take_along_axis(draft_probs, drafts[..., None], axis=-1)[..., 0]
     u = jax.vmap(lambda j: jax.vmap(jax.random.uniform)(
-        _keys(rows.seed_hi, rows.seed_lo, index0 + j, ACCEPT_STREAM)), out_axes=1)(jnp.arange(k))   # [B, K]
+        row_keys(rows.seed_hi, rows.seed_lo, index0 + j, ACCEPT_STREAM)), out_axes=1)(jnp.arange(k))   # [B, K]
     kept = (u * qx < px) & (cols < num_drafts[:, None])
     accepted = jnp.sum(jnp.cumprod(kept, axis=1), axis=1).astype(jnp.int32)
     at = accepted[:, None, None]
@@ -69,7 +64,7 @@ def accept(target, drafts, draft_probs, num_drafts, rows, index0, sampler: str):
     residual = jnp.maximum(jnp.take_along_axis(p, at, axis=1)[:, 0]
                            - jnp.take_along_axis(draft_probs, jnp.minimum(at, k - 1), axis=1)[:, 0], 0.0)
     gumbel = jax.vmap(lambda key: jax.random.gumbel(key, residual.shape[1:], jnp.float32))(
-        _keys(rows.seed_hi, rows.seed_lo, index0 + accepted, RESIDUAL_STREAM))
+        row_keys(rows.seed_hi, rows.seed_lo, index0 + accepted, RESIDUAL_STREAM))
     fixed = jnp.argmax(jnp.log(residual) + gumbel, axis=-1).astype(jnp.int32)
     # a rejection leaves mass in max(p - q, 0) (else p(x) >= q(x) would have kept x)
     last = jnp.where((accepted < num_drafts) & (jnp.sum(residual, axis=-1) > 0), fixed, bonus)

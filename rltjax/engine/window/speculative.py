@@ -28,10 +28,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from rltjax.cache.kv_update import write_through_pages
-from rltjax.cache.paged_kv import PagedMeta
 from rltjax.engine.window import spec_accept
-from rltjax.engine.window.state import ends_request
+from rltjax.engine.window.state import ends_request, pass_meta
 from rltjax.sampling import token_logprobs
 
 
@@ -49,14 +47,9 @@ def rounds(ctx, carry):
 def _loop(ctx, weights, kv, x, plane: int | jax.Array, run, pos, tables, max_loops, backend):
     """Loop ``plane + 1`` for the rows where ``run`` is set (the others keep x; their writes
     go to the scratch page) -> (x, kv)."""
-    spec, inputs = ctx.spec, ctx.inputs
-    page_size = kv.page_size
     planes = jnp.full(pos.shape, plane, jnp.int32)
-    p = jnp.where(run, pos, -1)
-    table = jnp.where(run, jnp.take_along_axis(tables, planes[:, None], axis=1)[:, 0], 0)
-    write_page = write_through_pages(tables, planes, max_loops, p, run, inputs.block_tables, page_size)
-    meta = PagedMeta(p, write_page, jnp.where(run, p % page_size, 0), table, p + 1, inputs.block_tables)
-    new, kv, _ = spec.model.loop(weights, x, None, kv, meta, backend)
+    meta = pass_meta(tables, planes, max_loops, pos, run, ctx.inputs.block_tables, kv.page_size)
+    new, kv, _ = ctx.spec.model.loop(weights, x, None, kv, meta, backend)
     return jnp.where(run[:, None], new, x), kv
 
 

@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from rltjax.cache.kv_update import write_through_pages
+from rltjax.cache.paged_kv import PagedMeta
 from rltjax.sampling import sample_tokens, token_logprobs
 
 STOP_ID_WIDTH = 8   # token-stop ids checked on the device per row (more are checked by the host only)
@@ -103,6 +105,17 @@ class RowsRead(NamedTuple):
     @classmethod
     def of(cls, rows: WindowRows) -> "RowsRead":
         return cls(*(getattr(rows, name) for name in cls._fields))
+
+
+def pass_meta(tables, plane, max_loops, positions, active, block_tables, page_size: int) -> PagedMeta:
+    """A loop pass's meta for window rows [B]: an active row at ``positions`` reads its table of
+    ``plane`` and writes its K/V there and through to its deeper planes, so an exit needs no
+    copy (``cache.kv_update``); an inactive row writes the scratch page and reads nothing.
+    tables [B, planes]; plane, max_loops, positions [B] int; active [B] bool."""
+    table = jnp.where(active, jnp.take_along_axis(tables, plane[:, None], axis=1)[:, 0], 0)
+    pos = jnp.where(active, positions, -1)
+    write_page = write_through_pages(tables, plane, max_loops, pos, active, block_tables, page_size)
+    return PagedMeta(pos, write_page, jnp.where(active, pos % page_size, 0), table, pos + 1, block_tables)
 
 
 def ends_request(rows: WindowRows, tokens, num_out):

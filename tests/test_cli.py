@@ -73,6 +73,23 @@ def test_bench_subcommand(tmp_path, capsys):
     assert "output tok/s" in capsys.readouterr().out
 
 
+def test_bench_speculative_reports_acceptance_and_converging_weights_raise_it(tmp_path, capsys):
+    """``bench --speculative-tokens`` prints and records the draft acceptance beside each
+    throughput; ``--converging-scale`` weights make shallow drafts agree with full depth more."""
+    import json
+    accept = []
+    for scale in ([], ["--converging-scale", "0.05"]):
+        out = tmp_path / f"bench{len(scale)}.json"
+        assert main(["bench", "--quick", "--concurrency", "2", "--prompt-len", "8", "--output-len", "24",
+                     "--exit-mode", "fixed", "--speculative-tokens", "2", "--out", str(out), *scale, *FAST]) == 0
+        row = json.loads(out.read_text())["results"][0]
+        assert row["spec_draft_tokens"] > 0
+        assert row["spec_acceptance"] == row["spec_accepted_tokens"] / row["spec_draft_tokens"]
+        accept.append(row["spec_acceptance"])
+    assert "draft acceptance" in capsys.readouterr().out
+    assert accept[1] > accept[0] + 0.2, accept
+
+
 def test_every_subcommand_documents_the_engine_flags():
     for cmd in ("generate", "serve", "bench"):
         res = subprocess.run([sys.executable, "-m", "rltjax", cmd, "--help"], capture_output=True, text=True)

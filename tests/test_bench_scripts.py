@@ -319,3 +319,11 @@ def test_bench_memory_quick(tmp_path):
     assert cap[0]["stats"]["num_preemptions"] == 0
     assert sum(runs[f"pressure/{m}"]["stats"]["num_preemptions"] for m in ("recompute", "swap")) > 0
     assert all(r["summary"]["failed"] == 0 and r["replay_mismatches"] == 0 for r in runs.values())
+
+
+def test_bench_speculation_quick():
+    """The device-side rounds and the host-driven ones make the same tokens (the script exits 1
+    otherwise), and it reports acceptance, tokens a round and the break-even acceptance."""
+    text = run_script("bench_speculation.py", "--scales", "0.05", "--tokens", "12", "--rounds", "3",
+                      "--concurrency", "2")
+    assert "same tokens: True" in text and "tokens a round" in text and "pays from acceptance" in text

@@ -24,6 +24,13 @@ sums that the residual-norm kernel adds (with the norm at 8 rows: o 6.8 against 
 pass, down 10.3 against 11.2 for XLA's GEMM, reduction and norm). A decode head of up to 8
 rows runs here too, skipped (``skip``) on a window's passes where no
 row exits (``PagedKVBackend.head_matmul``).
+backend (for impl "pallas"): "triton" (the kernels above) or "mosaic": the Mosaic GPU
+kernels (``kernels.skinny_matmul_mosaic``, Hopper) for the operands and products they take,
+the Triton ones for the rest. On an H200 at Ouro-1.4B's shapes (scripts/bench_skinny.py) the
+Mosaic kernel streamed q|k|v in 7.96 us against 8.86, gate 7.47 against 8.43 and down 8.34
+against 9.10 at 8 rows, and was ahead at every row count up to 64; yet the engine on it was
+2-4% slower at 1-32 streams on an H100 (scripts/bench_serving.py --kernel-backend mosaic), so
+Triton stays the engine's default (``ExecutionConfig.kernel_backend``).
 Kernel-supported: M <= MAX_ROWS, K and N multiples of 16 (blocks are the largest powers
 of two up to the configured ones that divide them), bfloat16 / float16 / float32
 weights in x's dtype; ``gated_up``'s kernel also K <= SINGLE_PASS_MAX_K (above it, impl
@@ -36,11 +43,14 @@ import jax
 import jax.numpy as jnp
 
 from rltjax.kernels.skinny_matmul_pallas import choose_splits, gated_up_pallas, skinny_matmul_pallas
+from rltjax.kernels.skinny_matmul_mosaic import (gated_mosaic_config, gated_mosaic_unsupported, gated_up_mosaic,
+                                                 mosaic_config, mosaic_unsupported, skinny_matmul_mosaic)
 from rltjax.kernels.triton_common import next_pow2
 
 MAX_ROWS = 64           # beyond this XLA's tiled GEMMs fill the GPU by themselves
 KERNEL_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 IMPLS = ("xla", "pallas")
+BACKENDS = ("triton", "mosaic")
 
 
 def skinny_matmul_ref(x: jax.Array, w: jax.Array, layer=None) -> jax.Array:
@@ -177,7 +187,8 @@ def kernel_config(m: int, k: int, n: int, block_n: int | None = None, block_k: i
 def skinny_matmul(x: jax.Array, w: jax.Array, layer=None, *, impl: str = "xla", interpret: bool = False,
                   block_n: int | None = None, block_k: int | None = None, k_splits: int | None = None,
                   num_warps: int | None = None, num_stages: int | None = None,
-                  partial_sums: bool = False, skip: jax.Array | None = None, widen: bool = False) -> jax.Array:
+                  partial_sums: bool = False, skip: jax.Array | None = None, widen: bool = False,
+                  backend: str = "triton") -> jax.Array:
     """x [M, K] @ w [K, N] (or w[layer] of a stacked [L, K, N]; layer an int32 scalar, may be
     traced) -> [M, N] in x's dtype. The keyword sizes override `kernel_config` (tuning).
     partial_sums: -> [S, M, N], whose sum over S in float32, rounded to x's dtype, is the
@@ -186,6 +197,8 @@ def skinny_matmul(x: jax.Array, w: jax.Array, layer=None, *, impl: str = "xla", 
     widen: the product (rounded to x's dtype) comes as float32, written so by the kernel."""
     if impl not in IMPLS:
         raise ValueError(f"skinny_matmul: impl: choose one of {IMPLS}, got {impl!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"skinny_matmul: backend: choose one of {BACKENDS}, got {backend!r}")
     check_operands("skinny_matmul", x, w, layer)
     if skip is not None:
         skip = jnp.asarray(skip)
@@ -209,6 +222,8 @@ def skinny_matmul(x: jax.Array, w: jax.Array, layer=None, *, impl: str = "xla", 
     (m, k), n = x.shape, w.shape[-1]
     if m == 0:
         return jnp.zeros((1, 0, n), x.dtype) if partial_sums else jnp.zeros((0, n), out_dtype)
+    if backend == "mosaic" and (out := mosaic_product(x, w, layer, skip, partial_sums, widen, interpret)) is not None:
+        return out
     # the kernel's tiles take power-of-two rows (the engine's buckets are); others are padded here
     rows = next_pow2(m)
     config = kernel_config(rows, k, n, block_n=block_n, block_k=block_k, k_splits=k_splits, num_warps=num_warps,
@@ -236,6 +251,22 @@ def skinny_matmul(x: jax.Array, w: jax.Array, layer=None, *, impl: str = "xla", 
     return out[:m]
 
 
+def mosaic_product(x, w, layer, skip, partial_sums: bool, widen: bool, interpret: bool):
+    """``skinny_matmul``'s kernel branch on the Mosaic GPU kernel (any 1-64 rows: no padding),
+    or None where it does not take the operands or the output form (the Triton kernel runs)."""
+    (m, k), n = x.shape, w.shape[-1]
+    config = mosaic_config(m, k, n, partial_sums=partial_sums)
+    if partial_sums:
+        config["k_splits"] = fewer_splits(k // config["block_k"], config["k_splits"], MAX_PARTIAL_SUMS)
+    if (widen and config["k_splits"] > 1) or mosaic_unsupported(x, w, **config):
+        return None
+    flag = None if skip is None else skip.astype(jnp.int32)
+    out = skinny_matmul_mosaic(x, w, layer, flag, widen=widen, interpret=interpret, **config)
+    if partial_sums:
+        return out if config["k_splits"] > 1 else out[None]
+    return out.sum(axis=0).astype(x.dtype) if config["k_splits"] > 1 else out
+
+
 def gated_config(m: int, k: int, f: int, block_n: int | None = None, block_k: int | None = None,
                  num_warps: int | None = None, num_stages: int | None = None, itemsize: int = 2) -> dict:
     """``gated_up``'s blocks, warps and stages: one pass over K in 64 x 128 tiles of each weight,
@@ -250,12 +281,15 @@ def gated_config(m: int, k: int, f: int, block_n: int | None = None, block_k: in
 
 
 def gated_up(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, layer=None, *, impl: str = "xla",
-             interpret: bool = False, **config) -> jax.Array:
+             interpret: bool = False, backend: str = "triton", **config) -> jax.Array:
     """silu(x @ w_gate) * (x @ w_up): x [M, K], weights [K, F] (or stacked [L, K, F] with layer)
     -> [M, F] in x's dtype. impl "pallas": both products in one kernel, which also applies the
-    activation (K up to SINGLE_PASS_MAX_K: one pass); config overrides ``gated_config``."""
+    activation (K up to SINGLE_PASS_MAX_K: one pass); config overrides ``gated_config``.
+    backend "mosaic": the Mosaic GPU pair kernel where it takes the operands (config unused)."""
     if impl not in IMPLS:
         raise ValueError(f"gated_up: impl: choose one of {IMPLS}, got {impl!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"gated_up: backend: choose one of {BACKENDS}, got {backend!r}")
     if w_gate.shape != w_up.shape or w_gate.dtype != w_up.dtype:
         raise ValueError(f"gated_up: w_gate and w_up must share a shape and dtype, got "
                          f"{w_gate.dtype} {w_gate.shape} and {w_up.dtype} {w_up.shape}")
@@ -264,13 +298,16 @@ def gated_up(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, layer=None, *, im
         return gated_up_ref(x, w_gate, w_up, layer)
     if x.shape[1] > SINGLE_PASS_MAX_K and not kernel_unsupported(x, w_gate):
         # the pair's kernel makes one pass over K: longer K on the split kernel, activation in XLA
-        mm = lambda w: skinny_matmul(x, w, layer, impl="pallas", interpret=interpret)   # noqa: E731
+        mm = lambda w: skinny_matmul(x, w, layer, impl="pallas", interpret=interpret, backend=backend)  # noqa: E731
         return silu_mul(mm(w_gate), mm(w_up))
     if why_not := gated_unsupported(x, w_gate):
         raise ValueError(f"gated_up: {why_not}")
     (m, k), f = x.shape, w_gate.shape[-1]
     if m == 0:
         return jnp.zeros((0, f), x.dtype)
+    mosaic = gated_mosaic_config(m, k, f) if backend == "mosaic" and not config else None
+    if mosaic and not gated_mosaic_unsupported(x, w_gate, **mosaic):
+        return gated_up_mosaic(x, w_gate, w_up, layer, interpret=interpret, **mosaic)
     rows = next_pow2(m)
     xp = jnp.pad(x, ((0, rows - m), (0, 0))) if rows != m else x
     if w_gate.ndim == 2:

@@ -12,7 +12,8 @@ from typing import Mapping, Sequence
 
 from rltjax.config_checks import EngineConfigError, _bad, _is_int, _positive  # noqa: F401 (re-exported)
 from rltjax.execution_config import (ATTN_IMPLS, AUTO_MIXED_PREFILL, DEFAULT_DECODE_WINDOW,  # noqa: F401
-                                     MATMUL_IMPLS, WINDOW_TRIPS, ExecutionConfig, default_cache_dir)
+                                     KERNEL_BACKENDS, MATMUL_IMPLS, WINDOW_TRIPS, ExecutionConfig,
+                                     default_cache_dir)
 
 EXIT_MODES = ("ouro", "ouro_delayed", "random_lookahead", "trace", "fixed", "latent_diff")
 KV_LAYOUTS = ("last_exited", "shared")

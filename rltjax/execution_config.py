@@ -11,6 +11,7 @@ from rltjax.config_checks import _bad, _is_int
 
 ATTN_IMPLS = ("auto", "xla", "pallas")
 MATMUL_IMPLS = ("auto", "xla", "pallas")
+KERNEL_BACKENDS = ("triton", "mosaic")
 WINDOW_TRIPS = ("auto", "early_stop", "fixed")
 # K of decode windows when ExecutionConfig.decode_window is None and windows can run. A row
 # whose request finishes inside window w is refilled after w + 1 (the host reads each window
@@ -73,6 +74,13 @@ class ExecutionConfig:
     is XLA's dot; where attention runs on XLA, everything does), ``xla`` (XLA's dot everywhere)
     or ``pallas`` (every projection of at most MAX_ROWS rows on the kernels, Nanbeige's and
     Huginn's too, and Ouro's and Nanbeige's heads); prefill batches always use XLA's dot.
+    kernel_backend: the Pallas backend of the projection kernels that matmul_impl puts decode
+    projections on: ``triton`` (the default) or ``mosaic``: Mosaic GPU (Hopper GPUs, compute
+    capability 9.x; CPU tests in interpret mode) for the products its kernels take (16-bit
+    weights, dimensions in multiples of 64), Triton for the rest. The attention kernels run on
+    Triton either way. Mosaic's kernels are faster one by one on an H200, but the engine with
+    them was 2-4% slower at 1-32 streams on an H100 (ShareGPT in process,
+    scripts/bench_serving.py --kernel-backend), hence not the default.
     interpret: run the Pallas kernels in interpret mode (CPU testing of the "pallas" impls).
     decode_window: K > 0 runs decode as device-side windows of up to K loop passes
     (``rltjax.engine.decode_window``) whenever every running request is decoding; 0 runs
@@ -125,6 +133,7 @@ class ExecutionConfig:
     attn_impl: str = "auto"
     attn_num_splits: int | Mapping[int, int] | None = None
     matmul_impl: str = "auto"
+    kernel_backend: str = "triton"
     interpret: bool = False
     decode_window: int | None = None
     decode_window_rows: int | None = None
@@ -146,6 +155,8 @@ class ExecutionConfig:
                  "as keys and integers in [1, 64] as values")
         if self.matmul_impl not in MATMUL_IMPLS:
             _bad("ExecutionConfig", "matmul_impl", self.matmul_impl, f"choose one of {MATMUL_IMPLS}")
+        if self.kernel_backend not in KERNEL_BACKENDS:
+            _bad("ExecutionConfig", "kernel_backend", self.kernel_backend, f"choose one of {KERNEL_BACKENDS}")
         if self.decode_window is not None and not (_is_int(self.decode_window) and 0 <= self.decode_window <= 1024):
             _bad("ExecutionConfig", "decode_window", self.decode_window, "must be an integer in [0, 1024]")
         r = self.decode_window_rows

@@ -111,6 +111,8 @@ class PagedKVBackend:
     the Pallas kernels. (On an H200 in isolation at 8 rows, o with the norm took 6.76 us in two
     K splits against 7.57 in one pass, and down with the norm 10.30 on the split kernel against
     11.20 for XLA's GEMM, its reduction and the norm: scripts/bench_mlp.py.)
+    kernel_backend: the projection kernels' backend: "triton" or "mosaic" (Mosaic GPU where
+    its kernels take the operands, Triton for the rest: ``kernels.skinny_matmul``).
     num_splits: the decode attention kernel's key splits per row: None (its default per
     batch), an int, or per decode row bucket ((rows, splits), ...) (a {rows: splits} mapping
     is taken too) with the default for the buckets not named.
@@ -128,6 +130,7 @@ class PagedKVBackend:
     kernel_shapes: tuple[tuple[int, int], ...] = ()
     head_shapes: tuple[tuple[int, int], ...] = ()
     fused_kernels: bool = False
+    kernel_backend: str = "triton"
     num_splits: int | tuple[tuple[int, int], ...] | None = None
     mesh: Any = None          # a tensor-parallel mesh (axis "tp"): the attention kernels run per device
 
@@ -150,7 +153,8 @@ class PagedKVBackend:
         on_kernel = tuple(w.shape[-2:]) in self.kernel_shapes or summed_in_norm
         impl = self._impl(x, w, kernel_unsupported, on_kernel)
         partial_sums = partial_sums and impl == "pallas"
-        return skinny_matmul(x, w, layer, impl=impl, interpret=self.interpret, partial_sums=partial_sums)
+        return skinny_matmul(x, w, layer, impl=impl, interpret=self.interpret, partial_sums=partial_sums,
+                             backend=self.kernel_backend)
 
     def head_matmul(self, x, w, needed=None):
         """A decode head's x [N, D] @ lm_head [D, V] -> [N, V] float32 logits (the product
@@ -164,13 +168,14 @@ class PagedKVBackend:
         if impl == "xla":
             return (x @ w).astype(jnp.float32)
         skip = None if needed is None else jnp.logical_not(needed)
-        return skinny_matmul(x, w, impl=impl, interpret=self.interpret, skip=skip, widen=True)
+        return skinny_matmul(x, w, impl=impl, interpret=self.interpret, skip=skip, widen=True,
+                             backend=self.kernel_backend)
 
     def gated_up(self, x, w_gate, w_up, layer):
         """silu(x @ w_gate) * (x @ w_up) [N, F]: a SwiGLU MLP's activation, one kernel on the
         kernel path (``kernels.skinny_matmul.gated_up``)."""
         impl = self._impl(x, w_gate, gated_unsupported, self.fused_kernels)
-        return gated_up(x, w_gate, w_up, layer, impl=impl, interpret=self.interpret)
+        return gated_up(x, w_gate, w_up, layer, impl=impl, interpret=self.interpret, backend=self.kernel_backend)
 
     def _impl(self, x, w, auto_unsupported, auto_shape: bool) -> str:
         """"pallas" or "xla" for a projection of x by w under ``matmul_impl`` ("auto" also asks

@@ -21,7 +21,7 @@ from rltjax.engine.exit_policy import RAW_SIGNAL_MODES
 from rltjax.engine.rules import RuleInputs, check_rules, mixed_prefill_blocker
 from rltjax.engine_config import (AUTO_MIXED_PREFILL, DEFAULT_DECODE_WINDOW, DEFAULT_PREFILL_CHUNK,
                                   DEFAULT_PREFILL_TOKENS_KERNEL, DEFAULT_PREFILL_TOKENS_XLA, CacheConfig,
-                                  ExecutionConfig, ExitConfig, SchedulerConfig, SpeculativeConfig)
+                                  EngineConfigError, ExecutionConfig, ExitConfig, SchedulerConfig, SpeculativeConfig)
 from rltjax.jit_options import engine_options
 from rltjax.kernels.paged_attention import kernel_unsupported
 from rltjax.kernels.prefill_attention import DEFAULT_BLOCK_Q
@@ -219,6 +219,15 @@ def attention_on_kernel(execution: ExecutionConfig, cfg, page_size: int, kv_dtyp
                                                and kernel_unsupported(q, k) is None)
 
 
+def projection_backend(choice: str, platform: str) -> str:
+    """ExecutionConfig.kernel_backend checked against the GPU: Mosaic GPU's kernels are Hopper's."""
+    capability = str(getattr(jax.devices()[0], "compute_capability", "")) if platform == "gpu" else ""
+    if choice == "mosaic" and platform == "gpu" and not capability.startswith("9."):
+        raise EngineConfigError(f"ExecutionConfig.kernel_backend='mosaic': the Mosaic GPU kernels are for Hopper "
+                                f"GPUs (compute capability 9.x); this one is {capability or 'unknown'}: use 'triton'")
+    return choice
+
+
 def window_passes(execution: ExecutionConfig, scheduler: SchedulerConfig) -> int:
     """K: as asked, or DEFAULT_DECODE_WINDOW where windows can run (refill, heads at once)."""
     if execution.decode_window is not None:
@@ -279,7 +288,8 @@ def resolve_settings(model, *, cache: CacheConfig, scheduler: SchedulerConfig, e
                             matmul_impl=execution.matmul_impl, decode_rows=True, num_splits=execution.attn_num_splits,
                             kernel_shapes=auto_matmul_shapes(cfg) if projections_on_kernel else (),
                             head_shapes=auto_head_shapes(cfg) if projections_on_kernel else (),
-                            fused_kernels=projections_on_kernel, mesh=mesh)
+                            fused_kernels=projections_on_kernel, mesh=mesh,
+                            kernel_backend=projection_backend(execution.kernel_backend, platform))
     # prefill is compute-bound: its projections stay on XLA's dot whatever matmul_impl says
     prefill = dataclasses.replace(decode, matmul_impl="xla", decode_rows=False,
                                   prefill_block_q=PREFILL_BLOCK_Q if alignment > 1 else 0)

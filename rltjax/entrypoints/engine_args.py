@@ -7,9 +7,9 @@ import json
 from rltjax.parallel import ParallelConfig
 from rltjax.engine_config import (ATTN_IMPLS, DEFAULT_DECODE_WINDOW, DEFAULT_PREFILL_CHUNK,
                                   DEFAULT_PREFILL_TOKENS_KERNEL, DEFAULT_PREFILL_TOKENS_XLA, EXIT_MODES, MATMUL_IMPLS,
-                                  KV_ALLOCATIONS, KV_LAYOUTS, PREEMPTION_MODES, SCHEDULER_MODES, SCHEDULING_POLICIES,
-                                  WINDOW_TRIPS, CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig,
-                                  SpeculativeConfig, default_cache_dir)
+                                  KERNEL_BACKENDS, KV_ALLOCATIONS, KV_LAYOUTS, PREEMPTION_MODES, SCHEDULER_MODES,
+                                  SCHEDULING_POLICIES, WINDOW_TRIPS, CacheConfig, ExecutionConfig, ExitConfig,
+                                  SchedulerConfig, SpeculativeConfig, default_cache_dir)
 
 
 def mixed_prefill_tokens(text: str) -> int | dict[int, int] | None:
@@ -123,6 +123,8 @@ def _kernel_arguments(p: argparse.ArgumentParser) -> None:
                    help="decode attention key splits per row, for all or per row bucket (default: per bucket)")
     g.add_argument("--matmul-impl", default="auto", choices=MATMUL_IMPLS,
                    help="decode projections: auto = the Pallas kernels where they win (Ouro's shapes, GPU)")
+    g.add_argument("--kernel-backend", default="triton", choices=KERNEL_BACKENDS,
+                   help="projection kernels' backend (mosaic: Mosaic GPU on Hopper, where it takes the shape)")
     g.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
                    help="an XLA compiler option for every engine executable (repeatable)")
 
@@ -221,7 +223,7 @@ def configs_from_args(args: argparse.Namespace) -> dict:
             policy=args.scheduling_policy, preemption_mode=args.preemption_mode),
         exit_config=ExitConfig(mode=args.exit_mode, lookahead_seed=args.lookahead_seed),
         execution_config=ExecutionConfig(attn_impl=args.attn_impl, attn_num_splits=args.attn_num_splits,
-                                         matmul_impl=args.matmul_impl,
+                                         matmul_impl=args.matmul_impl, kernel_backend=args.kernel_backend,
                                          xla_options=parse_xla_options(args.xla_option),
                                          compile_ahead=args.compile_ahead,
                                          executable_cache=not args.no_executable_cache,

@@ -1,0 +1,137 @@
+"""The projection kernels' backend choice (ExecutionConfig.kernel_backend): "mosaic" routes every
+decode projection the Mosaic GPU kernels take (q|k|v, o and down as partial sums, the gate | up
+pair, the head with its skip flag) to them and the rest to the Triton kernels, with the same
+results (Mosaic GPU interpret mode on CPU); "mosaic" is refused on a GPU that is not Hopper."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from engine_helpers import assert_all_pages_free, run_workload
+from rltjax.checkpoints.random_init import random_checkpoint
+from rltjax.engine.settings import projection_backend
+from rltjax.engine_config import CacheConfig, EngineConfigError, ExecutionConfig, ExitConfig, SchedulerConfig
+from rltjax.entrypoints.llm import build_engine
+from rltjax.kernels import skinny_matmul as sm
+from rltjax.presets import preset_config
+from rltjax.sampling_params import SamplingParams
+
+# 64-multiples throughout: the Mosaic kernels' tiles
+SMALL = {"num_hidden_layers": 2, "layer_types": ["full_attention"] * 2, "hidden_size": 128,
+         "intermediate_size": 256, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 64,
+         "vocab_size": 256, "max_position_embeddings": 256}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_interpreter():
+    yield
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import reset_gpu_interpret_mode_state
+    reset_gpu_interpret_mode_state()
+
+
+def operands(m, k, n, dtype=jnp.bfloat16, layers=2, seed=0):
+    rng = np.random.default_rng(seed)
+    return (jnp.asarray(rng.standard_normal((m, k)), dtype),
+            jnp.asarray(rng.standard_normal((layers, k, n)) / np.sqrt(k), dtype))
+
+
+def f32(a):
+    return np.asarray(a, np.float32)
+
+
+@pytest.mark.parametrize("m", [3, 8])
+def test_mosaic_backend_forms_equal_the_reference(m):
+    """Whole products, partial sums, a skipped and a widened head, and the gate | up pair."""
+    x, w = operands(m, 256, 128)
+    layer = jnp.int32(1)
+    ref = sm.skinny_matmul_ref(x, w, layer)
+    run = lambda **kw: sm.skinny_matmul(x, w, layer, impl="pallas", interpret=True, backend="mosaic", **kw)  # noqa
+    np.testing.assert_allclose(f32(run()), f32(ref), rtol=1e-2, atol=1e-2)
+    parts = run(partial_sums=True)
+    assert parts.dtype == jnp.float32 and parts.ndim == 3
+    np.testing.assert_allclose(f32(parts.sum(0)), f32(ref), rtol=1e-2, atol=1e-2)
+    head = sm.skinny_matmul(x, w[1], impl="pallas", interpret=True, backend="mosaic", widen=True,
+                            skip=jnp.bool_(False))
+    assert head.dtype == jnp.float32
+    np.testing.assert_array_equal(f32(head), f32(head.astype(jnp.bfloat16)))      # rounded to bf16 first
+    np.testing.assert_allclose(f32(head), f32(ref), rtol=1e-2, atol=1e-2)
+    skipped = sm.skinny_matmul(x, w[1], impl="pallas", interpret=True, backend="mosaic", widen=True,
+                               skip=jnp.bool_(True))
+    assert not np.asarray(skipped).any()
+    wg, wu = operands(m, 256, 128, seed=1)[1], operands(m, 256, 128, seed=2)[1]
+    gated = sm.gated_up(x, wg, wu, layer, impl="pallas", interpret=True, backend="mosaic")
+    np.testing.assert_allclose(f32(gated), f32(sm.gated_up_ref(x, wg, wu, layer)), rtol=2e-2, atol=2e-2)
+
+
+def test_operands_mosaic_does_not_take_run_on_triton(monkeypatch):
+    """float32 weights and a 96-wide N are not the Mosaic kernel's: the Triton kernel runs them."""
+    calls = []
+    monkeypatch.setattr(sm, "skinny_matmul_mosaic", lambda *a, **k: calls.append("mosaic"))
+    for dtype, n in ((jnp.float32, 128), (jnp.bfloat16, 96)):
+        x, w = operands(4, 128, n, dtype)
+        out = sm.skinny_matmul(x, w, jnp.int32(0), impl="pallas", interpret=True, backend="mosaic")
+        np.testing.assert_allclose(f32(out), f32(sm.skinny_matmul_ref(x, w, 0)), rtol=1e-2, atol=1e-2)
+    assert calls == []
+    with pytest.raises(ValueError, match="backend"):
+        sm.skinny_matmul(x, w, jnp.int32(0), impl="pallas", backend="cuda")
+
+
+def test_backend_resolution_and_errors():
+    assert projection_backend("mosaic", "cpu") == "mosaic"      # interpret mode
+    assert projection_backend("triton", "gpu") == "triton"
+    if jax.default_backend() == "cpu":
+        with pytest.raises(EngineConfigError, match="Hopper"):
+            projection_backend("mosaic", "gpu")                  # a CPU device has no compute capability
+    with pytest.raises(EngineConfigError, match="kernel_backend"):
+        ExecutionConfig(kernel_backend="auto")
+
+
+def greedy_outputs(params, cfg, backend):
+    engine = build_engine(
+        None, params=params, cfg=cfg, cache_config=CacheConfig(kv_layout="last_exited", page_size=8),
+        scheduler_config=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, prefill_chunk_size=32),
+        exit_config=ExitConfig(mode="ouro"),
+        execution_config=ExecutionConfig(attn_impl="pallas", matmul_impl="pallas", kernel_backend=backend,
+                                         interpret=True, compile_ahead=False, compilation_cache_dir=None,
+                                         show_progress=False))
+    rng = np.random.default_rng(5)
+    arrivals = [(0, f"r{i}", rng.integers(3, cfg.vocab_size, n).tolist(),
+                 SamplingParams(max_tokens=3, temperature=0.0, exit_threshold=0.5, ignore_eos=True, logprobs=1))
+                for i, n in enumerate((11, 6))]
+    outputs = run_workload(engine, arrivals)
+    assert_all_pages_free(engine)
+    return outputs
+
+
+def test_engine_on_mosaic_kernels_equals_triton_kernels(monkeypatch):
+    """A bf16 engine whose every decode projection runs on the Mosaic kernels (spied: the shapes
+    each kernel saw) makes the Triton-kernel engine's tokens and exit depths, logprobs within
+    bf16 rounding (the two sum K in different orders)."""
+    cfg = preset_config("ouro-1.4b", SMALL)
+    params = random_checkpoint(cfg, seed=1, dtype="bfloat16")
+    seen, real, real_gated = set(), sm.skinny_matmul_mosaic, sm.gated_up_mosaic
+    monkeypatch.setattr(sm, "skinny_matmul_mosaic", lambda x, w, *a, **k: seen.add(w.shape[-2:]) or real(x, w, *a, **k))
+    monkeypatch.setattr(sm, "gated_up_mosaic",
+                        lambda x, w, *a, **k: seen.add(("gated",) + w.shape[-2:]) or real_gated(x, w, *a, **k))
+    mosaic = greedy_outputs(params, cfg, "mosaic")
+    D, F = cfg.hidden_size, cfg.intermediate_size
+    assert seen == {(D, cfg.q_width + 2 * cfg.kv_width), (cfg.q_width, D), ("gated", D, F), (F, D),
+                    (D, cfg.vocab_size)}
+    triton = greedy_outputs(params, cfg, "triton")
+    for rid, out in triton.items():
+        got = mosaic[rid]
+        assert got.token_ids == out.token_ids and got.exit_depths == out.exit_depths, rid
+        np.testing.assert_allclose([lp[t] for lp, t in zip(got.logprobs, got.token_ids)],
+                                   [lp[t] for lp, t in zip(out.logprobs, out.token_ids)], atol=5e-2)
+
+
+def test_cli_flag_reaches_the_config():
+    import argparse
+    from rltjax.entrypoints.engine_args import add_engine_arguments, configs_from_args
+    p = argparse.ArgumentParser()
+    add_engine_arguments(p)
+    assert configs_from_args(p.parse_args([]))["execution_config"].kernel_backend == "triton"
+    flags = p.parse_args(["--kernel-backend", "triton"])
+    assert configs_from_args(flags)["execution_config"].kernel_backend == "triton"

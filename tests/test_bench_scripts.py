@@ -147,15 +147,23 @@ def test_bench_throughput_rejects_a_bad_variant_before_any_engine(spec, message)
 
 def test_bench_skinny_quick(tmp_path):
     out = tmp_path / "skinny.json"
-    run_script("bench_skinny.py", "--quick", "--out", str(out))
+    run_script("bench_skinny.py", "--quick", "--gated", "--engine-forms", "--out", str(out))
     rows = json.loads(out.read_text())["results"]
-    assert [r["rows"] for r in rows] == [1, 4]
-    for r in rows:
+    plain = [r for r in rows if r["shape"] == "tiny"]
+    assert [r["rows"] for r in plain] == [1, 4]
+    for r in plain:
         assert r["xla_us"] > 0 and r["kernel"][0]["label"] == "config"
-        # the sweep: 64 x 96 fits block_k 16 / 32 and block_n 16 / 32, each at 1 and 2 K splits
+        # the sweep: 64 x 128 fits block_k 16 / 32 and block_n 16 / 32, each at 1 and 2 K splits
         swept = {(c["block_n"], c["block_k"], c["k_splits"]) for c in r["kernel"][1:]}
         assert swept == {(bn, bk, s) for bn in (16, 32) for bk in (16, 32) for s in (1, 2)}
         assert all(c["rel_err_vs_xla"] < 1e-2 and c["us"] > 0 for c in r["kernel"])
+        assert r["mosaic"][0]["label"] == "config" and r["mosaic"][0]["rel_err_vs_xla"] < 1e-2
+    # the gate | up pair on each implementation, and every engine form on both backends
+    assert [r["rows"] for r in rows if r["shape"] == "gated"] == [1, 4]
+    assert all(r["xla_us"] > 0 and r["pallas_us"] > 0 and r["mosaic_us"] > 0 for r in rows if r["shape"] == "gated")
+    forms = [r for r in rows if r["shape"].endswith("-engine")]
+    assert {r["shape"] for r in forms} == {"qkv-engine", "o-engine", "down-engine", "lm_head-engine"}
+    assert all(r["triton_us"] > 0 and r["mosaic_us"] > 0 for r in forms)
 
 
 def test_explore_weight_layout_quick(tmp_path):

@@ -222,7 +222,9 @@ def skinny_matmul(x: jax.Array, w: jax.Array, layer=None, *, impl: str = "xla", 
     (m, k), n = x.shape, w.shape[-1]
     if m == 0:
         return jnp.zeros((1, 0, n), x.dtype) if partial_sums else jnp.zeros((0, n), out_dtype)
-    if backend == "mosaic" and (out := mosaic_product(x, w, layer, skip, partial_sums, widen, interpret)) is not None:
+    tuned = any(v is not None for v in (block_n, block_k, k_splits, num_warps, num_stages))
+    if backend == "mosaic" and not tuned and (out := mosaic_product(x, w, layer, skip, partial_sums, widen,
+                                                                     interpret)) is not None:
         return out
     # the kernel's tiles take power-of-two rows (the engine's buckets are); others are padded here
     rows = next_pow2(m)
@@ -252,12 +254,13 @@ def skinny_matmul(x: jax.Array, w: jax.Array, layer=None, *, impl: str = "xla", 
 
 
 def mosaic_product(x, w, layer, skip, partial_sums: bool, widen: bool, interpret: bool):
-    """``skinny_matmul``'s kernel branch on the Mosaic GPU kernel (any 1-64 rows: no padding),
-    or None where it does not take the operands or the output form (the Triton kernel runs)."""
+    """``skinny_matmul``'s kernel branch on the Mosaic GPU kernel at ``mosaic_config`` (any 1-64
+    rows: no padding), or None where it does not take the operands or the output form (the
+    Triton kernel runs, as it does for calls that name tiles: those are the Triton kernel's)."""
     (m, k), n = x.shape, w.shape[-1]
     config = mosaic_config(m, k, n, partial_sums=partial_sums)
-    if partial_sums:
-        config["k_splits"] = fewer_splits(k // config["block_k"], config["k_splits"], MAX_PARTIAL_SUMS)
+    # partial sums: the consumer holds every one in registers; whole products: XLA reads them all
+    config["k_splits"] = fewer_splits(k // config["block_k"], config["k_splits"], MAX_PARTIAL_SUMS)
     if (widen and config["k_splits"] > 1) or mosaic_unsupported(x, w, **config):
         return None
     flag = None if skip is None else skip.astype(jnp.int32)

@@ -78,9 +78,11 @@ class ExecutionConfig:
     projections on: ``triton`` (the default) or ``mosaic``: Mosaic GPU (Hopper GPUs, compute
     capability 9.x; CPU tests in interpret mode) for the products its kernels take (16-bit
     weights, dimensions in multiples of 64), Triton for the rest. The attention kernels run on
-    Triton either way. Mosaic's kernels are faster one by one on an H200, but the engine with
-    them was 2-4% slower at 1-32 streams on an H100 (ShareGPT in process,
-    scripts/bench_serving.py --kernel-backend), hence not the default.
+    Triton either way. Alone on an H200 the Mosaic kernels stream q|k|v, o, gate and down 3-25%
+    faster (scripts/bench_skinny.py), but the engine with them was 2-4% slower at 1-32 streams on
+    an H100 (ShareGPT in process, scripts/bench_serving.py --kernel-backend), hence not the
+    default. The rules refuse it where no projection kernel runs (matmul_impl "xla", tensor
+    parallelism).
     interpret: run the Pallas kernels in interpret mode (CPU testing of the "pallas" impls).
     decode_window: K > 0 runs decode as device-side windows of up to K loop passes
     (``rltjax.engine.decode_window``) whenever every running request is decoding; 0 runs

@@ -4,6 +4,8 @@ pair, the head with its skip flag) to them and the rest to the Triton kernels, w
 results (Mosaic GPU interpret mode on CPU); "mosaic" is refused on a GPU that is not Hopper."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -41,16 +43,28 @@ def f32(a):
     return np.asarray(a, np.float32)
 
 
+@pytest.fixture
+def mosaic_calls(monkeypatch):
+    """The Mosaic kernels' calls: (kernel, k_splits) each."""
+    calls, real, real_gated = [], sm.skinny_matmul_mosaic, sm.gated_up_mosaic
+    monkeypatch.setattr(sm, "skinny_matmul_mosaic",
+                        lambda *a, **k: calls.append(("skinny", k["k_splits"])) or real(*a, **k))
+    monkeypatch.setattr(sm, "gated_up_mosaic", lambda *a, **k: calls.append(("gated", 1)) or real_gated(*a, **k))
+    return calls
+
+
 @pytest.mark.parametrize("m", [3, 8])
-def test_mosaic_backend_forms_equal_the_reference(m):
-    """Whole products, partial sums, a skipped and a widened head, and the gate | up pair."""
+def test_mosaic_backend_forms_equal_the_reference(m, mosaic_calls):
+    """Whole products, partial sums, a skipped and a widened head, and the gate | up pair, each
+    on the Mosaic kernel (spied) at its config's K splits."""
     x, w = operands(m, 256, 128)
     layer = jnp.int32(1)
     ref = sm.skinny_matmul_ref(x, w, layer)
     run = lambda **kw: sm.skinny_matmul(x, w, layer, impl="pallas", interpret=True, backend="mosaic", **kw)  # noqa
     np.testing.assert_allclose(f32(run()), f32(ref), rtol=1e-2, atol=1e-2)
     parts = run(partial_sums=True)
-    assert parts.dtype == jnp.float32 and parts.ndim == 3
+    splits = sm.mosaic_config(m, 256, 128, partial_sums=True)["k_splits"]
+    assert parts.dtype == jnp.float32 and parts.shape == (splits, m, 128) and splits > 1
     np.testing.assert_allclose(f32(parts.sum(0)), f32(ref), rtol=1e-2, atol=1e-2)
     head = sm.skinny_matmul(x, w[1], impl="pallas", interpret=True, backend="mosaic", widen=True,
                             skip=jnp.bool_(False))
@@ -59,10 +73,30 @@ def test_mosaic_backend_forms_equal_the_reference(m):
     np.testing.assert_allclose(f32(head), f32(ref), rtol=1e-2, atol=1e-2)
     skipped = sm.skinny_matmul(x, w[1], impl="pallas", interpret=True, backend="mosaic", widen=True,
                                skip=jnp.bool_(True))
-    assert not np.asarray(skipped).any()
+    assert skipped.dtype == jnp.float32 and not np.asarray(skipped).any()
     wg, wu = operands(m, 256, 128, seed=1)[1], operands(m, 256, 128, seed=2)[1]
     gated = sm.gated_up(x, wg, wu, layer, impl="pallas", interpret=True, backend="mosaic")
     np.testing.assert_allclose(f32(gated), f32(sm.gated_up_ref(x, wg, wu, layer)), rtol=2e-2, atol=2e-2)
+    assert mosaic_calls == [("skinny", 1), ("skinny", splits), ("skinny", 1), ("skinny", 1), ("gated", 1)]
+
+
+def test_mosaic_whole_product_past_one_pass_is_split_and_summed(mosaic_calls):
+    """K > SINGLE_PASS_MAX_K: K splits (at most MAX_PARTIAL_SUMS) that XLA adds up."""
+    k = sm.SINGLE_PASS_MAX_K + 256       # 18 steps of 128: split in 6
+    x, w = operands(2, k, 64, layers=1)
+    out = sm.skinny_matmul(x, w, jnp.int32(0), impl="pallas", interpret=True, backend="mosaic")
+    assert out.shape == (2, 64) and out.dtype == jnp.bfloat16
+    np.testing.assert_allclose(f32(out), f32(sm.skinny_matmul_ref(x, w, 0)), rtol=1e-2, atol=1e-2)
+    (kind, splits), = mosaic_calls
+    assert kind == "skinny" and 1 < splits <= sm.MAX_PARTIAL_SUMS
+
+
+def test_named_tiles_stay_on_triton(mosaic_calls):
+    """Tiles named by the caller are the Triton kernel's: the Mosaic kernel does not run."""
+    x, w = operands(4, 256, 128)
+    out = sm.skinny_matmul(x, w, jnp.int32(0), impl="pallas", interpret=True, backend="mosaic", block_n=32)
+    np.testing.assert_allclose(f32(out), f32(sm.skinny_matmul_ref(x, w, 0)), rtol=1e-2, atol=1e-2)
+    assert mosaic_calls == []
 
 
 def test_operands_mosaic_does_not_take_run_on_triton(monkeypatch):
@@ -78,14 +112,32 @@ def test_operands_mosaic_does_not_take_run_on_triton(monkeypatch):
         sm.skinny_matmul(x, w, jnp.int32(0), impl="pallas", backend="cuda")
 
 
-def test_backend_resolution_and_errors():
+def test_backend_resolution_and_errors(monkeypatch):
+    from types import SimpleNamespace
     assert projection_backend("mosaic", "cpu") == "mosaic"      # interpret mode
     assert projection_backend("triton", "gpu") == "triton"
-    if jax.default_backend() == "cpu":
-        with pytest.raises(EngineConfigError, match="Hopper"):
-            projection_backend("mosaic", "gpu")                  # a CPU device has no compute capability
+    monkeypatch.setattr(jax, "devices", lambda *a: [SimpleNamespace(compute_capability="9.0")])
+    assert projection_backend("mosaic", "gpu") == "mosaic"
+    monkeypatch.setattr(jax, "devices", lambda *a: [SimpleNamespace(compute_capability="8.0")])
+    with pytest.raises(EngineConfigError, match=r"Hopper .*this one is 8\.0.*'triton'"):
+        projection_backend("mosaic", "gpu")
     with pytest.raises(EngineConfigError, match="kernel_backend"):
         ExecutionConfig(kernel_backend="auto")
+
+
+@pytest.mark.parametrize("execution, tp, match", [
+    (dict(matmul_impl="xla"), 1, "matmul_impl='xla' runs none"),
+    (dict(matmul_impl="auto"), 2, "tensor_parallel_size=2 runs the projections on XLA")])
+def test_mosaic_where_no_projection_kernel_runs_is_refused(execution, tp, match):
+    from rltjax.engine.rules import RuleInputs, check_rules
+    from rltjax.engine_config import CacheConfig as Cache
+    inputs = RuleInputs(cache=Cache(), scheduler=SchedulerConfig(), exit=ExitConfig(),
+                        execution=ExecutionConfig(kernel_backend="mosaic", **execution), arch="ouro", num_loops=4,
+                        loop_limit=4, signal_kind="gate", has_boundary=False, window_passes=8, fixed_trip=True,
+                        tensor_parallel=tp)
+    with pytest.raises(EngineConfigError, match=match):
+        check_rules(inputs)
+    check_rules(dataclasses.replace(inputs, execution=ExecutionConfig(kernel_backend="triton", **execution)))
 
 
 def greedy_outputs(params, cfg, backend):
@@ -133,5 +185,5 @@ def test_cli_flag_reaches_the_config():
     p = argparse.ArgumentParser()
     add_engine_arguments(p)
     assert configs_from_args(p.parse_args([]))["execution_config"].kernel_backend == "triton"
-    flags = p.parse_args(["--kernel-backend", "triton"])
-    assert configs_from_args(flags)["execution_config"].kernel_backend == "triton"
+    flags = p.parse_args(["--kernel-backend", "mosaic"])
+    assert configs_from_args(flags)["execution_config"].kernel_backend == "mosaic"

@@ -137,6 +137,13 @@ RULES: tuple[Rule, ...] = (
          "would gather the split weights onto every device",
          lambda i: i.tensor_parallel > 1 and i.execution.matmul_impl == "pallas",
          "leave ExecutionConfig.matmul_impl at 'auto' (XLA's projections under tensor parallelism) or use 'xla'"),
+    Rule(lambda i: "ExecutionConfig.kernel_backend='mosaic' picks the projection kernels' backend, but " + (
+         "matmul_impl='xla' runs none" if i.execution.matmul_impl == "xla" else
+         f"tensor_parallel_size={i.tensor_parallel} runs the projections on XLA"),
+         lambda i: i.execution.kernel_backend == "mosaic" and (i.execution.matmul_impl == "xla"
+                                                               or i.tensor_parallel > 1),
+         "leave kernel_backend at 'triton', or run the projections on the kernels (matmul_impl 'auto' or "
+         "'pallas', one device)"),
     Rule("speculative decoding runs its rounds inside decode windows",
          lambda i: _spec(i) and not i.window_passes,
          "leave ExecutionConfig.decode_window unset (or > 0), SchedulerConfig.mode='refill' and "

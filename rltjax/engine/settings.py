@@ -291,7 +291,7 @@ def resolve_settings(model, *, cache: CacheConfig, scheduler: SchedulerConfig, e
                             fused_kernels=projections_on_kernel, mesh=mesh,
                             kernel_backend=projection_backend(execution.kernel_backend, platform))
     # prefill is compute-bound: its projections stay on XLA's dot whatever matmul_impl says
-    prefill = dataclasses.replace(decode, matmul_impl="xla", decode_rows=False,
+    prefill = dataclasses.replace(decode, matmul_impl="xla", kernel_backend="triton", decode_rows=False,
                                   prefill_block_q=PREFILL_BLOCK_Q if alignment > 1 else 0)
     on_kernels = decode_projections_on_kernels(cfg, projections_on_kernel, execution.matmul_impl,
                                                scheduler.max_num_seqs)

@@ -94,7 +94,14 @@ def build_engine_from_args(args, *, max_num_seqs: int, max_model_len: int, cache
                                     max_num_batched_tokens=sched.config.max_num_batched_tokens,
                                     prefill_chunk_size=sched.config.prefill_chunk_size,
                                     exit_mode=engine.settings.exit_config.mode,
-                                    dtype=str(engine.runner.params.embed.dtype)))
+                                    dtype=str(engine.runner.params.embed.dtype),
+                                    projection_kernels=projection_kernels(engine.settings.decode_backend)))
+
+
+def projection_kernels(backend) -> str:
+    """What the decode projections run on, as resolved: "xla" or the kernels' backend."""
+    on_kernels = backend.matmul_impl == "pallas" or (backend.matmul_impl == "auto" and backend.kernel_shapes)
+    return backend.kernel_backend if on_kernels else "xla"
 
 
 def _child(argv: list[str], cache_dir: str, timeout: float) -> dict:

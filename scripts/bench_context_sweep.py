@@ -75,21 +75,22 @@ def parse_cells(specs: list[str]) -> list[tuple[int, list[int]]]:
     return cells
 
 
-def measure_bandwidth(nbytes: int, dtype: str, calls: int = 10) -> float:
-    """Read + write bytes per second of one elementwise pass over an array of the model's dtype
-    (bf16 on GPU), median of ``calls`` after a warm-up call."""
+def measure_bandwidth(nbytes: int, dtype: str, passes: int = 20, calls: int = 5) -> float:
+    """Read + write bytes per second of elementwise passes over an array of the model's dtype
+    (bf16 on GPU): ``passes`` of them inside one call, so the call's dispatch and sync are spread
+    over them; median of ``calls`` after a warm-up call."""
     import jax
     import jax.numpy as jnp
     a = jnp.ones((nbytes // jnp.dtype(dtype).itemsize,), dtype)
     # x + 1, not x + 0: XLA may simplify x + 0 away, leaving no pass over the array to time
-    step = jax.jit(lambda x: x + jnp.asarray(1, x.dtype))
+    step = jax.jit(lambda x: jax.lax.fori_loop(0, passes, lambda _, y: y + jnp.asarray(1, y.dtype), x))
     step(a).block_until_ready()
     times = []
     for _ in range(calls):
         t0 = time.perf_counter()
         step(a).block_until_ready()
         times.append(time.perf_counter() - t0)
-    return 2 * a.nbytes / statistics.median(times)
+    return 2 * a.nbytes * passes / statistics.median(times)
 
 
 def pool_bound(args, page_bytes: int) -> int | None:
@@ -145,7 +146,8 @@ def run_cell(engine, a, c: int, f: dict, mb, bandwidth: float) -> dict:
     core = roofline_report(mb, c, L, None, med, bandwidth)
     # one head pass per output step of the C rows: F0 read once per C tokens
     bound = c / (core["mean_depth"] * core["pass_ms"] / 1e3 + mb.token_weight_bytes / bandwidth)
-    ref = REFERENCE.get((a.prompt_len, f.get("asked_C", c)))
+    # a cell run at a smaller C than asked (--fit-concurrency) is not the reference's cell
+    ref = REFERENCE.get((a.prompt_len, c)) if f.get("asked_C", c) == c else None
     return dict(f, C=c, tokens_per_s=dict(median=med, min=min(tps), max=max(tps), repeats=tps), runs=runs,
                 roofline=dict(bound_tokens_per_s=bound, fraction=med / bound, F0_bytes=mb.token_weight_bytes,
                               core_only=core),
@@ -216,6 +218,12 @@ def main(argv=None) -> int:
                    help="run a cell that does not fit at the largest C that does (marked)")
     p.set_defaults(output_len=128)
     args = p.parse_args(argv)
+    # every repeat draws the same prompts (measure's seed): cached prefixes would time a later
+    # repeat's prefill as free; and the roofline charges R loops a token (fixed depth)
+    if args.enable_prefix_caching:
+        raise SystemExit("--enable-prefix-caching: the repeats share their prompts; the sweep runs without it")
+    if args.exit_threshold < 1.0:
+        raise SystemExit(f"--exit-threshold {args.exit_threshold}: the sweep is at fixed depth (1.0)")
     import jax
 
     from rltjax.source_files import source_identity

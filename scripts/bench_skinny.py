@@ -156,7 +156,7 @@ ENGINE_FORMS = {"qkv": {}, "o": {"partial_sums": True}, "down": {"partial_sums":
 
 def engine_form_rows(args, key, interpret: bool):
     """--engine-forms: each projection as the engine calls it (o and down as partial sums for the
-    norm kernel, the head widened with its skip flag, gate | up as the pair), through
+    norm kernel, the head widened with its skip flag; gate | up is --gated's), through
     ``kernels.skinny_matmul`` on each backend at its own config."""
     for name, form in ENGINE_FORMS.items():
         k, n = SHAPES["tiny" if args.quick else name]

@@ -359,6 +359,14 @@ def test_bench_context_sweep_quick(tmp_path):
         # the asked C's requests x 4 planes x whole pages of 16 positions x 1024 bytes (float32 K and V)
         assert c["kv_bytes_needed"] == key[1] * 4 * -(-(key[0] + 128) // 16) * 16 * 1024
         assert c["roofline"]["core_only"]["kv_bytes_per_position_per_plane"] == 1024
+        # the bound from its inputs: R passes over the core weights and C rows' K/V at one plane
+        # (L = P + 64: the mean context of 128 outputs), plus the head's bytes once a step
+        roof, bw = c["roofline"], info["bandwidth_bytes_per_s"]
+        core = roof["core_only"]
+        assert core["L"] == key[0] + 64 and core["mean_depth"] == 4 and core["bandwidth"] == bw
+        per_token_bytes = 4 * (core["W_bytes"] + c["C"] * core["L"] * 1024) + roof["F0_bytes"]
+        assert roof["bound_tokens_per_s"] == pytest.approx(c["C"] * bw / per_token_bytes, rel=1e-9)
+        assert roof["fraction"] == pytest.approx(t["median"] / roof["bound_tokens_per_s"])
     over = cells[(64, 3)]
     assert not over["fits"] and over["C"] == over["largest_C_that_fits"] == 2
     assert over["kv_bytes_available"] == 120 * 16 * 1024

@@ -75,11 +75,11 @@ def _depth(m: int, block_n: int, block_k: int, weights: int = 1) -> int:
 
 
 def mosaic_config(m: int, k: int, n: int, partial_sums: bool = False) -> dict:
-    """Default tiles for an [m, k] @ [k, n] product (scripts/bench_skinny.py on an H200 at 8 and 64
-    rows: within 0.1 us of the best swept point for q|k|v and down; o at 8 rows took 4.55 us in
-    256-deep steps against 5.23 at these): 64-column tiles (the most blocks wgmma allows), 128-deep K steps, one pass over K up
-    to SINGLE_PASS_MAX_K for whole products, else the fewest K splits giving MIN_BLOCKS blocks,
-    and as many pipeline slots (3-6) as fit SMEM_BUDGET."""
+    """Default tiles for an [m, k] @ [k, n] product: 64-column tiles (the most blocks wgmma
+    allows), 128-deep K steps, one pass over K up to SINGLE_PASS_MAX_K for whole products, else
+    the fewest K splits giving MIN_BLOCKS blocks, and as many pipeline slots (3-6) as fit
+    SMEM_BUDGET. scripts/bench_skinny.py on an H200 at 8 and 64 rows: within 0.1 us of the best
+    swept point for q|k|v and down; o at 8 rows took 4.55 us in 256-deep steps against 5.23 here."""
     block_n = TILE
     block_k = 128 if k % 128 == 0 else TILE
     steps, tiles = k // block_k, n // block_n

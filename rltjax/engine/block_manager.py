@@ -98,8 +98,7 @@ class BlockManager:
         blocks = []
         if self.cache is not None:
             if req.block_keys is None:
-                req.block_keys = block_keys(root_key(self.prefix_context, request_part), req.prompt_token_ids, P,
-                                            req.prompt_len // P)
+                req.block_keys = self.prompt_keys(req.prompt_token_ids, request_part)
             blocks = self.cache.match(req.block_keys[:_reusable(req, P)])
         # a recomputed request takes the pages of every output it rebuilds too: admitted on its
         # prompt's alone it would preempt others as it replays (and be preempted again)
@@ -129,8 +128,7 @@ class BlockManager:
             return pages_needed(target, P) * self.num_planes
         hits = 0
         if self.cache is not None:
-            keys = req.block_keys or block_keys(root_key(self.prefix_context, request_part), req.prompt_token_ids,
-                                                P, req.prompt_len // P)
+            keys = req.block_keys or self.prompt_keys(req.prompt_token_ids, request_part)
             hits = self.cache.peek(keys[:_reusable(req, P)])
         target = req.max_positions if self.allocation == "lifetime" else req.prompt_len + req.replay_left
         return (pages_needed(target, P) - hits) * self.num_planes
@@ -151,11 +149,16 @@ class BlockManager:
             self._map(req, blocks)
             req.block_keys = keys
         elif self.cache is not None and req.block_keys is None:
-            req.block_keys = block_keys(root_key(self.prefix_context, request_part), req.prompt_token_ids,
-                                        self.page_size, req.prompt_len // self.page_size)
+            req.block_keys = self.prompt_keys(req.prompt_token_ids, request_part)
         self._take(req, fresh)
         req.num_published = len(blocks)   # its pages are fresh copies: published again (``publish``)
         return True
+
+    def prompt_keys(self, prompt_token_ids, request_part: bytes = b"") -> list[bytes]:
+        """The prefix cache's keys of a prompt's whole pages (``request_part``: what the request
+        adds to the root key)."""
+        return block_keys(root_key(self.prefix_context, request_part), prompt_token_ids, self.page_size,
+                          len(prompt_token_ids) // self.page_size)
 
     def _map(self, req: Request, blocks) -> None:
         """Cached blocks (each already used by the request) as the first pages of its tables."""
@@ -207,14 +210,14 @@ class BlockManager:
         them), or None, holding nothing, when the fresh pages are not free."""
         keys, blocks = None, []
         if self.cache is not None and len(prompt_token_ids):
-            keys = block_keys(root_key(self.prefix_context, request_part), list(prompt_token_ids), self.page_size,
-                              len(prompt_token_ids) // self.page_size)
+            keys = self.prompt_keys(list(prompt_token_ids), request_part)
             blocks = self.cache.match(keys[:(len(prompt_token_ids) - 1) // self.page_size])
         per_plane = pages_needed(positions, self.page_size) - len(blocks)
         core = per_plane * self.num_planes
-        if self._can_take(per_plane) and self.cache is not None:     # a reservation takes only free pages
+        held = self._can_take(per_plane)
+        if held and self.cache is not None:     # a reservation takes only free pages
             self.cache.evict(core, per_plane if self.boundary_allocator is not None else 0)
-        held = self._can_take(per_plane) and self.allocator.reserve(request_id, core)
+        held = held and self.allocator.reserve(request_id, core)
         if held and self.boundary_allocator is not None and not self.boundary_allocator.reserve(request_id,
                                                                                                per_plane):
             self.allocator.release(request_id)

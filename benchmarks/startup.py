@@ -95,13 +95,17 @@ def build_engine_from_args(args, *, max_num_seqs: int, max_model_len: int, cache
                                     prefill_chunk_size=sched.config.prefill_chunk_size,
                                     exit_mode=engine.settings.exit_config.mode,
                                     dtype=str(engine.runner.params.embed.dtype),
-                                    projection_kernels=projection_kernels(engine.settings.decode_backend)))
+                                    projection_kernels=projection_kernels(engine.settings)))
 
 
-def projection_kernels(backend) -> str:
-    """What the decode projections run on, as resolved: "xla" or the kernels' backend."""
-    on_kernels = backend.matmul_impl == "pallas" or (backend.matmul_impl == "auto" and backend.kernel_shapes)
-    return backend.kernel_backend if on_kernels else "xla"
+def projection_kernels(settings) -> str:
+    """What the decode projections run on, as resolved: the kernels' backend where every decode
+    batch's projections run on them, "xla" where none do, "mixed" otherwise (matmul_impl
+    pallas at shapes "auto" would leave on XLA)."""
+    backend = settings.decode_backend
+    if settings.projections_on_kernels:
+        return backend.kernel_backend
+    return "mixed" if backend.matmul_impl == "pallas" else "xla"
 
 
 def _child(argv: list[str], cache_dir: str, timeout: float) -> dict:

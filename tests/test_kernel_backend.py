@@ -187,3 +187,25 @@ def test_cli_flag_reaches_the_config():
     assert configs_from_args(p.parse_args([]))["execution_config"].kernel_backend == "triton"
     flags = p.parse_args(["--kernel-backend", "mosaic"])
     assert configs_from_args(flags)["execution_config"].kernel_backend == "mosaic"
+
+
+@pytest.mark.parametrize("execution, want", [
+    (dict(attn_impl="pallas", matmul_impl="auto", kernel_backend="mosaic"), "mosaic"),
+    (dict(attn_impl="pallas", matmul_impl="auto"), "triton"),
+    (dict(attn_impl="pallas", matmul_impl="xla"), "xla"),
+    (dict(attn_impl="xla", matmul_impl="pallas"), "mixed")])
+def test_benchmarks_record_what_the_projections_ran_on(execution, want, monkeypatch):
+    """benchmarks.startup.projection_kernels reads the resolved settings: the backend where every
+    decode projection runs on the kernels (Ouro's shapes, attention on the kernels), "xla" where
+    none does, "mixed" where matmul_impl pallas runs them at shapes "auto" would not."""
+    from benchmarks.startup import projection_kernels
+    from rltjax.engine.settings import resolve_settings
+    from rltjax.models.base import get_model
+    from types import SimpleNamespace
+    monkeypatch.setattr(jax, "devices", lambda *a: [SimpleNamespace(compute_capability="9.0")])    # a Hopper GPU
+    cfg = preset_config("ouro-1.4b", SMALL)
+    settings = resolve_settings(get_model(cfg), cache=CacheConfig(), scheduler=SchedulerConfig(max_num_seqs=8),
+                                exit_config=ExitConfig(), execution=ExecutionConfig(interpret=True, **execution),
+                                max_model_len=64, kv_dtype="bfloat16", platform="gpu")
+    assert projection_kernels(settings) == want
+    assert settings.prefill_backend.kernel_backend == "triton"      # prefill never compiles per choice

@@ -117,6 +117,7 @@ class EngineSettings:
     max_prefill_chunk: int       # the longest chunk one request gets in a prefill batch
     prefill_alignment: int       # prefill chunks start at multiples of this (1: anywhere)
     attention_on_kernel: bool
+    projections_on_kernels: bool     # every decode batch's projections (decode_projections_on_kernels)
     decode_backend: PagedKVBackend
     prefill_backend: PagedKVBackend
     xla_options: tuple[tuple[str, object], ...]
@@ -332,7 +333,8 @@ def resolve_settings(model, *, cache: CacheConfig, scheduler: SchedulerConfig, e
         loop_cap=R if cache.max_loops is None else cache.max_loops, num_planes=cache.num_planes(R),
         layered=layered, has_boundary=has_boundary, page_size=cache.page_size, exit_mode=exit_mode,
         exit_config=exit_config, scheduler=scheduler, max_model_len=max_model_len, max_prefill_chunk=longest_chunk,
-        prefill_alignment=alignment, attention_on_kernel=on_kernel, decode_backend=decode, prefill_backend=prefill,
+        prefill_alignment=alignment, attention_on_kernel=on_kernel, projections_on_kernels=on_kernels,
+        decode_backend=decode, prefill_backend=prefill,
         xla_options=engine_options(tuple(sorted(dict(execution.xla_options).items())), platform, on_kernels),
         row_buckets=row_buckets, token_buckets=token_buckets, window=window,
         async_scheduling=execution.async_scheduling, compile_ahead=execution.compile_ahead,

@@ -45,9 +45,9 @@ import jax.numpy as jnp
 from rltjax.kernels.skinny_matmul_pallas import choose_splits, gated_up_pallas, skinny_matmul_pallas
 from rltjax.kernels.skinny_matmul_mosaic import (gated_mosaic_config, gated_mosaic_unsupported, gated_up_mosaic,
                                                  mosaic_config, mosaic_unsupported, skinny_matmul_mosaic)
+from rltjax.kernels.skinny_common import MAX_ROWS, SINGLE_PASS_MAX_K, silu_mul
 from rltjax.kernels.triton_common import next_pow2
 
-MAX_ROWS = 64           # beyond this XLA's tiled GEMMs fill the GPU by themselves
 KERNEL_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 IMPLS = ("xla", "pallas")
 BACKENDS = ("triton", "mosaic")
@@ -58,15 +58,6 @@ def skinny_matmul_ref(x: jax.Array, w: jax.Array, layer=None) -> jax.Array:
     if w.ndim == 3:
         w = jax.lax.dynamic_index_in_dim(w, jnp.asarray(layer, jnp.int32).reshape(()), keepdims=False)
     return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
-
-
-def silu_mul(gate: jax.Array, up: jax.Array) -> jax.Array:
-    """silu(gate) * up in their dtype: computed in float32 and rounded once, on every backend
-    and whatever XLA fuses (left to XLA, bf16 rounded after each op on a CPU and not inside a
-    GPU fusion). The gate | up kernel rounds the same. In bfloat16 the upstream PyTorch code
-    rounds twice (SiLU, then the product): at most one step apart."""
-    g32 = gate.astype(jnp.float32)
-    return (g32 / (1.0 + jnp.exp(-g32)) * up.astype(jnp.float32)).astype(gate.dtype)
 
 
 def gated_up_ref(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, layer=None) -> jax.Array:
@@ -116,7 +107,6 @@ def kernel_unsupported(x, w, block_n: int = 16, block_k: int = 16) -> str | None
     return None
 
 
-SINGLE_PASS_MAX_K = 2048    # one program streams all of K up to this (measured); longer K is split
 MAX_PARTIAL_SUMS = 8        # partial_sums: at most this many splits (Ouro's down takes 4)
 
 

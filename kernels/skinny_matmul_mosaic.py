@@ -41,7 +41,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-MAX_ROWS = 64               # decode rows; beyond, XLA's GEMMs fill the GPU themselves
+from rltjax.kernels.skinny_common import MAX_ROWS, SINGLE_PASS_MAX_K, silu_mul
+from rltjax.kernels.skinny_matmul_pallas import choose_splits
+
 DTYPES = (jnp.bfloat16, jnp.float16)    # wgmma reads a transposed SMEM operand only in 16 bits
 TILE = 64                   # elements of a 128-byte swizzle row in 16 bits: block_n, block_k unit
 SWIZZLE = 128
@@ -49,7 +51,11 @@ SMEM_LIMIT = 227 * 1024     # an H100 / H200 block's opt-in shared memory
 SMEM_BUDGET = 192 * 1024    # the configs' pipeline slots: under SMEM_LIMIT with room to spare
 ACC_REGISTERS = 128         # float32 accumulator registers a thread (of 255): a 256 x 64 out^T tile's
 MIN_BLOCKS = 128            # splits: about one block per SM (132 on an H100 SXM)
-SINGLE_PASS_MAX_K = 2048    # as the Triton kernel's config: longer K is split
+
+
+def hopper(device) -> bool:
+    """Whether the kernels run on this device: a GPU of compute capability 9.x."""
+    return str(getattr(device, "compute_capability", "")).startswith("9.")
 
 
 def padded_rows(m: int) -> int:
@@ -82,10 +88,8 @@ def mosaic_config(m: int, k: int, n: int, partial_sums: bool = False) -> dict:
     swept point for q|k|v and down; o at 8 rows took 4.55 us in 256-deep steps against 5.23 here."""
     block_n = TILE
     block_k = 128 if k % 128 == 0 else TILE
-    steps, tiles = k // block_k, n // block_n
-    splits = 1
-    if partial_sums or k > SINGLE_PASS_MAX_K:
-        splits = min((s for s in range(1, steps + 1) if steps % s == 0 and tiles * s >= MIN_BLOCKS), default=steps)
+    whole = not partial_sums and k <= SINGLE_PASS_MAX_K
+    splits = 1 if whole else choose_splits(k, n, block_n, block_k, MIN_BLOCKS)
     return dict(block_n=block_n, block_k=block_k, k_splits=splits, max_concurrent_steps=_depth(m, block_n, block_k))
 
 
@@ -210,9 +214,8 @@ def _store(o_gmem, value, j, split, m: int, *, transposed: bool):
 
 
 def _silu_mul(gate, up, *, dtype):
-    """``kernels.skinny_matmul.silu_mul`` of the two products rounded to ``dtype``."""
-    g, u = (a.astype(dtype).astype(jnp.float32) for a in (gate, up))
-    return (g / (1.0 + jnp.exp(-g)) * u).astype(dtype)
+    """``silu_mul`` of the two float32 products rounded to ``dtype``."""
+    return silu_mul(gate.astype(dtype), up.astype(dtype))
 
 
 def _launch(args, out_type, *, k_splits: int, interpret, name: str, **kernel):

@@ -41,8 +41,8 @@ import jax.numpy as jnp  # noqa: E402
 
 from rltjax.kernels.skinny_matmul import (fit_block, gated_up, gated_up_ref, kernel_config,  # noqa: E402
                                           kernel_unsupported, skinny_matmul)
-from rltjax.kernels.skinny_matmul_mosaic import (gated_mosaic_config, gated_up_mosaic, mosaic_config,  # noqa: E402
-                                                 mosaic_unsupported, skinny_matmul_mosaic)
+from rltjax.kernels.skinny_matmul_mosaic import (gated_mosaic_config, gated_up_mosaic, hopper,  # noqa: E402
+                                                 mosaic_config, mosaic_unsupported, skinny_matmul_mosaic)
 from rltjax.profiling import median_call_us  # noqa: E402
 
 # tiny: the --quick shape, 64-column multiples for the Mosaic kernel's 64-wide tiles
@@ -96,8 +96,7 @@ def runnable_impls(quick: bool) -> tuple[str, ...]:
         return IMPLS
     if jax.default_backend() != "gpu":
         return ("xla",)
-    hopper = str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9")
-    return IMPLS if hopper else ("xla", "pallas")
+    return IMPLS if hopper(jax.devices()[0]) else ("xla", "pallas")
 
 
 def measure(points, make_fn, xs, ws, ref, iters: int, what: str) -> list[dict]:

@@ -26,6 +26,7 @@ from rltjax.jit_options import engine_options
 from rltjax.kernels.paged_attention import kernel_unsupported
 from rltjax.kernels.prefill_attention import DEFAULT_BLOCK_Q
 from rltjax.kernels.skinny_matmul import MAX_ROWS, SINGLE_PASS_MAX_K
+from rltjax.kernels.skinny_matmul_mosaic import hopper
 from rltjax.models.base import boundary_kv_layers, loop_limit, signal_kind
 
 NUM_TOP_LOGPROBS = 20
@@ -222,10 +223,11 @@ def attention_on_kernel(execution: ExecutionConfig, cfg, page_size: int, kv_dtyp
 
 def projection_backend(choice: str, platform: str) -> str:
     """ExecutionConfig.kernel_backend checked against the GPU: Mosaic GPU's kernels are Hopper's."""
-    capability = str(getattr(jax.devices()[0], "compute_capability", "")) if platform == "gpu" else ""
-    if choice == "mosaic" and platform == "gpu" and not capability.startswith("9."):
+    device = jax.devices()[0]
+    if choice == "mosaic" and platform == "gpu" and not hopper(device):
         raise EngineConfigError(f"ExecutionConfig.kernel_backend='mosaic': the Mosaic GPU kernels are for Hopper "
-                                f"GPUs (compute capability 9.x); this one is {capability or 'unknown'}: use 'triton'")
+                                f"GPUs (compute capability 9.x); this one is "
+                                f"{getattr(device, 'compute_capability', None) or 'unknown'}: use 'triton'")
     return choice
 
 

@@ -85,6 +85,15 @@ def reference_model(name: str = "ouro-tiny", kv_layout: str = "last_exited", dty
 
 
 @pytest.fixture
+def fresh_mosaic_interpreter():
+    """Mosaic GPU interpret mode keeps global state that an exception inside a kernel leaves
+    behind: reset after each test so one failure does not break the next."""
+    yield
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import reset_gpu_interpret_mode_state
+    reset_gpu_interpret_mode_state()
+
+
+@pytest.fixture
 def lower_to_triton(monkeypatch):
     """``lower(fn, *shape_dtype_structs)`` -> the Triton IR text of the (last) Pallas kernel in
     ``jax.jit(fn)``, lowered for an H100-class GPU on any host (no GPU needed)."""

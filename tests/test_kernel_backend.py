@@ -19,6 +19,7 @@ from rltjax.entrypoints.llm import build_engine
 from rltjax.kernels import skinny_matmul as sm
 from rltjax.presets import preset_config
 from rltjax.sampling_params import SamplingParams
+from test_skinny_mosaic import operands
 
 # 64-multiples throughout: the Mosaic kernels' tiles
 SMALL = {"num_hidden_layers": 2, "layer_types": ["full_attention"] * 2, "hidden_size": 128,
@@ -26,17 +27,7 @@ SMALL = {"num_hidden_layers": 2, "layer_types": ["full_attention"] * 2, "hidden_
          "vocab_size": 256, "max_position_embeddings": 256}
 
 
-@pytest.fixture(autouse=True)
-def _fresh_interpreter():
-    yield
-    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import reset_gpu_interpret_mode_state
-    reset_gpu_interpret_mode_state()
-
-
-def operands(m, k, n, dtype=jnp.bfloat16, layers=2, seed=0):
-    rng = np.random.default_rng(seed)
-    return (jnp.asarray(rng.standard_normal((m, k)), dtype),
-            jnp.asarray(rng.standard_normal((layers, k, n)) / np.sqrt(k), dtype))
+pytestmark = pytest.mark.usefixtures("fresh_mosaic_interpreter")
 
 
 def f32(a):
@@ -104,7 +95,7 @@ def test_operands_mosaic_does_not_take_run_on_triton(monkeypatch):
     calls = []
     monkeypatch.setattr(sm, "skinny_matmul_mosaic", lambda *a, **k: calls.append("mosaic"))
     for dtype, n in ((jnp.float32, 128), (jnp.bfloat16, 96)):
-        x, w = operands(4, 128, n, dtype)
+        x, w = operands(4, 128, n, dtype=dtype)
         out = sm.skinny_matmul(x, w, jnp.int32(0), impl="pallas", interpret=True, backend="mosaic")
         np.testing.assert_allclose(f32(out), f32(sm.skinny_matmul_ref(x, w, 0)), rtol=1e-2, atol=1e-2)
     assert calls == []

@@ -24,13 +24,7 @@ STEP = 2.0 ** -7    # a bf16 step: gate | up vs gated_up_ref within two (tests/t
 sd = jax.ShapeDtypeStruct
 
 
-@pytest.fixture(autouse=True)
-def _fresh_interpreter():
-    """Mosaic GPU interpret mode keeps global state that an exception inside a kernel leaves
-    behind: reset it so one failure does not break the next test."""
-    yield
-    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import reset_gpu_interpret_mode_state
-    reset_gpu_interpret_mode_state()
+pytestmark = pytest.mark.usefixtures("fresh_mosaic_interpreter")
 
 
 def rel_err(out, x, w):

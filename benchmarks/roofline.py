@@ -42,9 +42,11 @@ def pass_seconds(batch: int, context: float, weight_bytes: float, kv_bytes: floa
 
 
 def roofline_tokens_per_s(batch: int, context: float, mean_depth: float, weight_bytes: float,
-                          kv_bytes: float, bandwidth: float = DEFAULT_BANDWIDTH) -> float:
-    """B / (d̄ · (W + B·L·kv) / bandwidth)."""
-    return batch / (mean_depth * pass_seconds(batch, context, weight_bytes, kv_bytes, bandwidth))
+                          kv_bytes: float, bandwidth: float = DEFAULT_BANDWIDTH, head_bytes: float = 0.0) -> float:
+    """B / ((d̄ · (W + B·L·kv) + F0) / bandwidth); head_bytes F0: what one head step over the B
+    rows reads (0: the core passes alone)."""
+    return batch / (mean_depth * pass_seconds(batch, context, weight_bytes, kv_bytes, bandwidth)
+                    + head_bytes / bandwidth)
 
 
 def mean_context(prompt_lens: Sequence[int], output_lens: Sequence[int]) -> float:

@@ -54,7 +54,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks.roofline import mean_context, model_bytes, roofline_report  # noqa: E402
+from benchmarks.roofline import mean_context, model_bytes, roofline_report, roofline_tokens_per_s  # noqa: E402
 from benchmarks.startup import build_engine_from_args, model_config  # noqa: E402
 from rltjax.entrypoints.bench import add_bench_arguments, measure  # noqa: E402
 
@@ -145,7 +145,8 @@ def run_cell(engine, a, c: int, f: dict, mb, bandwidth: float) -> dict:
     L = mean_context([a.prompt_len], [a.output_len])
     core = roofline_report(mb, c, L, None, med, bandwidth)
     # one head pass per output step of the C rows: F0 read once per C tokens
-    bound = c / (core["mean_depth"] * core["pass_ms"] / 1e3 + mb.token_weight_bytes / bandwidth)
+    bound = roofline_tokens_per_s(c, L, core["mean_depth"], mb.core_weight_bytes, mb.kv_bytes_per_position_per_plane,
+                                  bandwidth, head_bytes=mb.token_weight_bytes)
     # a cell run at a smaller C than asked (--fit-concurrency) is not the reference's cell
     ref = REFERENCE.get((a.prompt_len, c)) if f.get("asked_C", c) == c else None
     return dict(f, C=c, tokens_per_s=dict(median=med, min=min(tps), max=max(tps), repeats=tps), runs=runs,

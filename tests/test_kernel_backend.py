@@ -72,7 +72,8 @@ def test_mosaic_backend_forms_equal_the_reference(m, mosaic_calls):
 
 
 def test_mosaic_whole_product_past_one_pass_is_split_and_summed(mosaic_calls):
-    """K > SINGLE_PASS_MAX_K: K splits (at most MAX_PARTIAL_SUMS) that XLA adds up."""
+    """K > SINGLE_PASS_MAX_K: K splits (at most MAX_PARTIAL_SUMS) that XLA adds up, for a
+    projection and for each half of the gate | up pair."""
     k = sm.SINGLE_PASS_MAX_K + 256       # 18 steps of 128: split in 6
     x, w = operands(2, k, 64, layers=1)
     out = sm.skinny_matmul(x, w, jnp.int32(0), impl="pallas", interpret=True, backend="mosaic")
@@ -80,6 +81,11 @@ def test_mosaic_whole_product_past_one_pass_is_split_and_summed(mosaic_calls):
     np.testing.assert_allclose(f32(out), f32(sm.skinny_matmul_ref(x, w, 0)), rtol=1e-2, atol=1e-2)
     (kind, splits), = mosaic_calls
     assert kind == "skinny" and 1 < splits <= sm.MAX_PARTIAL_SUMS
+    # the gate | up pair past one pass: each product split on the Mosaic kernel, the activation after
+    wu = operands(2, k, 64, layers=1, seed=3)[1]
+    gated = sm.gated_up(x, w, wu, jnp.int32(0), impl="pallas", interpret=True, backend="mosaic")
+    np.testing.assert_allclose(f32(gated), f32(sm.gated_up_ref(x, w, wu, 0)), rtol=2e-2, atol=2e-2)
+    assert mosaic_calls[1:] == [("skinny", splits)] * 2
 
 
 def test_named_tiles_stay_on_triton(mosaic_calls):

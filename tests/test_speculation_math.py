@@ -37,3 +37,28 @@ def test_converging_weights_dial_the_agreement_of_shallow_and_full_depth():
     assert agreement(converging(ckpt.params, 0.05)) > agreement(ckpt.params) + 0.3
     with pytest.raises(ValueError, match="scale"):
         converging(ckpt.params, 0.0)
+
+
+def test_round_cost_counts_the_passes_of_a_round():
+    """By hand: K + 1 positions through d loops, K draft heads, one verify of D - d loops over
+    the K + 1 positions, and its head (the H100 round of K = 2 measured 8.75 passes)."""
+    assert round_cost(2, 2, 4, 0.25) == 3 * 2 + 2 * 0.25 + 2 + 0.25 == 8.75
+    assert round_cost(4, 2, 4, 0.25) == 5 * 2 + 4 * 0.25 + 2 + 0.25 == 13.25
+    assert round_cost(4, 1, 4, 0.0) == 5 + 3
+
+
+def test_a_window_runs_one_round_by_default_whatever_its_passes():
+    """rounds_per_window defaults to 1 (each round's tokens reach the stream together), also in
+    a window of more passes than the target's depth; the target defaults to R."""
+    from rltjax.engine.settings import resolve_settings
+    from rltjax.engine_config import (CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig,
+                                      SpeculativeConfig)
+    ckpt = load_fixture("ouro-tiny")
+    for window, rounds in ((16, None), (16, 3)):
+        spec = SpeculativeConfig(4, 2) if rounds is None else SpeculativeConfig(4, 2, rounds_per_window=rounds)
+        settings = resolve_settings(get_model(ckpt.cfg), cache=CacheConfig(), scheduler=SchedulerConfig(),
+                                    exit_config=ExitConfig(mode="fixed"),
+                                    execution=ExecutionConfig(decode_window=window), max_model_len=64,
+                                    kv_dtype="float32", speculative=spec)
+        got = settings.window.speculative
+        assert got.rounds == (rounds or 1) and got.target_loops == ckpt.cfg.num_loops

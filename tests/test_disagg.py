@@ -13,6 +13,7 @@ import pytest
 from conftest import FIXTURES
 from engine_helpers import make_engine, run_workload
 from rltjax.disagg.coordinator import DisaggEngine
+from rltjax.engine.sequence import RequestRejectedError
 from rltjax.engine_config import CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig
 from rltjax.sampling_params import SamplingParams
 
@@ -58,18 +59,24 @@ def all_free(engine, timeout=10.0):
     raise AssertionError([(s.kv_pages_used, s.num_running, s.num_waiting) for s in stats])
 
 
-@pytest.mark.parametrize("name,overrides,p,d", [("ouro-tiny", None, 1, 1), ("ouro-tiny-gqa", None, 1, 2),
-                                                ("nanbeige-tiny", None, 2, 1),
-                                                ("huginn-tiny", {"state_init": "zero"}, 1, 2)])
-def test_disaggregated_equals_colocated(name, overrides, p, d):
+@pytest.mark.parametrize("name,overrides,p,d,stream", [("ouro-tiny", None, 1, 1, True),
+                                                       ("ouro-tiny-gqa", None, 1, 2, True),
+                                                       ("nanbeige-tiny", None, 2, 1, True),
+                                                       ("huginn-tiny", {"state_init": "zero"}, 1, 2, True),
+                                                       ("ouro-tiny", None, 1, 1, False)])
+def test_disaggregated_equals_colocated(name, overrides, p, d, stream):
+    """stream False: every page moves once the first token is out (stream_pages=False)."""
     want = run_workload(make_engine(name=name, hf_overrides=overrides, **ENGINE), workload())
-    engine = DisaggEngine(str(FIXTURES / name), configs(overrides), num_prefill=p, num_decode=d)
+    engine = DisaggEngine(str(FIXTURES / name), configs(overrides), num_prefill=p, num_decode=d, stream_pages=stream)
     try:
         aborted = {3: "r4"}                   # mid-prefill or mid-transfer, whichever it is at step 3
         got = run_workload(engine, workload(), aborts=aborted)
         check_same(got, want, skip={"r4"})
         assert got["r4"].finish_reason in ("abort", "length")
-        assert 0 < engine.streamed_bytes < engine.transfer_bytes     # prompt pages moved while prompts ran
+        if stream:
+            assert 0 < engine.streamed_bytes < engine.transfer_bytes     # prompt pages moved while prompts ran
+        else:
+            assert engine.streamed_bytes == 0 < engine.transfer_bytes
         all_free(engine)
     finally:
         engine.close()
@@ -157,6 +164,10 @@ def test_decode_workers_speculate():
     try:
         check_same(run_workload(engine, workload(4, seed=3)), want)
         assert engine.stats().spec_draft_tokens > 0
+        # more drafts than the decode workers make: refused before its prompt runs anywhere
+        with pytest.raises(RequestRejectedError, match="num_speculative_tokens"):
+            engine.add_request("too-many", [5, 6, 7], SamplingParams(max_tokens=2, num_speculative_tokens=4))
+        assert "too-many" not in engine.requests
         all_free(engine)
     finally:
         engine.close()

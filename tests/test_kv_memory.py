@@ -321,3 +321,26 @@ def test_priority_never_preempts_for_a_request_that_still_would_not_fit(preempti
     for _, rid, prompt, params in arrivals:
         check_equal(outputs[rid], ref.generate(prompt, params, request_id=rid))
     assert engine.stats().num_preemptions == 0
+
+
+def test_a_request_swapped_back_offers_its_prompt_pages_to_the_cache_again():
+    """Its pages are fresh copies after a swap: its prompt blocks, evicted from the cache while
+    it was out, are published again, so a later request with the same prompt finds them."""
+    sp = lambda prio, n=4: SamplingParams(max_tokens=n, temperature=0.0, priority=prio, ignore_eos=True)  # noqa: E731
+    prompt = TOKENS[:13]                              # 3 whole pages before the last token
+    arrivals = [(0, "low", prompt, sp(2, 10)), (4, "top", TOKENS[20:26], sp(0))]
+    engine = make_engine(max_num_seqs=1, policy="priority", preemption_mode="swap", enable_prefix_caching=True,
+                         page_size=PAGE)
+    cache, evicted = engine.scheduler.blocks.cache, []
+
+    def evict_while_swapped(engine):
+        out = [r for r in engine.scheduler.waiting if r.swapped is not None]
+        if out and not evicted:
+            evicted.append(cache.evict(10 ** 6))      # every evictable block: low's prompt blocks go
+    run_workload(engine, arrivals, after_step=evict_while_swapped)
+    assert engine.stats().num_swapped >= 1 and evicted and evicted[0] > 0
+    engine.add_request("again", prompt, sp(2, 2))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.get_output("again").num_cached_tokens == 3 * PAGE
+    assert_all_pages_free(engine)

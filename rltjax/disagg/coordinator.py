@@ -239,16 +239,12 @@ class DisaggEngine:
         log.warning(f"{link.role} worker {link.index} is gone (exit status {code})")
         for rid, t in list(self.requests.items()):
             if t.stage in ("holding", "prefill", "decode") and t.decode is link:
-                if t.stage == "prefill" and t.prefill.alive:
-                    self._send(t.prefill, Abort(rid))
-                self._fail(rid, "the decode worker holding it died")
+                self._fail(rid, "the decode worker holding it died")     # aborts it on the prefill worker
             elif t.stage == "prefill" and t.prefill is link:
                 link.load = link.load - 1
                 self._retry(rid, t)
             elif t.stage == "decode" and t.prefill is link and not t.imported:
-                if t.decode.alive:
-                    self._send(t.decode, Abort(rid))   # its pull cannot finish: prefill again
-                self._retry(rid, t)
+                self._retry(rid, t)     # its pull cannot finish: the decode worker drops it, prefill again
 
     def _retry(self, rid: str, t: _Tracked) -> None:
         """Its prompt again on another prefill worker; the decode worker drops what it pulled

@@ -33,6 +33,7 @@ from jax.experimental import transfer
 
 from rltjax.disagg.messages import (Abort, Chunk, Failed, Held, Hello, Hold, Import, Output, Prefill, Pulled,
                                     PullChunk, Ready, Setup, Stats, Stop)
+from rltjax.engine.admission import prefix_part
 from rltjax.engine.handoff import (assemble, complete_pages, export_pages, export_running, fingerprint,
                                    import_running)
 
@@ -118,7 +119,7 @@ class Worker:
         blocks.drop_hold(rid)                              # a retry's earlier hold
         self.parts[rid] = (msg.attempt, {})
         self.finals.pop(rid, None)
-        part = (msg.seed % 2**64).to_bytes(8, "little") if self.engine.settings.state_seeded else b""
+        part = prefix_part(msg.seed, self.engine.settings.state_seeded)
         cached = blocks.hold(rid, msg.positions, msg.prompt_token_ids, part)
         self.cached[rid] = cached or 0
         self.conn.send(Held(rid, msg.attempt, cached or 0))

@@ -114,9 +114,7 @@ class Admission:
         return self.blocks.admit(req, self._prefix_part(req), keep)
 
     def _prefix_part(self, req: Request) -> bytes:
-        """What the request adds to the prefix cache's key: its seed where the prompt's KV
-        depends on it (a seeded random initial state)."""
-        return (req.seed % 2**64).to_bytes(8, "little") if self.s.state_seeded else b""
+        return prefix_part(req.seed, self.s.state_seeded)
 
     def _start(self, req: Request) -> None:
         req.slot = self.free_slots.pop()
@@ -173,3 +171,9 @@ class Admission:
             return False
         return not (self.by_priority and self.waiting and self.running and min(
             r.params.priority for r in self.waiting) < max(r.params.priority for r in self.running))
+
+
+def prefix_part(seed: int, state_seeded: bool) -> bytes:
+    """What a request adds to the prefix cache's key: its seed where the prompt's KV depends on
+    it (a seeded random initial state)."""
+    return (seed % 2**64).to_bytes(8, "little") if state_seeded else b""

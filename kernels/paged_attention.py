@@ -11,8 +11,11 @@ read). Prefill chunks read through ``kernels.prefill_attention``, which shares t
 module's validation.
 Kernel-supported: page_size a power of two in 8..128, head_dim a multiple of 16 in
 64..256 (non-powers of two such as 96 run as power-of-two column chunks, 64 + 32),
-q/k/v in bfloat16, float16 or float32. A Mosaic GPU or jax-triton port replaces the
-"pallas" branch of `paged_attention` and nothing else.
+q/k/v in bfloat16, float16 or float32.
+backend (for impl "pallas"): "triton" (the kernel above) or "mosaic", the Pallas Mosaic GPU
+port for Hopper (``kernels.paged_attention_mosaic``: bfloat16/float16, head_dim a multiple of
+64, pages of a multiple of 8 keys, RoPE applied by XLA before it), which runs what it takes;
+Triton runs the rest. Only the "pallas" branch differs between them.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from rltjax.kernels.paged_attention_ref import paged_attention_ref, paged_write_
 from rltjax.kernels.triton_common import kernel_rope_supported
 
 KERNEL_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+BACKENDS = ("triton", "mosaic")
 
 
 def fail(arg: str, msg: str):
@@ -58,9 +62,12 @@ def resolve_impl(impl: str, q, k_pages) -> str:
     return impl
 
 
-def validate(q, k_pages, v_pages, block_tables, row_tables, lengths, layer, impl: str) -> None:
+def validate(q, k_pages, v_pages, block_tables, row_tables, lengths, layer, impl: str,
+             backend: str = "triton") -> None:
     if impl not in ("auto", "xla", "pallas"):
         fail("impl", f"expected 'auto', 'xla' or 'pallas', got {impl!r}")
+    if backend not in BACKENDS:
+        fail("backend", f"expected one of {BACKENDS}, got {backend!r}")
     if q.ndim != 3:
         fail("q", f"expected [N, H, Dh], got shape {q.shape}")
     if not jnp.issubdtype(q.dtype, jnp.floating):
@@ -91,17 +98,34 @@ def validate(q, k_pages, v_pages, block_tables, row_tables, lengths, layer, impl
         fail("lengths", f"expected [{n}] (one per row of q), got {lengths.shape}")
 
 
+def on_mosaic(backend: str, q, k_pages, pages_per_block: int | None) -> bool:
+    """Whether the "pallas" branch runs the Mosaic GPU kernel for these operands."""
+    if backend != "mosaic":
+        return False
+    from rltjax.kernels.paged_attention_mosaic import default_pages_per_block, mosaic_unsupported
+    ppb = pages_per_block or default_pages_per_block(k_pages.shape[-2])
+    return mosaic_unsupported(q, k_pages, pages_per_block=ppb) is None
+
+
+def decode_kernel(backend: str, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype) -> str:
+    """Which kernel the "pallas" branch runs at a model's shapes: "mosaic" or "triton"."""
+    q = jax.ShapeDtypeStruct((1, num_heads, head_dim), dtype)
+    k = jax.ShapeDtypeStruct((num_kv_heads, 1, page_size, head_dim), dtype)
+    return "mosaic" if on_mosaic(backend, q, k, None) else "triton"
+
+
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                     block_tables: jax.Array, row_tables: jax.Array, lengths: jax.Array, *,
                     layer: jax.Array | int | None = None, impl: str = "auto",
                     interpret: bool = False, scale: float | None = None,
-                    pages_per_block: int | None = None, num_splits: int | None = None) -> jax.Array:
+                    pages_per_block: int | None = None, num_splits: int | None = None,
+                    backend: str = "triton") -> jax.Array:
     """Attention of each query row over its paged KV: returns [N, H, Dh] in q's dtype.
 
     k_pages/v_pages: one layer's [Hkv, P, S, Dh] pool, or the stacked [L, Hkv, P, S, Dh]
     pool together with ``layer`` (int32 scalar, may be traced), read in place.
     """
-    validate(q, k_pages, v_pages, block_tables, row_tables, lengths, layer, impl)
+    validate(q, k_pages, v_pages, block_tables, row_tables, lengths, layer, impl, backend)
     if pages_per_block is not None and (pages_per_block < 1 or pages_per_block & (pages_per_block - 1)):
         fail("pages_per_block", f"expected a power of two, got {pages_per_block}")
     if num_splits is not None and num_splits < 1:
@@ -114,6 +138,11 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     if pages_per_block is not None and pages_per_block * k_pages.shape[-2] < 16:
         fail("pages_per_block", f"pages_per_block * page_size must be >= 16, got "
               f"{pages_per_block} * {k_pages.shape[-2]}")
+    if on_mosaic(backend, q, k_pages, pages_per_block):
+        from rltjax.kernels.paged_attention_mosaic import paged_attention_mosaic
+        return paged_attention_mosaic(q, k_pages, v_pages, block_tables, row_tables, lengths, layer=layer,
+                                      scale=scale, pages_per_block=pages_per_block, num_splits=num_splits,
+                                      interpret=interpret)
     from rltjax.kernels.paged_attention_pallas import paged_attention_pallas
     return paged_attention_pallas(q, k_pages, v_pages, block_tables, row_tables, lengths,
                                   layer=layer, scale=scale, pages_per_block=pages_per_block,
@@ -136,7 +165,8 @@ def paged_attention_write(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pa
                           interpret: bool = False, scale: float | None = None,
                           pages_per_block: int | None = None, num_splits: int | None = None,
                           rope: tuple[jax.Array, jax.Array] | None = None, num_warps: int | None = None,
-                          num_stages: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                          num_stages: int | None = None, backend: str = "triton"
+                          ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Each row writes its new K/V (``paged_write_ref``), then attends as ``paged_attention``
     -> (out [N, H, Dh], k_pages, v_pages). Donate the pools: they are updated in place.
 
@@ -146,13 +176,15 @@ def paged_attention_write(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pa
     concatenated here (free when they are slices of one projection, else one small copy).
 
     pages_per_block, num_splits, num_warps, num_stages: the kernel's launch (None: its
-    default, ``kernels.paged_attention_launch.default_launch``).
+    default, ``kernels.paged_attention_launch.default_launch``); num_warps and num_stages are
+    the Triton kernel's. backend "mosaic": the Mosaic GPU kernel where it takes the operands,
+    q and k_new rotated by XLA before it.
 
     Precondition for the kernel (decode, where it holds by construction): a row with
     length > 0 writes its key at position lengths - 1 of its own table (row_tables); the
     kernel takes that key from k_new / v_new instead of reading it back from the pool.
     """
-    validate(q, k_pages, v_pages, block_tables, row_tables, lengths, layer, impl)
+    validate(q, k_pages, v_pages, block_tables, row_tables, lengths, layer, impl, backend)
     n, _, head_dim = q.shape
     kv_shape = (n, k_pages.shape[-4], head_dim)
     for name, x in (("k_new", k_new), ("v_new", v_new)):
@@ -172,13 +204,19 @@ def paged_attention_write(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pa
             fail("rope", f"expected (cos, sin), float32 [{n}, {head_dim // 2}] each, and an even head_dim; got "
                   f"head_dim {head_dim}, {[(str(x.dtype), x.shape) for x in rope]}")
     impl = resolve_impl(impl, q, k_pages)
-    if rope is not None and (impl == "xla" or not kernel_rope_supported(head_dim)):
+    mosaic = impl == "pallas" and on_mosaic(backend, q, k_pages, pages_per_block)
+    if rope is not None and (impl == "xla" or mosaic or not kernel_rope_supported(head_dim)):
         q, k_new = rope_rotate_half_ref(q, *rope), rope_rotate_half_ref(k_new, *rope)
         rope = None
     if impl == "xla":
         k_pages, v_pages = paged_write_ref(k_pages, v_pages, k_new, v_new, write_page, write_offset, layer=layer)
         out = paged_attention_ref(q, k_pages, v_pages, block_tables, row_tables, lengths, layer=layer, scale=scale)
         return out, k_pages, v_pages
+    if mosaic:
+        from rltjax.kernels.paged_attention_mosaic import paged_attention_mosaic
+        return paged_attention_mosaic(q, k_pages, v_pages, block_tables, row_tables, lengths, layer=layer,
+                                      scale=scale, pages_per_block=pages_per_block, num_splits=num_splits,
+                                      interpret=interpret, new_kv=(k_new, v_new, write_page, write_offset))
     from rltjax.kernels.paged_attention_pallas import paged_attention_pallas
     qkv = merge_qkv(q, k_new, v_new)
     return paged_attention_pallas(qkv, k_pages, v_pages, block_tables, row_tables, lengths, layer=layer,

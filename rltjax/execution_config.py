@@ -74,15 +74,17 @@ class ExecutionConfig:
     is XLA's dot; where attention runs on XLA, everything does), ``xla`` (XLA's dot everywhere)
     or ``pallas`` (every projection of at most MAX_ROWS rows on the kernels, Nanbeige's and
     Huginn's too, and Ouro's and Nanbeige's heads); prefill batches always use XLA's dot.
-    kernel_backend: the Pallas backend of the projection kernels that matmul_impl puts decode
-    projections on: ``triton`` (the default) or ``mosaic``: Mosaic GPU (Hopper GPUs, compute
-    capability 9.x; CPU tests in interpret mode) for the products its kernels take (16-bit
-    weights, dimensions in multiples of 64), Triton for the rest. The attention kernels run on
-    Triton either way. Alone on an H200 the Mosaic kernels stream q|k|v, o, gate and down 3-25%
-    faster (scripts/bench_skinny.py), but the engine with them was 2-4% slower at 1-32 streams on
-    an H100 (ShareGPT in process, scripts/bench_serving.py --kernel-backend), hence not the
-    default. The rules refuse it where no projection kernel runs (matmul_impl "xla", tensor
-    parallelism).
+    kernel_backend: the Pallas backend of the decode kernels: ``triton`` (the default) or
+    ``mosaic``: Mosaic GPU (Hopper GPUs, compute capability 9.x; CPU tests in interpret mode)
+    for the decode projections matmul_impl puts on kernels (16-bit weights, dimensions in
+    multiples of 64) and for decode attention where attn_impl runs the kernels (16-bit KV,
+    head_dim a multiple of 64, pages of a multiple of 8 keys; RoPE then runs in XLA), Triton
+    for the rest (prefill attention, the residual norm). Alone on an H200 the Mosaic projection
+    kernels stream q|k|v, o, gate and down 3-25% faster (scripts/bench_skinny.py), but the
+    engine with them was 2-4% slower at 1-32 streams on an H100 (ShareGPT in process,
+    scripts/bench_serving.py --kernel-backend); the attention kernel is not yet measured on a
+    GPU: hence not the default. The rules refuse it where no decode kernel runs (attn_impl
+    "xla" with matmul_impl "xla" or tensor parallelism).
     interpret: run the Pallas kernels in interpret mode (CPU testing of the "pallas" impls).
     decode_window: K > 0 runs decode as device-side windows of up to K loop passes
     (``rltjax.engine.decode_window``) whenever every running request is decoding; 0 runs

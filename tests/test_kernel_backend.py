@@ -1,7 +1,8 @@
-"""The projection kernels' backend choice (ExecutionConfig.kernel_backend): "mosaic" routes every
+"""The decode kernels' backend choice (ExecutionConfig.kernel_backend): "mosaic" routes every
 decode projection the Mosaic GPU kernels take (q|k|v, o and down as partial sums, the gate | up
-pair, the head with its skip flag) to them and the rest to the Triton kernels, with the same
-results (Mosaic GPU interpret mode on CPU); "mosaic" is refused on a GPU that is not Hopper."""
+pair, the head with its skip flag) and decode attention with its fused write to them and the rest
+to the Triton kernels, with the same results (Mosaic GPU interpret mode on CPU); "mosaic" is
+refused on a GPU that is not Hopper, and where no decode kernel runs."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,9 +14,10 @@ import pytest
 
 from engine_helpers import assert_all_pages_free, run_workload
 from rltjax.checkpoints.random_init import random_checkpoint
-from rltjax.engine.settings import projection_backend
+from rltjax.engine.settings import decode_kernel_backend
 from rltjax.engine_config import CacheConfig, EngineConfigError, ExecutionConfig, ExitConfig, SchedulerConfig
 from rltjax.entrypoints.llm import build_engine
+from rltjax.kernels import paged_attention_mosaic as pam
 from rltjax.kernels import skinny_matmul as sm
 from rltjax.presets import preset_config
 from rltjax.sampling_params import SamplingParams
@@ -111,29 +113,34 @@ def test_operands_mosaic_does_not_take_run_on_triton(monkeypatch):
 
 def test_backend_resolution_and_errors(monkeypatch):
     from types import SimpleNamespace
-    assert projection_backend("mosaic", "cpu") == "mosaic"      # interpret mode
-    assert projection_backend("triton", "gpu") == "triton"
+    assert decode_kernel_backend("mosaic", "cpu") == "mosaic"      # interpret mode
+    assert decode_kernel_backend("triton", "gpu") == "triton"
     monkeypatch.setattr(jax, "devices", lambda *a: [SimpleNamespace(compute_capability="9.0")])
-    assert projection_backend("mosaic", "gpu") == "mosaic"
+    assert decode_kernel_backend("mosaic", "gpu") == "mosaic"
     monkeypatch.setattr(jax, "devices", lambda *a: [SimpleNamespace(compute_capability="8.0")])
     with pytest.raises(EngineConfigError, match=r"Hopper .*this one is 8\.0.*'triton'"):
-        projection_backend("mosaic", "gpu")
+        decode_kernel_backend("mosaic", "gpu")
     with pytest.raises(EngineConfigError, match="kernel_backend"):
         ExecutionConfig(kernel_backend="auto")
 
 
 @pytest.mark.parametrize("execution, tp, match", [
-    (dict(matmul_impl="xla"), 1, "matmul_impl='xla' runs none"),
-    (dict(matmul_impl="auto"), 2, "tensor_parallel_size=2 runs the projections on XLA")])
-def test_mosaic_where_no_projection_kernel_runs_is_refused(execution, tp, match):
+    (dict(attn_impl="xla", matmul_impl="xla"), 1, "attn_impl='xla' .* and matmul_impl='xla'"),
+    (dict(attn_impl="xla", matmul_impl="auto"), 2, "tensor_parallel_size=2 the projections"),
+    (dict(attn_impl="auto", matmul_impl="xla"), 1, None),      # decode attention on Mosaic GPU
+    (dict(attn_impl="pallas", matmul_impl="auto"), 2, None)])  # attention per device
+def test_mosaic_where_no_decode_kernel_runs_is_refused(execution, tp, match):
     from rltjax.engine.rules import RuleInputs, check_rules
     from rltjax.engine_config import CacheConfig as Cache
     inputs = RuleInputs(cache=Cache(), scheduler=SchedulerConfig(), exit=ExitConfig(),
                         execution=ExecutionConfig(kernel_backend="mosaic", **execution), arch="ouro", num_loops=4,
                         loop_limit=4, signal_kind="gate", has_boundary=False, window_passes=8, fixed_trip=True,
                         tensor_parallel=tp)
-    with pytest.raises(EngineConfigError, match=match):
+    if match is None:
         check_rules(inputs)
+    else:
+        with pytest.raises(EngineConfigError, match=match):
+            check_rules(inputs)
     check_rules(dataclasses.replace(inputs, execution=ExecutionConfig(kernel_backend="triton", **execution)))
 
 
@@ -155,19 +162,23 @@ def greedy_outputs(params, cfg, backend):
 
 
 def test_engine_on_mosaic_kernels_equals_triton_kernels(monkeypatch):
-    """A bf16 engine whose every decode projection runs on the Mosaic kernels (spied: the shapes
-    each kernel saw) makes the Triton-kernel engine's tokens and exit depths, logprobs within
-    bf16 rounding (the two sum K in different orders)."""
+    """A bf16 engine whose every decode projection and decode attention (with its fused write)
+    runs on the Mosaic kernels (spied: the shapes each kernel saw) makes the Triton-kernel
+    engine's tokens and exit depths, logprobs within bf16 rounding (the two sum in different
+    orders)."""
     cfg = preset_config("ouro-1.4b", SMALL)
     params = random_checkpoint(cfg, seed=1, dtype="bfloat16")
     seen, real, real_gated = set(), sm.skinny_matmul_mosaic, sm.gated_up_mosaic
+    real_attn = pam.paged_attention_mosaic
+    monkeypatch.setattr(pam, "paged_attention_mosaic",
+                        lambda *a, **k: seen.add(("attention", k.get("new_kv") is not None)) or real_attn(*a, **k))
     monkeypatch.setattr(sm, "skinny_matmul_mosaic", lambda x, w, *a, **k: seen.add(w.shape[-2:]) or real(x, w, *a, **k))
     monkeypatch.setattr(sm, "gated_up_mosaic",
                         lambda x, w, *a, **k: seen.add(("gated",) + w.shape[-2:]) or real_gated(x, w, *a, **k))
     mosaic = greedy_outputs(params, cfg, "mosaic")
     D, F = cfg.hidden_size, cfg.intermediate_size
     assert seen == {(D, cfg.q_width + 2 * cfg.kv_width), (cfg.q_width, D), ("gated", D, F), (F, D),
-                    (D, cfg.vocab_size)}
+                    (D, cfg.vocab_size), ("attention", True)}
     triton = greedy_outputs(params, cfg, "triton")
     for rid, out in triton.items():
         got = mosaic[rid]

@@ -111,8 +111,9 @@ class PagedKVBackend:
     the Pallas kernels. (On an H200 in isolation at 8 rows, o with the norm took 6.76 us in two
     K splits against 7.57 in one pass, and down with the norm 10.30 on the split kernel against
     11.20 for XLA's GEMM, its reduction and the norm: scripts/bench_mlp.py.)
-    kernel_backend: the projection kernels' backend: "triton" or "mosaic" (Mosaic GPU where
-    its kernels take the operands, Triton for the rest: ``kernels.skinny_matmul``).
+    kernel_backend: the decode kernels' backend: "triton" or "mosaic" (Mosaic GPU where its
+    kernels take the operands, Triton for the rest: the projections, ``kernels.skinny_matmul``,
+    and decode attention, ``kernels.paged_attention``).
     num_splits: the decode attention kernel's key splits per row: None (its default per
     batch), an int, or per decode row bucket ((rows, splits), ...) (a {rows: splits} mapping
     is taken too) with the default for the buckets not named.
@@ -222,7 +223,7 @@ class PagedKVBackend:
         def kernel(q, k, v, k_pages, v_pages, tables, rows, lengths, page, offset, layer, cos_sin):
             return paged_attention_write(q, k, v, k_pages, v_pages, tables, rows, lengths, page, offset, layer=layer,
                                          impl=self.attn_impl, interpret=self.interpret, rope=cos_sin,
-                                         num_splits=self.splits_for(q.shape[0]))
+                                         num_splits=self.splits_for(q.shape[0]), backend=self.kernel_backend)
         heads, pool, whole = _HEADS, _POOL, P()
         out, k_pages, v_pages = self._per_device(
             kernel, (heads, heads, heads, pool, pool, whole, whole, whole, whole, whole, whole, whole),
@@ -249,7 +250,8 @@ class PagedKVBackend:
                                                impl=self.attn_impl, interpret=self.interpret,
                                                block_q=self.prefill_block_q)
             return paged_attention(q, k_pages, v_pages, tables, rows, lengths, layer=layer, impl=self.attn_impl,
-                                   interpret=self.interpret, num_splits=self.splits_for(q.shape[0]))
+                                   interpret=self.interpret, num_splits=self.splits_for(q.shape[0]),
+                                   backend=self.kernel_backend)
         if self.attn_impl == "xla":     # plain XLA: the partitioner splits it like any other op
             return kernel(*args)
         whole = P()

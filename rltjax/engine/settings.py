@@ -221,8 +221,9 @@ def attention_on_kernel(execution: ExecutionConfig, cfg, page_size: int, kv_dtyp
                                                and kernel_unsupported(q, k) is None)
 
 
-def projection_backend(choice: str, platform: str) -> str:
-    """ExecutionConfig.kernel_backend checked against the GPU: Mosaic GPU's kernels are Hopper's."""
+def decode_kernel_backend(choice: str, platform: str) -> str:
+    """ExecutionConfig.kernel_backend (the decode kernels' backend) checked against the GPU: Mosaic
+    GPU's kernels are Hopper's."""
     device = jax.devices()[0]
     if choice == "mosaic" and platform == "gpu" and not hopper(device):
         raise EngineConfigError(f"ExecutionConfig.kernel_backend='mosaic': the Mosaic GPU kernels are for Hopper "
@@ -292,7 +293,7 @@ def resolve_settings(model, *, cache: CacheConfig, scheduler: SchedulerConfig, e
                             kernel_shapes=auto_matmul_shapes(cfg) if projections_on_kernel else (),
                             head_shapes=auto_head_shapes(cfg) if projections_on_kernel else (),
                             fused_kernels=projections_on_kernel, mesh=mesh,
-                            kernel_backend=projection_backend(execution.kernel_backend, platform))
+                            kernel_backend=decode_kernel_backend(execution.kernel_backend, platform))
     # prefill is compute-bound: its projections stay on XLA's dot whatever matmul_impl says
     prefill = dataclasses.replace(decode, matmul_impl="xla", kernel_backend="triton", decode_rows=False,
                                   prefill_block_q=PREFILL_BLOCK_Q if alignment > 1 else 0)

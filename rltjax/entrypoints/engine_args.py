@@ -124,7 +124,8 @@ def _kernel_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--matmul-impl", default="auto", choices=MATMUL_IMPLS,
                    help="decode projections: auto = the Pallas kernels where they win (Ouro's shapes, GPU)")
     g.add_argument("--kernel-backend", default="triton", choices=KERNEL_BACKENDS,
-                   help="projection kernels' backend (mosaic: Mosaic GPU on Hopper, where it takes the shape)")
+                   help="decode kernels' backend: projections and decode attention (mosaic: Mosaic GPU on Hopper, "
+                        "where it takes the shapes)")
     g.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
                    help="an XLA compiler option for every engine executable (repeatable)")
 

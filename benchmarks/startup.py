@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from rltjax.entrypoints.engine_args import add_engine_arguments, configs_from_args, hf_overrides_from_args
+from rltjax.kernels.paged_attention import decode_kernel
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -95,7 +96,8 @@ def build_engine_from_args(args, *, max_num_seqs: int, max_model_len: int, cache
                                     prefill_chunk_size=sched.config.prefill_chunk_size,
                                     exit_mode=engine.settings.exit_config.mode,
                                     dtype=str(engine.runner.params.embed.dtype),
-                                    projection_kernels=projection_kernels(engine.settings)))
+                                    projection_kernels=projection_kernels(engine.settings),
+                                    attention_kernels=attention_kernels(engine)))
 
 
 def projection_kernels(settings) -> str:
@@ -106,6 +108,16 @@ def projection_kernels(settings) -> str:
     if settings.projections_on_kernels:
         return backend.kernel_backend
     return "mixed" if backend.matmul_impl == "pallas" else "xla"
+
+
+def attention_kernels(engine) -> str:
+    """What decode attention runs on, as dispatched at the model's shapes: "xla", or the
+    kernel ("triton" / "mosaic", ``kernels.paged_attention.decode_kernel``)."""
+    if not engine.settings.attention_on_kernel:
+        return "xla"
+    cfg, kv = engine.runner.model.cfg, engine.runner.kv.k
+    return decode_kernel(engine.settings.decode_backend.kernel_backend, cfg.num_heads, cfg.num_kv_heads,
+                         cfg.head_dim, engine.settings.page_size, kv.dtype)
 
 
 def _child(argv: list[str], cache_dir: str, timeout: float) -> dict:

@@ -7,6 +7,7 @@ pages, the key splits combined after it.
         --num-warps 1 2 4 --num-stages 1 3 --num-splits 2 4
     python scripts/bench_decode_attention.py --max-model-len 2048 --rows 8 32 64 --lengths \
         --length-file bench-results/fixed/results.json    # rows at a ShareGPT run's lengths
+    python scripts/bench_decode_attention.py --backends triton mosaic --length-file results.json  # Hopper
     python scripts/bench_decode_attention.py --quick        # CPU smoke run (interpret mode, tiny shapes)
 
 A measurement chains --reps x layers calls in one jitted loop, layer i % layers of the
@@ -17,8 +18,10 @@ in a table of max_model_len / page_size pages, writes --planes pages. --length-f
 ragged case a rows value: the steady-state keys of a closed-loop serving batch on that
 workload's prompt / output lengths (``serving_lengths``). "default" is the
 kernel's own launch (``kernels.paged_attention_launch.default_launch``); the sweep runs every
-point of --block-keys x --num-warps x --num-stages x --num-splits. Each config's outputs
-are checked against the XLA path (write, then attend) on one call.
+point of --block-keys x --num-warps x --num-stages x --num-splits (the Triton kernel's launch).
+--backends mosaic adds the Pallas Mosaic GPU kernel at its default launch (Hopper;
+``kernels.paged_attention_mosaic``). GB/s counts the K and V bytes of the rows' keys a call
+reads. Each config's outputs are checked against the XLA path (write, then attend) on one call.
 """
 from __future__ import annotations
 
@@ -83,6 +86,11 @@ def serving_lengths(prompt_len, output_len, rows: int, max_len: int) -> list[int
     ctx = np.concatenate([pi + np.arange(1, oi + 1) for pi, oi in zip(p, o)])    # every pass of every request
     qs = np.quantile(ctx, (np.arange(rows) + 0.5) / rows, method="nearest")
     return [int(min(q, max_len)) for q in qs]
+
+
+def kv_bytes(case, kv_heads: int, head_dim: int, itemsize: int = 2) -> int:
+    """The K and V bytes of every row's keys: what a call must read."""
+    return int(np.sum(np.asarray(case["lengths"]))) * kv_heads * head_dim * itemsize * 2
 
 
 def call(case, k, v, layer, impl, interpret, **launch):
@@ -152,6 +160,8 @@ def main(argv=None):
     p.add_argument("--length-file", help="a serving workload's lengths: a bench_serving.py results.json, or JSON with "
                    "prompt_len and output_len lists; adds, for every --rows, a ragged case of the rows' "
                    "steady-state lengths (serving_lengths)")
+    p.add_argument("--backends", nargs="+", default=["triton"], choices=["triton", "mosaic"],
+                   help="kernels to time (mosaic: its default launch; the sweep is Triton's)")
     p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny shapes, interpret mode")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
@@ -175,17 +185,20 @@ def main(argv=None):
                                     jnp.bfloat16)
         if label != length:
             print(f"rows {rows:3d} serving lengths: mean {np.mean(length):.0f}, max {max(length)}", flush=True)
-        for launch in [{}, *sweep(args)]:
+        launches = [dict(backend=b) for b in args.backends] + [dict(backend="triton", **c) for c in sweep(args)]
+        for launch in launches:
             try:
                 us = time_config(case, pool, args.layers, args.reps, args.iters, args.quick, **launch)
                 err = check_config(case, pool, args.quick, **launch)
             except Exception as e:  # noqa: BLE001 - a config Triton refuses: report and go on
-                print(f"rows {rows:3d} keys {label!s:>7} {launch or 'default'}: failed ({type(e).__name__}: {e})"[:300])
+                print(f"rows {rows:3d} keys {label!s:>7} {launch}: failed ({type(e).__name__}: {e})"[:300])
                 continue
-            results.append(dict(rows=rows, length=label, config=launch or "default", us=us, max_abs_diff=err,
-                                **({} if label == length else dict(row_lengths=length))))
-            print(f"rows {rows:3d} keys {label!s:>7} {str(launch or 'default'):78s} {us:8.2f} us  "
-                  f"diff {err:.1e}", flush=True)
+            config = {k: v for k, v in launch.items() if k != "backend"} or "default"
+            gbps = kv_bytes(case, args.kv_heads, args.head_dim) / us / 1e3
+            results.append(dict(rows=rows, length=label, backend=launch["backend"], config=config, us=us, gbps=gbps,
+                                max_abs_diff=err, **({} if label == length else dict(row_lengths=length))))
+            print(f"rows {rows:3d} keys {label!s:>7} {launch['backend']:7s} {str(config):68s} {us:8.2f} us "
+                  f"{gbps:7.1f} GB/s  diff {err:.1e}", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(args=vars(args), jax=jax.__version__, device=str(jax.devices()[0]), results=results), f,

@@ -11,16 +11,19 @@ from test_bench_scripts import ROOT, run_script
 
 
 def test_bench_decode_attention_quick(tmp_path):
-    """The default launch (one split at these shapes) and the swept one (two splits), each
-    checked against the XLA path."""
+    """Both kernels' default launches (one split at these shapes) and the swept Triton one (two
+    splits), each checked against the XLA path; GB/s is the rows' K and V bytes over the time."""
     out = tmp_path / "decode_attn.json"
     run_script("bench_decode_attention.py", "--quick", "--block-keys", "16", "--num-splits", "2",
-               "--out", str(out))
+               "--backends", "triton", "mosaic", "--out", str(out))
     results = json.loads(out.read_text())["results"]
-    configs = [(r["rows"], r["config"]) for r in results]
+    configs = [(r["rows"], r["backend"], r["config"]) for r in results]
     swept = dict(pages_per_block=2, num_warps=4, num_stages=2, num_splits=2)
-    assert configs == [(rows, c) for rows in (1, 3) for c in ("default", swept)]
+    assert configs == [(rows, b, c) for rows in (1, 3)
+                       for b, c in (("triton", "default"), ("mosaic", "default"), ("triton", swept))]
     assert all(r["us"] > 0 and r["max_abs_diff"] < 2e-2 for r in results)
+    for r in results:        # --quick: 20 keys a row, 2 KV heads of 64, bf16 K and V
+        assert abs(r["gbps"] - r["rows"] * 20 * 2 * 64 * 2 * 2 / r["us"] / 1e3) < 1e-9
 
 
 def test_bench_decode_attention_backs_only_touched_pages():

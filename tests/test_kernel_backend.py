@@ -217,3 +217,16 @@ def test_benchmarks_record_what_the_projections_ran_on(execution, want, monkeypa
                                 max_model_len=64, kv_dtype="bfloat16", platform="gpu")
     assert projection_kernels(settings) == want
     assert settings.prefill_backend.kernel_backend == "triton"      # prefill never compiles per choice
+
+
+@pytest.mark.parametrize("on_kernel, backend, dtype, want", [
+    (False, "mosaic", jnp.bfloat16, "xla"), (True, "mosaic", jnp.bfloat16, "mosaic"),
+    (True, "mosaic", jnp.float32, "triton"), (True, "triton", jnp.bfloat16, "triton")])
+def test_benchmarks_record_what_decode_attention_ran_on(on_kernel, backend, dtype, want):
+    """benchmarks.startup.attention_kernels: XLA where attention is off the kernels, else the kernel
+    the dispatcher picks at Ouro-1.4B's shapes (Mosaic GPU takes 16-bit KV only)."""
+    from types import SimpleNamespace as NS
+    from benchmarks.startup import attention_kernels
+    engine = NS(settings=NS(attention_on_kernel=on_kernel, page_size=16, decode_backend=NS(kernel_backend=backend)),
+                runner=NS(model=NS(cfg=preset_config("ouro-1.4b")), kv=NS(k=jax.ShapeDtypeStruct((1,), dtype))))
+    assert attention_kernels(engine) == want

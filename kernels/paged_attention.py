@@ -22,6 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from rltjax.kernels.paged_attention_mosaic_launch import default_pages_per_block, mosaic_unsupported
 from rltjax.kernels.paged_attention_ref import paged_attention_ref, paged_write_ref, rope_rotate_half_ref
 from rltjax.kernels.triton_common import kernel_rope_supported
 
@@ -98,11 +99,17 @@ def validate(q, k_pages, v_pages, block_tables, row_tables, lengths, layer, impl
         fail("lengths", f"expected [{n}] (one per row of q), got {lengths.shape}")
 
 
+def check_launch(pages_per_block: int | None, num_splits: int | None) -> None:
+    if pages_per_block is not None and (pages_per_block < 1 or pages_per_block & (pages_per_block - 1)):
+        fail("pages_per_block", f"expected a power of two, got {pages_per_block}")
+    if num_splits is not None and num_splits < 1:
+        fail("num_splits", f"expected >= 1, got {num_splits}")
+
+
 def on_mosaic(backend: str, q, k_pages, pages_per_block: int | None) -> bool:
     """Whether the "pallas" branch runs the Mosaic GPU kernel for these operands."""
     if backend != "mosaic":
         return False
-    from rltjax.kernels.paged_attention_mosaic import default_pages_per_block, mosaic_unsupported
     ppb = pages_per_block or default_pages_per_block(k_pages.shape[-2])
     return mosaic_unsupported(q, k_pages, pages_per_block=ppb) is None
 
@@ -126,10 +133,7 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     pool together with ``layer`` (int32 scalar, may be traced), read in place.
     """
     validate(q, k_pages, v_pages, block_tables, row_tables, lengths, layer, impl, backend)
-    if pages_per_block is not None and (pages_per_block < 1 or pages_per_block & (pages_per_block - 1)):
-        fail("pages_per_block", f"expected a power of two, got {pages_per_block}")
-    if num_splits is not None and num_splits < 1:
-        fail("num_splits", f"expected >= 1, got {num_splits}")
+    check_launch(pages_per_block, num_splits)
 
     impl = resolve_impl(impl, q, k_pages)
     if impl == "xla":
@@ -180,11 +184,12 @@ def paged_attention_write(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pa
     the Triton kernel's. backend "mosaic": the Mosaic GPU kernel where it takes the operands,
     q and k_new rotated by XLA before it.
 
-    Precondition for the kernel (decode, where it holds by construction): a row with
-    length > 0 writes its key at position lengths - 1 of its own table (row_tables); the
-    kernel takes that key from k_new / v_new instead of reading it back from the pool.
+    Precondition for the kernels (decode, where it holds by construction): a row with
+    length > 0 writes its key at position lengths - 1 of its own table (row_tables); both
+    kernels take that key from k_new / v_new instead of reading it back from the pool.
     """
     validate(q, k_pages, v_pages, block_tables, row_tables, lengths, layer, impl, backend)
+    check_launch(pages_per_block, num_splits)
     n, _, head_dim = q.shape
     kv_shape = (n, k_pages.shape[-4], head_dim)
     for name, x in (("k_new", k_new), ("v_new", v_new)):

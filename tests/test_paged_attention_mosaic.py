@@ -16,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from rltjax.kernels import paged_attention_mosaic as pam
+from rltjax.kernels import paged_attention_mosaic_launch as launch
 from rltjax.kernels.paged_attention import decode_kernel, paged_attention, paged_attention_write
 from rltjax.kernels.paged_attention_ref import paged_attention_ref
 from test_paged_attention_write import assert_pools_match, make_decode_case, rope_for
@@ -52,13 +53,16 @@ def attend(case, layer=1, **kw):
     (8, 1, 16, 64, 2, jnp.bfloat16),       # a group filling its 8 columns
 ])
 def test_interpret_matches_oracle(group, num_kv, page_size, head_dim, splits, dtype):
-    """Rows of 0, 1, a page, a page + 1, capacity - 1 and capacity keys (make_decode_case)."""
+    """Rows of 0, 1, a page, a page + 1, capacity - 1 and capacity keys; tables of 4 blocks, so
+    every split of a full row has keys and the splits' merge is exercised."""
+    cap = 4 * 64
+    lengths = [0, 1, page_size, page_size + 1, cap - 1, cap]
     case = case_for(group * 10 + splits, group=group, num_kv=num_kv, page_size=page_size, head_dim=head_dim,
-                    dtype=dtype, n=5)
+                    dtype=dtype, n=6, pages_per_table=cap // page_size, lengths=lengths)
     out, ref = attend(case, num_splits=splits)
     assert out.shape == ref.shape and out.dtype == dtype
     np.testing.assert_allclose(f32(out), f32(ref), atol=TOL[dtype], rtol=TOL[dtype])
-    assert np.all(f32(out)[np.asarray(case[7])[np.asarray(case[6])] == 0] == 0)   # rows without keys: zeros
+    assert np.all(f32(out)[0] == 0)            # row 0 (table 0) has no keys: zeros
 
 
 def test_partials_and_a_single_layer_pool():
@@ -90,9 +94,9 @@ def test_fused_write_matches_write_then_attend(splits, planes):
 
 
 def test_fused_write_has_no_races():
-    """The interpreter's race detector (TMA stores against other blocks' loads) finds none: only
-    the split owning a row's last block writes, and only it reads the new key. (Writing from split
-    0 instead, as the Triton kernel does, is found as a race: the owner may be another split.)"""
+    """The interpreter's race detector (TMA stores against other blocks' loads) finds none: split 0
+    stores each row's newest K/V, and no block reads that slot from the pool (it folds the newest
+    key in from k_new / v_new). Row lengths put the newest key in either split's blocks."""
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
     from jax.experimental.pallas import mosaic_gpu as plgpu
     q, k_new, v_new, k, v, tables, rows, lengths, page, offset = case_for(5, n=4, pages_per_table=6,
@@ -137,13 +141,16 @@ def test_dispatch_runs_mosaic_where_it_takes_the_operands(monkeypatch):
     assert decode_kernel("triton", 16, 16, 128, 16, jnp.bfloat16) == "triton"
     with pytest.raises(ValueError, match="backend"):
         paged_attention(q, k, v, tables, rows, lengths, layer=1, impl="pallas", backend="cuda")
+    for bad, match in ((dict(num_splits=0), "num_splits"), (dict(pages_per_block=3), "pages_per_block")):
+        with pytest.raises(ValueError, match=match):        # checked on the write path too
+            paged_attention_write(*case, layer=1, impl="pallas", backend="mosaic", interpret=True, **bad)
 
 
 def test_query_columns_hold_every_group():
     """The 8-aligned run a block loads holds its whole group, for every head count and group."""
     for heads in range(1, 33):
         for group in (g for g in range(1, heads + 1) if heads % g == 0):
-            cols = pam.query_columns(heads, group)
+            cols = launch.query_columns(heads, group)
             assert cols % 8 == 0 and cols <= 8 + -(-group // 8) * 8
             firsts = [row * heads + kvh * group for row in range(9) for kvh in range(heads // group)]
             assert max(f % 8 + group for f in firsts) <= cols, (heads, group)
@@ -152,14 +159,14 @@ def test_query_columns_hold_every_group():
 def test_unsupported_operands_are_named():
     q = sd((1, 16, 128), jnp.bfloat16)
     k = sd((16, 8, 16, 128), jnp.bfloat16)
-    assert pam.mosaic_unsupported(q, k, pages_per_block=4) is None
-    assert "dtype" in pam.mosaic_unsupported(sd((1, 16, 128), jnp.float32), sd((16, 8, 16, 128), jnp.float32),
+    assert launch.mosaic_unsupported(q, k, pages_per_block=4) is None
+    assert "dtype" in launch.mosaic_unsupported(sd((1, 16, 128), jnp.float32), sd((16, 8, 16, 128), jnp.float32),
                                              pages_per_block=4)
-    assert "head_dim" in pam.mosaic_unsupported(sd((1, 16, 96), jnp.bfloat16), sd((16, 8, 16, 96), jnp.bfloat16),
+    assert "head_dim" in launch.mosaic_unsupported(sd((1, 16, 96), jnp.bfloat16), sd((16, 8, 16, 96), jnp.bfloat16),
                                                 pages_per_block=4)
-    assert "page_size" in pam.mosaic_unsupported(q, sd((16, 8, 12, 128), jnp.bfloat16), pages_per_block=4)
-    assert "wgmma" in pam.mosaic_unsupported(q, k, pages_per_block=2)
-    assert "shared memory" in pam.mosaic_unsupported(q, k, pages_per_block=16, max_concurrent_steps=4)
+    assert "page_size" in launch.mosaic_unsupported(q, sd((16, 8, 12, 128), jnp.bfloat16), pages_per_block=4)
+    assert "wgmma" in launch.mosaic_unsupported(q, k, pages_per_block=2)
+    assert "shared memory" in launch.mosaic_unsupported(q, k, pages_per_block=16, max_concurrent_steps=4)
 
 
 @pytest.fixture

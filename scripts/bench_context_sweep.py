@@ -38,8 +38,9 @@ gate) once per output step of the C rows, as the engine runs the head:
 
 Columns: P, C (``fit C`` when run at a smaller C), tok/s median [min..max] of the repeats, roofline
 tok/s with head and the fraction of it reached, the reference system's tok/s (B300, best of its
-stages; default cells only) and ours / theirs. TTFT / TPOT are not reported: ``measure`` times
-the closed loop as a whole.
+stages; default cells only) and ours / theirs; then a request's mean time to its first token (its
+prefill) and from there to its last (its decode), medians over the repeats, which say where a
+long prompt's time goes.
 """
 from __future__ import annotations
 
@@ -149,7 +150,9 @@ def run_cell(engine, a, c: int, f: dict, mb, bandwidth: float) -> dict:
                                   bandwidth, head_bytes=mb.token_weight_bytes)
     # a cell run at a smaller C than asked (--fit-concurrency) is not the reference's cell
     ref = REFERENCE.get((a.prompt_len, c)) if f.get("asked_C", c) == c else None
+    split = {k: statistics.median(r[f"mean_{k}_s"] for r in runs) for k in ("ttft", "decode")}
     return dict(f, C=c, tokens_per_s=dict(median=med, min=min(tps), max=max(tps), repeats=tps), runs=runs,
+                mean_ttft_s=split["ttft"], mean_decode_s=split["decode"],
                 roofline=dict(bound_tokens_per_s=bound, fraction=med / bound, F0_bytes=mb.token_weight_bytes,
                               core_only=core),
                 reference_tokens_per_s=ref, ratio_to_reference=None if ref is None else med / ref)
@@ -206,7 +209,8 @@ def cell_line(r: dict) -> str:
         f"  ref {r['reference_tokens_per_s']:8.1f}  ours/ref {r['ratio_to_reference']:.2f}"
     fitc = "" if r["C"] == r.get("asked_C", r["C"]) else f" (fit C={r['C']})"
     return (f"{head} {t['median']:9.1f} tok/s [{t['min']:.1f}..{t['max']:.1f}]  roofline "
-            f"{roof['bound_tokens_per_s']:9.1f} ({100 * roof['fraction']:.1f}%){ref}{fitc}")
+            f"{roof['bound_tokens_per_s']:9.1f} ({100 * roof['fraction']:.1f}%){ref}{fitc}  "
+            f"a request: first token {r['mean_ttft_s']:.2f} s, then {r['mean_decode_s']:.2f} s")
 
 
 def main(argv=None) -> int:

@@ -29,6 +29,14 @@ def test_bench_context_sweep_quick(tmp_path):
         assert c["roofline"]["bound_tokens_per_s"] > 0 and c["roofline"]["fraction"] > 0
         assert all(r["requests"] == 2 * c["C"] and r["output_tokens"] == 2 * c["C"] * 128 and r["preemptions"] == 0
                    for r in c["runs"])
+        # each request's first token and then its last: within the loop's time; at C = 1 the two
+        # requests run one after the other, so their times make up most of it
+        for r in c["runs"]:
+            per_request = r["mean_ttft_s"] + r["mean_decode_s"]
+            assert r["mean_ttft_s"] > 0 and r["mean_decode_s"] > 0 and per_request <= r["seconds"]
+            assert c["C"] > 1 or 2 * per_request > 0.5 * r["seconds"]
+        assert c["mean_ttft_s"] == pytest.approx(sorted(r["mean_ttft_s"] for r in c["runs"])[0] / 2
+                                                 + sorted(r["mean_ttft_s"] for r in c["runs"])[1] / 2)
         # the asked C's requests x 4 planes x whole pages of 16 positions x 1024 bytes (float32 K and V)
         assert c["kv_bytes_needed"] == key[1] * 4 * -(-(key[0] + 128) // 16) * 16 * 1024
         assert c["roofline"]["core_only"]["kv_bytes_per_position_per_plane"] == 1024

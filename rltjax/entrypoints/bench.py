@@ -66,8 +66,10 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p)
 
 
-def run_closed_loop(engine, concurrency, num_requests, prompt_len, params, rng, tag, outputs=None) -> None:
-    """``outputs``: a dict that receives each request's output token ids."""
+def run_closed_loop(engine, concurrency, num_requests, prompt_len, params, rng, tag, outputs=None,
+                    timings=None) -> None:
+    """``outputs``: a dict that receives each request's output token ids; ``timings``: a list
+    that receives each request's (seconds to its first token, seconds from it to its last)."""
     submitted = finished = 0
     while finished < num_requests:
         while submitted < num_requests and submitted - finished < concurrency:
@@ -79,6 +81,10 @@ def run_closed_loop(engine, concurrency, num_requests, prompt_len, params, rng, 
                 finished += 1
                 if outputs is not None:
                     outputs[out.request_id] = list(engine.get_output(out.request_id).token_ids)
+                m = out.metrics
+                if timings is not None and m["first_token_time"] is not None:     # not an error before it
+                    timings.append((m["first_token_time"] - m["arrival_time"],
+                                    m["finished_time"] - m["first_token_time"]))
                 engine.forget(out.request_id)
 
 
@@ -97,15 +103,19 @@ def measure(engine, concurrency: int, args, params, outputs=None) -> dict:
     from rltjax.engine.compile_watch import CompileWatch
     engine.steps_by_kind.clear()
     n = max(concurrency, args.num_requests or concurrency)
-    before = engine.stats()
+    before, timings = engine.stats(), []
     with CompileWatch() as compiles:
         t0 = time.perf_counter()
-        run_closed_loop(engine, concurrency, n, args.prompt_len, params, rng, f"c{concurrency}", outputs)
+        run_closed_loop(engine, concurrency, n, args.prompt_len, params, rng, f"c{concurrency}", outputs, timings)
         jax.block_until_ready(engine.runner.kv.k)
         wall = time.perf_counter() - t0
     tokens = n * params.max_tokens
+    # a request's time to its first token (its prefill, and any wait for admission) and from
+    # there to its last: where a closed loop's time goes, e.g. long prompts' prefill
+    ttft, rest = zip(*timings) if timings else ((np.nan,), (np.nan,))
     row = dict(concurrency=concurrency, requests=n, output_tokens=tokens, seconds=wall,
                output_tokens_per_s=tokens / wall, steps=dict(engine.steps_by_kind),
+               mean_ttft_s=float(np.mean(ttft)), mean_decode_s=float(np.mean(rest)),
                compiles_during_run=compiles.report())
     after = engine.stats()
     drafted = after.spec_draft_tokens - before.spec_draft_tokens

@@ -162,6 +162,28 @@ def merge_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     return jnp.concatenate([x.reshape(n, -1) for x in (q, k, v)], axis=1).reshape(n, -1, head_dim)
 
 
+def check_new_kv(q, k_new, v_new, k_pages, write_page, write_offset, rope) -> None:
+    """``paged_attention_write``'s arguments beyond ``paged_attention``'s."""
+    n, _, head_dim = q.shape
+    kv_shape = (n, k_pages.shape[-4], head_dim)
+    for name, x in (("k_new", k_new), ("v_new", v_new)):
+        if x.shape != kv_shape:
+            fail(name, f"expected [N, Hkv, Dh] = {list(kv_shape)}, got shape {x.shape}")
+        if x.dtype != q.dtype:
+            fail(name, f"dtype {x.dtype} differs from q's {q.dtype}")
+    if (write_page.ndim not in (1, 2) or write_page.shape[-1] != n or write_page.dtype != jnp.int32
+            or write_page.size == 0):
+        fail("write_page", f"expected int32 [{n}] or [M >= 1, {n}], got {write_page.dtype} {write_page.shape}")
+    _check_index("write_offset", write_offset, 1)
+    if write_offset.shape[0] != n:
+        fail("write_offset", f"expected [{n}] (one per row of q), got {write_offset.shape}")
+    if rope is not None:
+        if head_dim % 2 or len(rope) != 2 or any(
+                x.shape != (n, head_dim // 2) or x.dtype != jnp.float32 for x in rope):
+            fail("rope", f"expected (cos, sin), float32 [{n}, {head_dim // 2}] each, and an even head_dim; got "
+                  f"head_dim {head_dim}, {[(str(x.dtype), x.shape) for x in rope]}")
+
+
 def paged_attention_write(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pages: jax.Array,
                           v_pages: jax.Array, block_tables: jax.Array, row_tables: jax.Array,
                           lengths: jax.Array, write_page: jax.Array, write_offset: jax.Array, *,
@@ -190,24 +212,8 @@ def paged_attention_write(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pa
     """
     validate(q, k_pages, v_pages, block_tables, row_tables, lengths, layer, impl, backend)
     check_launch(pages_per_block, num_splits)
-    n, _, head_dim = q.shape
-    kv_shape = (n, k_pages.shape[-4], head_dim)
-    for name, x in (("k_new", k_new), ("v_new", v_new)):
-        if x.shape != kv_shape:
-            fail(name, f"expected [N, Hkv, Dh] = {list(kv_shape)}, got shape {x.shape}")
-        if x.dtype != q.dtype:
-            fail(name, f"dtype {x.dtype} differs from q's {q.dtype}")
-    if (write_page.ndim not in (1, 2) or write_page.shape[-1] != n or write_page.dtype != jnp.int32
-            or write_page.size == 0):
-        fail("write_page", f"expected int32 [{n}] or [M >= 1, {n}], got {write_page.dtype} {write_page.shape}")
-    _check_index("write_offset", write_offset, 1)
-    if write_offset.shape[0] != n:
-        fail("write_offset", f"expected [{n}] (one per row of q), got {write_offset.shape}")
-    if rope is not None:
-        if head_dim % 2 or len(rope) != 2 or any(
-                x.shape != (n, head_dim // 2) or x.dtype != jnp.float32 for x in rope):
-            fail("rope", f"expected (cos, sin), float32 [{n}, {head_dim // 2}] each, and an even head_dim; got "
-                  f"head_dim {head_dim}, {[(str(x.dtype), x.shape) for x in rope]}")
+    check_new_kv(q, k_new, v_new, k_pages, write_page, write_offset, rope)
+    head_dim = q.shape[2]
     impl = resolve_impl(impl, q, k_pages)
     mosaic = impl == "pallas" and on_mosaic(backend, q, k_pages, pages_per_block)
     if rope is not None and (impl == "xla" or mosaic or not kernel_rope_supported(head_dim)):

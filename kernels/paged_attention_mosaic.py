@@ -1,35 +1,29 @@
 """Paged decode attention on Pallas Mosaic GPU (Hopper): the Triton kernel's semantics
 (``kernels.paged_attention_pallas``; oracle ``kernels.paged_attention_ref``), its fused write
-included, on TMA and wgmma.
+included, on TMA and wgmma. Grid (row, KV head, split), one warpgroup a block; split s of a row
+owns blocks [s * per, (s + 1) * per) of its ``pages_per_block``-page key blocks.
 
-Grid (row, KV head, split), one warpgroup a block; split s of a row owns blocks [s * per,
-(s + 1) * per) of its ``pages_per_block``-page key blocks, as in the Triton kernel.
+- Pages by TMA: one copy a page (its id read from the row's block table) into consecutive rows
+  of a K and a V SMEM slot; D slots keep D - 1 blocks in flight while one is computed. Ids past
+  the row's pages read page 0 (always allocated), masked like every key past its length.
+- Swapped operands (as ``kernels.skinny_matmul_mosaic``): wgmma's M side is 64 rows, a KV head's
+  query group 1-8. s^T [block_k, C] = K [block_k, Dh] @ q^T [Dh, C], keys the 64-row operand and
+  C = ``query_columns`` query rows wgmma's N; the softmax runs down the columns; out^T [Dh, C] +=
+  V^T [Dh, block_k] @ p^T [block_k, C], V through a transposed SMEM view, p stored to SMEM.
+- Query columns: a tiled TMA box starts at a multiple of 8 rows, so a block loads the 8-aligned
+  run of C flattened query rows holding its group (first head at column c0); the other columns
+  are neighbouring heads, computed and never stored.
+- Fused write (``new_kv``): as in the Triton kernel, the pool is read below each row's newest key
+  (position length - 1), which split 0 folds in from k_new / v_new: their 8-aligned run of rows
+  goes into a zeroed 64-row K and V tile at the start, and one more masked block runs after the
+  pool's. Split 0 also stores the new K/V on every write plane (page != 0) from staged SMEM rows;
+  no block reads that slot, so nothing waits for the stores but the block's exit. RoPE is applied
+  by XLA before (``kernels.paged_attention.paged_attention_write``).
+- Output: one split writes out [N, H, Dh] in q's dtype; more write float32 partials and their
+  log-sum-exps, merged by ``kernels.split_merge.combine_splits``.
 
-Design:
-- Pages by TMA: each block's pages come in by one TMA copy a page (the page id read from the
-  row's block table in GMEM) into consecutive rows of a K and a V SMEM slot; D =
-  ``max_concurrent_steps`` slots keep the next D - 1 blocks in flight while one is computed.
-  Page ids past the row's pages read page 0 (always allocated), masked like every key past
-  the row's length.
-- Swapped operands, as in ``kernels.skinny_matmul_mosaic``: wgmma's M side is 64 rows, a KV
-  head's query group has 1-8. Scores are computed transposed, s^T [block_k, C] = K [block_k,
-  Dh] @ q^T [Dh, C], with the keys as the 64-row operand and C = ``query_columns`` query rows as
-  wgmma's N; the softmax runs down the columns; out^T [Dh, C] += V^T [Dh, block_k] @ p^T
-  [block_k, C], V read through a transposed SMEM view and p stored to SMEM in bf16/fp16.
-- Query columns: TMA needs a tiled box to start at a multiple of 8 rows, so a block loads the
-  8-aligned run of C flattened query rows holding its group (column c0 = its first head's row
-  mod 8); the other columns are neighbouring heads, computed and never stored.
-- Fused write (``new_kv``): as in the Triton kernel, the pool is read below each row's newest
-  key (position length - 1), which split 0 folds in from k_new / v_new: their 8-aligned run of
-  rows is loaded into a zeroed 64-row K and V tile at the start, and one more masked block runs
-  after the pool's. Split 0 also stores the new K/V on every write plane (page != 0) from staged
-  SMEM rows; no block reads that slot, so nothing waits for the stores but the block's exit.
-  RoPE is applied by XLA before (``kernels.paged_attention.paged_attention_write``).
-- Output: split 1 writes out [N, H, Dh] in q's dtype; more splits write normalized float32
-  partials and their log-sum-exps, merged by ``kernels.split_merge.combine_splits``.
-
-Launch rules (what it takes, the depth D): ``kernels.paged_attention_mosaic_launch``. The Triton
-kernel stays the default (docs/performance.md, scripts/bench_decode_attention.py --backends).
+Launch rules (what it takes, D): ``kernels.paged_attention_mosaic_launch``. The Triton kernel
+stays the default (docs/performance.md; scripts/bench_decode_attention.py --backends).
 """
 from __future__ import annotations
 

@@ -140,6 +140,26 @@ def sweep(args):
                        num_splits=splits)
 
 
+def run_case(args, case, pool, rows: int, label, length) -> list[dict]:
+    """Each backend's default launch and the Triton sweep on one case: timed, checked, printed."""
+    results = []
+    launches = [dict(backend=b) for b in args.backends] + [dict(backend="triton", **c) for c in sweep(args)]
+    for launch in launches:
+        try:
+            us = time_config(case, pool, args.layers, args.reps, args.iters, args.quick, **launch)
+            err = check_config(case, pool, args.quick, **launch)
+        except Exception as e:  # noqa: BLE001 - a config Triton refuses: report and go on
+            print(f"rows {rows:3d} keys {label!s:>7} {launch}: failed ({type(e).__name__}: {e})"[:300])
+            continue
+        config = {k: v for k, v in launch.items() if k != "backend"} or "default"
+        gbps = kv_bytes(case, args.kv_heads, args.head_dim) / us / 1e3
+        results.append(dict(rows=rows, length=label, backend=launch["backend"], config=config, us=us, gbps=gbps,
+                            max_abs_diff=err, **({} if label == length else dict(row_lengths=length))))
+        print(f"rows {rows:3d} keys {label!s:>7} {launch['backend']:7s} {str(config):68s} {us:8.2f} us "
+              f"{gbps:7.1f} GB/s  diff {err:.1e}", flush=True)
+    return results
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64], help="decode rows (the engine's buckets)")
@@ -185,20 +205,7 @@ def main(argv=None):
                                     jnp.bfloat16)
         if label != length:
             print(f"rows {rows:3d} serving lengths: mean {np.mean(length):.0f}, max {max(length)}", flush=True)
-        launches = [dict(backend=b) for b in args.backends] + [dict(backend="triton", **c) for c in sweep(args)]
-        for launch in launches:
-            try:
-                us = time_config(case, pool, args.layers, args.reps, args.iters, args.quick, **launch)
-                err = check_config(case, pool, args.quick, **launch)
-            except Exception as e:  # noqa: BLE001 - a config Triton refuses: report and go on
-                print(f"rows {rows:3d} keys {label!s:>7} {launch}: failed ({type(e).__name__}: {e})"[:300])
-                continue
-            config = {k: v for k, v in launch.items() if k != "backend"} or "default"
-            gbps = kv_bytes(case, args.kv_heads, args.head_dim) / us / 1e3
-            results.append(dict(rows=rows, length=label, backend=launch["backend"], config=config, us=us, gbps=gbps,
-                                max_abs_diff=err, **({} if label == length else dict(row_lengths=length))))
-            print(f"rows {rows:3d} keys {label!s:>7} {launch['backend']:7s} {str(config):68s} {us:8.2f} us "
-                  f"{gbps:7.1f} GB/s  diff {err:.1e}", flush=True)
+        results += run_case(args, case, pool, rows, label, length)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(args=vars(args), jax=jax.__version__, device=str(jax.devices()[0]), results=results), f,

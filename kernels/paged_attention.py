@@ -22,7 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from rltjax.kernels.paged_attention_mosaic_launch import default_pages_per_block, mosaic_unsupported
+from rltjax.kernels.paged_attention_mosaic_launch import mosaic_launch
 from rltjax.kernels.paged_attention_ref import paged_attention_ref, paged_write_ref, rope_rotate_half_ref
 from rltjax.kernels.triton_common import kernel_rope_supported
 
@@ -106,19 +106,25 @@ def check_launch(pages_per_block: int | None, num_splits: int | None) -> None:
         fail("num_splits", f"expected >= 1, got {num_splits}")
 
 
-def on_mosaic(backend: str, q, k_pages, pages_per_block: int | None) -> bool:
-    """Whether the "pallas" branch runs the Mosaic GPU kernel for these operands."""
-    if backend != "mosaic":
-        return False
-    ppb = pages_per_block or default_pages_per_block(k_pages.shape[-2])
-    return mosaic_unsupported(q, k_pages, pages_per_block=ppb) is None
+def on_mosaic(backend: str, q, k_pages, pages_per_block: int | None, fused: bool) -> bool:
+    """Whether the "pallas" branch runs the Mosaic GPU kernel for these operands (fused: with
+    the write, whose tiles need more shared memory)."""
+    return backend == "mosaic" and mosaic_launch(q, k_pages, pages_per_block=pages_per_block,
+                                                 fused=fused).unsupported is None
+
+
+def kernel_probe(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype):
+    """(q, one layer's pool) shapes of a one-row decode call at a model's shapes: what the
+    support checks read."""
+    return (jax.ShapeDtypeStruct((1, num_heads, head_dim), dtype),
+            jax.ShapeDtypeStruct((num_kv_heads, 1, page_size, head_dim), dtype))
 
 
 def decode_kernel(backend: str, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype) -> str:
-    """Which kernel the "pallas" branch runs at a model's shapes: "mosaic" or "triton"."""
-    q = jax.ShapeDtypeStruct((1, num_heads, head_dim), dtype)
-    k = jax.ShapeDtypeStruct((num_kv_heads, 1, page_size, head_dim), dtype)
-    return "mosaic" if on_mosaic(backend, q, k, None) else "triton"
+    """Which kernel the "pallas" branch runs for the engine's decode calls (the fused write) at
+    a model's shapes: "mosaic" or "triton"."""
+    q, k = kernel_probe(num_heads, num_kv_heads, head_dim, page_size, dtype)
+    return "mosaic" if on_mosaic(backend, q, k, None, fused=True) else "triton"
 
 
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
@@ -142,7 +148,7 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     if pages_per_block is not None and pages_per_block * k_pages.shape[-2] < 16:
         fail("pages_per_block", f"pages_per_block * page_size must be >= 16, got "
               f"{pages_per_block} * {k_pages.shape[-2]}")
-    if on_mosaic(backend, q, k_pages, pages_per_block):
+    if on_mosaic(backend, q, k_pages, pages_per_block, fused=False):
         from rltjax.kernels.paged_attention_mosaic import paged_attention_mosaic
         return paged_attention_mosaic(q, k_pages, v_pages, block_tables, row_tables, lengths, layer=layer,
                                       scale=scale, pages_per_block=pages_per_block, num_splits=num_splits,
@@ -215,7 +221,7 @@ def paged_attention_write(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pa
     check_new_kv(q, k_new, v_new, k_pages, write_page, write_offset, rope)
     head_dim = q.shape[2]
     impl = resolve_impl(impl, q, k_pages)
-    mosaic = impl == "pallas" and on_mosaic(backend, q, k_pages, pages_per_block)
+    mosaic = impl == "pallas" and on_mosaic(backend, q, k_pages, pages_per_block, fused=True)
     if rope is not None and (impl == "xla" or mosaic or not kernel_rope_supported(head_dim)):
         q, k_new = rope_rotate_half_ref(q, *rope), rope_rotate_half_ref(k_new, *rope)
         rope = None

@@ -16,9 +16,10 @@ owns blocks [s * per, (s + 1) * per) of its ``pages_per_block``-page key blocks.
 - Fused write (``new_kv``): as in the Triton kernel, the pool is read below each row's newest key
   (position length - 1), which split 0 folds in from k_new / v_new: their 8-aligned run of rows
   goes into a zeroed 64-row K and V tile at the start, and one more masked block runs after the
-  pool's. Split 0 also stores the new K/V on every write plane (page != 0) from staged SMEM rows;
-  no block reads that slot, so nothing waits for the stores but the block's exit. RoPE is applied
-  by XLA before (``kernels.paged_attention.paged_attention_write``).
+  pool's. Split 0 also stores the new K/V on every write plane (page != 0) from staged SMEM rows,
+  waited on only at the block's exit: no block uses that slot's pool value (the last pool block
+  may copy its page meanwhile, the slot masked; the pool holds only finite K/V or zeros). RoPE is
+  applied by XLA before (``kernels.paged_attention.paged_attention_write``).
 - Output: one split writes out [N, H, Dh] in q's dtype; more write float32 partials and their
   log-sum-exps, merged by ``kernels.split_merge.combine_splits``.
 
@@ -36,8 +37,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from rltjax.kernels.paged_attention_launch import default_num_splits
-from rltjax.kernels.paged_attention_mosaic_launch import (NEWEST_ROWS, TILE, default_depth, default_pages_per_block,
-                                                          mosaic_unsupported, query_columns)
+from rltjax.kernels.mosaic_common import launch_settings, swizzled
+from rltjax.kernels.paged_attention_mosaic_launch import NEWEST_ROWS, mosaic_launch, query_columns
 from rltjax.kernels.split_merge import combine_splits
 from rltjax.kernels.triton_common import cdiv
 
@@ -105,10 +106,9 @@ def _attend(q_s, p_s, k_g, v_g, tables_g, table, layer, kvh, length, n_pages, st
             return carry
         return lax.fori_loop(0, steps, step, init)
 
-    swizzled = (plgpu.TilingTransform((8, TILE)), plgpu.SwizzleTransform(128))
     slot_shape = (depth, block_k, head_dim)
-    return pl.run_scoped(stream, plgpu.SMEM(slot_shape, k_g.dtype, transforms=swizzled),
-                         plgpu.SMEM(slot_shape, v_g.dtype, transforms=swizzled),
+    return pl.run_scoped(stream, plgpu.SMEM(slot_shape, k_g.dtype, transforms=swizzled()),
+                         plgpu.SMEM(slot_shape, v_g.dtype, transforms=swizzled()),
                          plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=depth),
                          plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=depth))
 
@@ -140,7 +140,7 @@ def _empty_state(head_dim: int, columns: int):
 def _with_newest(attend, new_kv, k_g, v_g, q_s, p_s, *, row, kvh, layer, split, length, scale: float):
     """``attend(init)`` over the pool, then each row's newest key (position length - 1) folded in
     from k_new / v_new by split 0, which also stores them on every write plane (page != 0). No
-    block reads that slot from the pool, so the stores need no wait; their SMEM source is kept
+    block uses that slot's pool value, so the stores need no wait; their SMEM source is kept
     until the output's store waits for the reads."""
     k_new_g, v_new_g, write_page_g, write_offset_g = new_kv
     num_kv, head_dim = k_g.shape[1], k_g.shape[-1]
@@ -170,8 +170,7 @@ def _with_newest(attend, new_kv, k_g, v_g, q_s, p_s, *, row, kvh, layer, split, 
         visible = (_key_iota((NEWEST_ROWS, q_s.shape[0])) == newest) & own
         return _softmax_block(*tiles, p_s, q_s, visible, state, lambda: None, scale)
 
-    swizzled = (plgpu.TilingTransform((8, TILE)), plgpu.SwizzleTransform(128))
-    tile = plgpu.SMEM((NEWEST_ROWS, head_dim), k_g.dtype, transforms=swizzled)
+    tile = plgpu.SMEM((NEWEST_ROWS, head_dim), k_g.dtype, transforms=swizzled())
     stage = plgpu.SMEM((1, head_dim), k_g.dtype)
     return pl.run_scoped(body, (tile, tile), (stage, stage), plgpu.Barrier(num_arrivals=2),
                          plgpu.Barrier(num_arrivals=2))
@@ -221,9 +220,8 @@ def _kernel(layer_g, lengths_g, row_tables_g, tables_g, q_g, k_g, v_g, *refs, he
         lse = jnp.where(has, m + jnp.log(jnp.where(has, total, 1.0)), NEG_INF)
         _store(outs, o, lse, split, first, column, group)
 
-    swizzled = (plgpu.TilingTransform((8, TILE)), plgpu.SwizzleTransform(128))
-    pl.run_scoped(body, plgpu.SMEM((columns, head_dim), q_g.dtype, transforms=swizzled),
-                  plgpu.SMEM((columns, pages_per_block * page_size), q_g.dtype, transforms=swizzled),
+    pl.run_scoped(body, plgpu.SMEM((columns, head_dim), q_g.dtype, transforms=swizzled()),
+                  plgpu.SMEM((columns, pages_per_block * page_size), q_g.dtype, transforms=swizzled()),
                   plgpu.Barrier(num_barriers=1))
 
 
@@ -270,18 +268,18 @@ def paged_attention_mosaic(q, k_pages, v_pages, block_tables, row_tables, length
     write_page [M, N], write_offset [N]): each row's key at position lengths - 1 is k_new / v_new
     (the pool is read below it), stored on every write plane; returns (out, k_pages, v_pages),
     the pools updated in place (donate them). return_partials (num_splits > 1): the raw (o [S, N,
-    H, Dh], lse [S, N, H]) float32. max_concurrent_steps: K/V slots (None: ``default_depth``).
+    H, Dh], lse [S, N, H]) float32. max_concurrent_steps: K/V slots (None: ``mosaic_launch``'s).
     interpret: True or an ``InterpretGPUParams`` runs Mosaic GPU's interpreter (CPU)."""
     unstacked = k_pages.ndim == 4
     if unstacked:
         k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
     (n, heads, head_dim), (num_kv, page_size) = q.shape, (k_pages.shape[1], k_pages.shape[3])
     group, fused = heads // num_kv, new_kv is not None
-    ppb = pages_per_block or default_pages_per_block(page_size)
-    columns = query_columns(heads, group)
-    depth = max_concurrent_steps or default_depth(columns, ppb * page_size, head_dim, fused=fused)
-    if why_not := mosaic_unsupported(q, k_pages, pages_per_block=ppb, max_concurrent_steps=depth, fused=fused):
-        raise ValueError(f"paged_attention_mosaic: {why_not}")
+    launch = mosaic_launch(q, k_pages, pages_per_block=pages_per_block, max_concurrent_steps=max_concurrent_steps,
+                           fused=fused)
+    if launch.unsupported:
+        raise ValueError(f"paged_attention_mosaic: {launch.unsupported}")
+    ppb, depth, columns = launch.pages_per_block, launch.depth, query_columns(heads, group)
     splits = num_splits or default_num_splits(n, num_kv, block_tables.shape[1], ppb, page_size)
     last_run = ((n - 1) * heads + (num_kv - 1) * group) // 8 * 8      # the last group's 8-aligned run
     args = [jnp.asarray(layer, jnp.int32).reshape(1), lengths, row_tables, block_tables,
@@ -301,9 +299,8 @@ def paged_attention_mosaic(q, k_pages, v_pages, block_tables, row_tables, length
         [jax.ShapeDtypeStruct((splits, n * heads, head_dim), jnp.float32),
          jax.ShapeDtypeStruct((splits, n * heads), jnp.float32)],
         grid=(n, num_kv, splits), grid_names=("row", "kvh", "split"),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        interpret=(plgpu.InterpretGPUParams() if interpret is True else interpret) or None,
         kernel_name=f"rlt_paged_attention_mgpu{'_write' if fused else ''}_g{group}_ppb{ppb}_s{splits}",
+        **launch_settings(interpret),
     )(*args)
     if splits == 1:
         out = outs[0].reshape(n, heads, head_dim)

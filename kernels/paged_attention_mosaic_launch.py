@@ -1,17 +1,16 @@
 """Launch rules of the Mosaic GPU decode attention kernel (``kernels.paged_attention_mosaic``):
-what it takes, its query columns, block size and pipeline depth."""
+what it takes, its query columns, block size and pipeline depth, resolved once a call
+(``mosaic_launch``) for the kernel and the dispatcher alike."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
-import jax.numpy as jnp
+from rltjax.kernels.mosaic_common import DTYPES, SMEM_LIMIT, TILE
 
-DTYPES = (jnp.bfloat16, jnp.float16)    # wgmma reads transposed SMEM operands in 16 bits only
-TILE = 64                               # a 128-byte swizzle row of 16-bit elements
 BLOCK_KEYS = 64                         # keys a block: wgmma's M for the scores
 NEWEST_ROWS = 64                        # the newest key's tile: wgmma's least M (8 rows loaded)
 MAX_COLUMNS = 64                        # query rows a block computes (wgmma's N)
-SMEM_LIMIT = 227 * 1024                 # an H100 / H200 block's opt-in shared memory
 SM_SMEM = 228 * 1024                    # an SM's shared memory, 1 KB of it reserved a block
 
 
@@ -38,9 +37,27 @@ def default_depth(columns: int, block_k: int, head_dim: int, *, fused: bool) -> 
     return 1
 
 
-def mosaic_unsupported(q, k_pages, *, pages_per_block: int, max_concurrent_steps: int = 1,
-                       fused: bool = False) -> str | None:
-    """Why the kernel cannot take these operands (None when it can)."""
+@dataclasses.dataclass(frozen=True)
+class MosaicLaunch:
+    pages_per_block: int
+    depth: int                          # K/V slots
+    unsupported: str | None             # why the kernel cannot take the operands (None: it can)
+
+
+def mosaic_launch(q, k_pages, *, pages_per_block: int | None = None, max_concurrent_steps: int | None = None,
+                  fused: bool = False) -> MosaicLaunch:
+    """The kernel's launch for q [N, H, Dh] and a pool [..., Hkv, P, S, Dh] (shapes suffice),
+    defaults filled in: BLOCK_KEYS keys a block and ``default_depth`` slots; fused: with the
+    newest key's tiles."""
+    num_heads, head_dim = q.shape[-2:]
+    num_kv, page_size = k_pages.shape[-4], k_pages.shape[-2]
+    ppb = pages_per_block or max(1, BLOCK_KEYS // page_size)
+    columns = query_columns(num_heads, num_heads // num_kv)
+    depth = max_concurrent_steps or default_depth(columns, ppb * page_size, head_dim, fused=fused)
+    return MosaicLaunch(ppb, depth, _unsupported(q, k_pages, ppb, depth, fused))
+
+
+def _unsupported(q, k_pages, pages_per_block: int, max_concurrent_steps: int, fused: bool) -> str | None:
     num_heads, head_dim = q.shape[-2:]
     num_kv, page_size = k_pages.shape[-4], k_pages.shape[-2]
     if q.dtype not in DTYPES or k_pages.dtype != q.dtype:
@@ -57,8 +74,3 @@ def mosaic_unsupported(q, k_pages, *, pages_per_block: int, max_concurrent_steps
     if (need := smem_bytes(cols, block_k, head_dim, max_concurrent_steps, fused=fused)) > SMEM_LIMIT:
         return f"{need} bytes of shared memory asked for, over the {SMEM_LIMIT} a block has"
     return None
-
-
-def default_pages_per_block(page_size: int) -> int:
-    """BLOCK_KEYS keys a block (pages of up to 64 keys; larger pages take one page a block)."""
-    return max(1, BLOCK_KEYS // page_size)

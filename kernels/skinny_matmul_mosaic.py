@@ -41,21 +41,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from rltjax.kernels.mosaic_common import DTYPES, SMEM_LIMIT, TILE, launch_settings, swizzled
 from rltjax.kernels.skinny_common import MAX_ROWS, SINGLE_PASS_MAX_K, silu_mul
 from rltjax.kernels.skinny_matmul_pallas import choose_splits
 
-DTYPES = (jnp.bfloat16, jnp.float16)    # wgmma reads a transposed SMEM operand only in 16 bits
-TILE = 64                   # elements of a 128-byte swizzle row in 16 bits: block_n, block_k unit
-SWIZZLE = 128
-SMEM_LIMIT = 227 * 1024     # an H100 / H200 block's opt-in shared memory
 SMEM_BUDGET = 192 * 1024    # the configs' pipeline slots: under SMEM_LIMIT with room to spare
 ACC_REGISTERS = 128         # float32 accumulator registers a thread (of 255): a 256 x 64 out^T tile's
 MIN_BLOCKS = 128            # splits: about one block per SM (132 on an H100 SXM)
-
-
-def hopper(device) -> bool:
-    """Whether the kernels run on this device: a GPU of compute capability 9.x."""
-    return str(getattr(device, "compute_capability", "")).startswith("9.")
 
 
 def padded_rows(m: int) -> int:
@@ -144,14 +136,13 @@ def gated_mosaic_unsupported(x, w_gate, *, block_n: int = TILE, block_k: int = T
 def _stream(x_gmem, w_gmems, j, split, *, block_n: int, block_k: int, steps: int, depth: int):
     """out^T tiles [block_n, rows] float32, one a weight, of split ``split``'s steps of K."""
     rows, count = padded_rows(x_gmem.shape[0]), len(w_gmems)
-    swizzled = (plgpu.TilingTransform((8, TILE)), plgpu.SwizzleTransform(SWIZZLE))
     # a slot is refilled only after the wgmmas reading it are done: with one step's wgmmas left in
     # flight (delay 1) the refill waits a step; with one step in all there is nothing to refill
     delay = 1 if steps > 1 and depth > 1 else 0
     first = split * steps
 
     def spec(shape, index):
-        return plgpu.BlockSpec(shape, index, transforms=swizzled, delay_release=delay)
+        return plgpu.BlockSpec(shape, index, transforms=swizzled(), delay_release=delay)
 
     def step(x_smem, w_smems, acc_refs):
         for w_smem, acc_ref in zip(w_smems, acc_refs):
@@ -220,13 +211,10 @@ def _silu_mul(gate, up, *, dtype):
 
 def _launch(args, out_type, *, k_splits: int, interpret, name: str, **kernel):
     """plgpu.kernel over (N / block_n, k_splits) blocks, one warpgroup each."""
-    if interpret is True:
-        interpret = plgpu.InterpretGPUParams()
     return plgpu.kernel(
         functools.partial(_kernel, **kernel), out_type=out_type,
-        grid=(out_type.shape[-1] // kernel["block_n"], k_splits), grid_names=("n", "s"),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        interpret=interpret or None, kernel_name=name,
+        grid=(out_type.shape[-1] // kernel["block_n"], k_splits), grid_names=("n", "s"), kernel_name=name,
+        **launch_settings(interpret),
     )(*args)
 
 

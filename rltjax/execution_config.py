@@ -81,11 +81,12 @@ class ExecutionConfig:
     head_dim a multiple of 64, pages of a multiple of 8 keys; RoPE then runs in XLA), Triton
     for the rest (prefill attention, the residual norm). Alone on an H200 the Mosaic projection
     kernels stream q|k|v, o, gate and down 3-25% faster (scripts/bench_skinny.py), and the Mosaic
-    attention kernel is 3-6% faster at 2,048-key rows on an H100 but 17-37% slower at ShareGPT's
-    (scripts/bench_decode_attention.py --backends); the engine on them was 11-17% slower at 1-32
-    streams on an H100 (ShareGPT in process, scripts/bench_serving.py --kernel-backend): hence
-    not the default. The rules refuse it where no decode kernel runs (attn_impl "xla" with
-    matmul_impl "xla" or tensor parallelism).
+    attention kernel is 3-6% faster at 32-64 rows of 2,048 keys on an H100 but 17-37% slower at
+    ShareGPT's (scripts/bench_decode_attention.py --backends); the engine on them was 11-17%
+    slower at 1-32 streams on an H100 (ShareGPT in process, scripts/bench_serving.py
+    --kernel-backend): hence not the default. The rules refuse it where no decode kernel runs
+    (attn_impl "xla", which puts the projections on XLA too, unless matmul_impl "pallas" on one
+    device).
     interpret: run the Pallas kernels in interpret mode (CPU testing of the "pallas" impls).
     decode_window: K > 0 runs decode as device-side windows of up to K loop passes
     (``rltjax.engine.decode_window``) whenever every running request is decoding; 0 runs

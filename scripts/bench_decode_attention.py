@@ -39,7 +39,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from rltjax.kernels.paged_attention import paged_attention_write  # noqa: E402
+from rltjax.kernels.paged_attention import decode_kernel, paged_attention_write  # noqa: E402
 from rltjax.models.layers import rope_cos_sin  # noqa: E402
 
 
@@ -153,9 +153,12 @@ def run_case(args, case, pool, rows: int, label, length) -> list[dict]:
             continue
         config = {k: v for k, v in launch.items() if k != "backend"} or "default"
         gbps = kv_bytes(case, args.kv_heads, args.head_dim) / us / 1e3
-        results.append(dict(rows=rows, length=label, backend=launch["backend"], config=config, us=us, gbps=gbps,
+        # the kernel the dispatcher ran: "mosaic" falls back to Triton where it does not take the shapes
+        kernel = decode_kernel(launch["backend"], args.kv_heads, args.kv_heads, args.head_dim, args.page_size,
+                               jnp.bfloat16)
+        results.append(dict(rows=rows, length=label, backend=kernel, config=config, us=us, gbps=gbps,
                             max_abs_diff=err, **({} if label == length else dict(row_lengths=length))))
-        print(f"rows {rows:3d} keys {label!s:>7} {launch['backend']:7s} {str(config):68s} {us:8.2f} us "
+        print(f"rows {rows:3d} keys {label!s:>7} {kernel:7s} {str(config):68s} {us:8.2f} us "
               f"{gbps:7.1f} GB/s  diff {err:.1e}", flush=True)
     return results
 

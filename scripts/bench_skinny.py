@@ -41,7 +41,8 @@ import jax.numpy as jnp  # noqa: E402
 
 from rltjax.kernels.skinny_matmul import (fit_block, gated_up, gated_up_ref, kernel_config,  # noqa: E402
                                           kernel_unsupported, skinny_matmul)
-from rltjax.kernels.skinny_matmul_mosaic import (gated_mosaic_config, gated_up_mosaic, hopper,  # noqa: E402
+from rltjax.kernels.mosaic_common import hopper  # noqa: E402
+from rltjax.kernels.skinny_matmul_mosaic import (gated_mosaic_config, gated_up_mosaic,  # noqa: E402
                                                  mosaic_config, mosaic_unsupported, skinny_matmul_mosaic)
 from rltjax.profiling import median_call_us  # noqa: E402
 

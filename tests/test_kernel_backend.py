@@ -125,8 +125,10 @@ def test_backend_resolution_and_errors(monkeypatch):
 
 
 @pytest.mark.parametrize("execution, tp, match", [
-    (dict(attn_impl="xla", matmul_impl="xla"), 1, "attn_impl='xla' .* and matmul_impl='xla'"),
+    (dict(attn_impl="xla", matmul_impl="xla"), 1, "attn_impl='xla' .* matmul_impl='xla'"),
+    (dict(attn_impl="xla", matmul_impl="auto"), 1, "matmul_impl='auto' the projections"),  # auto follows attention
     (dict(attn_impl="xla", matmul_impl="auto"), 2, "tensor_parallel_size=2 the projections"),
+    (dict(attn_impl="xla", matmul_impl="pallas"), 1, None),    # the projections on Mosaic GPU
     (dict(attn_impl="auto", matmul_impl="xla"), 1, None),      # decode attention on Mosaic GPU
     (dict(attn_impl="pallas", matmul_impl="auto"), 2, None)])  # attention per device
 def test_mosaic_where_no_decode_kernel_runs_is_refused(execution, tp, match):

@@ -54,7 +54,7 @@ def attend(case, layer=1, **kw):
 ])
 def test_interpret_matches_oracle(group, num_kv, page_size, head_dim, splits, dtype):
     """Rows of 0, 1, a page, a page + 1, capacity - 1 and capacity keys; tables of 4 blocks, so
-    every split of a full row has keys and the splits' merge is exercised."""
+    a full row's keys span two or more splits and their merge is exercised."""
     cap = 4 * 64
     lengths = [0, 1, page_size, page_size + 1, cap - 1, cap]
     case = case_for(group * 10 + splits, group=group, num_kv=num_kv, page_size=page_size, head_dim=head_dim,
@@ -81,8 +81,8 @@ def test_partials_and_a_single_layer_pool():
 
 @pytest.mark.parametrize("splits, planes", [(1, 1), (2, 3), (3, 2)])
 def test_fused_write_matches_write_then_attend(splits, planes):
-    """Every row stores its new K/V on each write plane (page 0: dropped) before attending; the
-    owner split reads the new key back from the pool. Pools equal the oracle's bit for bit."""
+    """Every row stores its new K/V on each write plane (page 0: dropped) and attends over the pool
+    below it plus the new key folded in from k_new / v_new. Pools equal the oracle's bit for bit."""
     case = case_for(20 + splits, n=6, planes=planes, pages_per_table=6)
     run = jax.jit(lambda k, v: paged_attention_write(*case[:3], k, v, *case[5:], layer=jnp.int32(1), impl="pallas",
                                                      backend="mosaic", num_splits=splits, interpret=True),
@@ -95,7 +95,7 @@ def test_fused_write_matches_write_then_attend(splits, planes):
 
 def test_fused_write_has_no_races():
     """The interpreter's race detector (TMA stores against other blocks' loads) finds none: split 0
-    stores each row's newest K/V, and no block reads that slot from the pool (it folds the newest
+    stores each row's newest K/V, and no block uses that slot's pool value (split 0 folds the newest
     key in from k_new / v_new). Row lengths put the newest key in either split's blocks."""
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -137,6 +137,7 @@ def test_dispatch_runs_mosaic_where_it_takes_the_operands(monkeypatch):
     paged_attention(q, k, v, tables, rows, lengths, layer=1, impl="xla", backend="mosaic")
     assert calls == [False, True]
     assert decode_kernel("mosaic", 16, 16, 128, 16, jnp.bfloat16) == "mosaic"            # Ouro-1.4B
+    assert decode_kernel("mosaic", 64, 1, 256, 16, jnp.bfloat16) == "triton"      # the fused tiles do not fit
     assert decode_kernel("mosaic", 16, 16, 128, 16, jnp.float32) == "triton"
     assert decode_kernel("triton", 16, 16, 128, 16, jnp.bfloat16) == "triton"
     with pytest.raises(ValueError, match="backend"):
@@ -157,16 +158,21 @@ def test_query_columns_hold_every_group():
 
 
 def test_unsupported_operands_are_named():
-    q = sd((1, 16, 128), jnp.bfloat16)
-    k = sd((16, 8, 16, 128), jnp.bfloat16)
-    assert launch.mosaic_unsupported(q, k, pages_per_block=4) is None
-    assert "dtype" in launch.mosaic_unsupported(sd((1, 16, 128), jnp.float32), sd((16, 8, 16, 128), jnp.float32),
-                                             pages_per_block=4)
-    assert "head_dim" in launch.mosaic_unsupported(sd((1, 16, 96), jnp.bfloat16), sd((16, 8, 16, 96), jnp.bfloat16),
-                                                pages_per_block=4)
-    assert "page_size" in launch.mosaic_unsupported(q, sd((16, 8, 12, 128), jnp.bfloat16), pages_per_block=4)
-    assert "wgmma" in launch.mosaic_unsupported(q, k, pages_per_block=2)
-    assert "shared memory" in launch.mosaic_unsupported(q, k, pages_per_block=16, max_concurrent_steps=4)
+    """mosaic_launch fills in the defaults (64-key blocks; slots keeping two blocks an SM: 3, or
+    2 with the fused write's tiles at Ouro's shapes) and names what the kernel does not take."""
+    q, k = sd((1, 16, 128), jnp.bfloat16), sd((16, 8, 16, 128), jnp.bfloat16)
+    assert launch.mosaic_launch(q, k) == launch.MosaicLaunch(4, 3, None)
+    assert launch.mosaic_launch(q, k, fused=True) == launch.MosaicLaunch(4, 2, None)
+    why = lambda q, k, **kw: launch.mosaic_launch(q, k, **kw).unsupported  # noqa: E731
+    assert "dtype" in why(sd((1, 16, 128), jnp.float32), sd((16, 8, 16, 128), jnp.float32))
+    assert "head_dim" in why(sd((1, 16, 96), jnp.bfloat16), sd((16, 8, 16, 96), jnp.bfloat16))
+    assert "page_size" in why(q, sd((16, 8, 12, 128), jnp.bfloat16))
+    assert "wgmma" in why(q, k, pages_per_block=2)
+    assert "shared memory" in why(q, k, pages_per_block=16, max_concurrent_steps=4)
+    # a group of 64 heads of 256: the read-only kernel fits one slot, the fused one's tiles do not
+    wide_q, wide_k = sd((1, 64, 256), jnp.bfloat16), sd((1, 8, 16, 256), jnp.bfloat16)
+    assert launch.mosaic_launch(wide_q, wide_k) == launch.MosaicLaunch(4, 1, None)
+    assert "shared memory" in why(wide_q, wide_k, fused=True)
 
 
 @pytest.fixture

@@ -138,12 +138,13 @@ RULES: tuple[Rule, ...] = (
          lambda i: i.tensor_parallel > 1 and i.execution.matmul_impl == "pallas",
          "leave ExecutionConfig.matmul_impl at 'auto' (XLA's projections under tensor parallelism) or use 'xla'"),
     Rule(lambda i: "ExecutionConfig.kernel_backend='mosaic' picks the decode kernels' backend, but attn_impl='xla' "
-         "puts attention on XLA and " + ("matmul_impl='xla'" if i.execution.matmul_impl == "xla" else
-                                         f"tensor_parallel_size={i.tensor_parallel}") + " the projections",
+         "puts attention on XLA and, with it, " + (f"matmul_impl='{i.execution.matmul_impl}'" if i.tensor_parallel == 1
+                                                    else f"tensor_parallel_size={i.tensor_parallel}")
+         + " the projections",
          lambda i: i.execution.kernel_backend == "mosaic" and i.execution.attn_impl == "xla" and (
-             i.execution.matmul_impl == "xla" or i.tensor_parallel > 1),
+             i.execution.matmul_impl != "pallas" or i.tensor_parallel > 1),
          "leave kernel_backend at 'triton', or run decode attention or the projections on the kernels "
-         "(attn_impl 'auto' or 'pallas'; matmul_impl 'auto' or 'pallas' on one device)"),
+         "(attn_impl 'auto' or 'pallas'; matmul_impl 'pallas' on one device)"),
     Rule("speculative decoding runs its rounds inside decode windows",
          lambda i: _spec(i) and not i.window_passes,
          "leave ExecutionConfig.decode_window unset (or > 0), SchedulerConfig.mode='refill' and "

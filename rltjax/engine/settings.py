@@ -23,10 +23,10 @@ from rltjax.engine_config import (AUTO_MIXED_PREFILL, DEFAULT_DECODE_WINDOW, DEF
                                   DEFAULT_PREFILL_TOKENS_KERNEL, DEFAULT_PREFILL_TOKENS_XLA, CacheConfig,
                                   EngineConfigError, ExecutionConfig, ExitConfig, SchedulerConfig, SpeculativeConfig)
 from rltjax.jit_options import engine_options
-from rltjax.kernels.paged_attention import kernel_unsupported
+from rltjax.kernels.mosaic_common import hopper
+from rltjax.kernels.paged_attention import kernel_probe, kernel_unsupported
 from rltjax.kernels.prefill_attention import DEFAULT_BLOCK_Q
 from rltjax.kernels.skinny_matmul import MAX_ROWS, SINGLE_PASS_MAX_K
-from rltjax.kernels.skinny_matmul_mosaic import hopper
 from rltjax.models.base import boundary_kv_layers, loop_limit, signal_kind
 
 NUM_TOP_LOGPROBS = 20
@@ -215,8 +215,7 @@ def decode_projections_on_kernels(cfg, attention_on_kernel: bool, matmul_impl: s
 def attention_on_kernel(execution: ExecutionConfig, cfg, page_size: int, kv_dtype, platform: str) -> bool:
     """Whether paged attention runs on the Pallas kernels ("auto": on a GPU, where they take
     the model's shapes)."""
-    q = jax.ShapeDtypeStruct((1, cfg.num_heads, cfg.head_dim), kv_dtype)
-    k = jax.ShapeDtypeStruct((cfg.num_kv_heads, 1, page_size, cfg.head_dim), kv_dtype)
+    q, k = kernel_probe(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, page_size, kv_dtype)
     return execution.attn_impl == "pallas" or (execution.attn_impl == "auto" and platform == "gpu"
                                                and kernel_unsupported(q, k) is None)
 

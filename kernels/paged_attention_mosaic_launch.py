@@ -1,6 +1,6 @@
 """Launch rules of the Mosaic GPU decode attention kernel (``kernels.paged_attention_mosaic``):
-what it takes, its query columns, block size and pipeline depth, resolved once a call
-(``mosaic_launch``) for the kernel and the dispatcher alike."""
+what it takes, its query columns, block size and pipeline depth, by one rule (``mosaic_launch``)
+that the kernel and the dispatcher both apply."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,7 +11,7 @@ from rltjax.kernels.mosaic_common import DTYPES, SMEM_LIMIT, TILE
 BLOCK_KEYS = 64                         # keys a block: wgmma's M for the scores
 NEWEST_ROWS = 64                        # the newest key's tile: wgmma's least M (8 rows loaded)
 MAX_COLUMNS = 64                        # query rows a block computes (wgmma's N)
-SM_SMEM = 228 * 1024                    # an SM's shared memory, 1 KB of it reserved a block
+SM_SMEM = SMEM_LIMIT + 1024             # an SM's shared memory, 1 KB of it reserved a block
 
 
 def query_columns(num_heads: int, group: int) -> int:

@@ -58,6 +58,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from benchmarks.roofline import mean_context, model_bytes, roofline_report, roofline_tokens_per_s  # noqa: E402
 from benchmarks.startup import build_engine_from_args, model_config  # noqa: E402
 from rltjax.entrypoints.bench import add_bench_arguments, measure  # noqa: E402
+from rltjax.cache.block_tables import pages_needed  # noqa: E402
 
 DEFAULT_CELLS = ["1024:1,32,128", "4096:1,64", "16384:16", "65536:1,4"]
 # the compared system on a B300, best of its stages, output tok/s
@@ -129,7 +130,7 @@ def engine_pool(engine, positions: int) -> tuple[int, int]:
     page_bytes = 2 * kv.k.nbytes // kv.num_pages          # K and V of a page, as the engine counts it
     # the whole pool but the scratch page: C requests at full length fit it, so none is preempted
     # (admission's watermark margin may delay one; each run's preemption count shows it did not)
-    return s.num_planes * -(-positions // s.page_size) * page_bytes, s.blocks.usable_pages * page_bytes
+    return s.num_planes * pages_needed(positions, s.page_size) * page_bytes, s.blocks.usable_pages * page_bytes
 
 
 def run_cell(engine, a, c: int, f: dict, mb, bandwidth: float) -> dict:
@@ -165,7 +166,7 @@ def run_group(args, p: int, cs: list[int], mb, bandwidth: float, emit) -> None:
     planes = configs_from_args(args)["cache_config"].num_planes(cfg.num_loops)
     page_bytes = args.page_size * mb.kv_bytes_per_position_per_plane
     bound = pool_bound(args, page_bytes)
-    pre = {c: fit(planes * -(-(p + args.output_len) // args.page_size) * page_bytes, c, bound) for c in cs}
+    pre = {c: fit(planes * pages_needed(p + args.output_len, args.page_size) * page_bytes, c, bound) for c in cs}
     runnable = [c if pre[c]["fits"] else pre[c]["largest_C_that_fits"] for c in cs
                 if pre[c]["fits"] or (args.fit_concurrency and pre[c]["largest_C_that_fits"])]
     if not runnable:

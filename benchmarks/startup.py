@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 from rltjax.entrypoints.engine_args import add_engine_arguments, configs_from_args, hf_overrides_from_args
-from rltjax.kernels.paged_attention import decode_kernel
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -97,7 +96,7 @@ def build_engine_from_args(args, *, max_num_seqs: int, max_model_len: int, cache
                                     exit_mode=engine.settings.exit_config.mode,
                                     dtype=str(engine.runner.params.embed.dtype),
                                     projection_kernels=projection_kernels(engine.settings),
-                                    attention_kernels=attention_kernels(engine)))
+                                    attention_kernels=engine.settings.attention_kernel))
 
 
 def projection_kernels(settings) -> str:
@@ -108,16 +107,6 @@ def projection_kernels(settings) -> str:
     if settings.projections_on_kernels:
         return backend.kernel_backend
     return "mixed" if backend.matmul_impl == "pallas" else "xla"
-
-
-def attention_kernels(engine) -> str:
-    """What decode attention runs on, as dispatched at the model's shapes: "xla", or the
-    kernel ("triton" / "mosaic", ``kernels.paged_attention.decode_kernel``)."""
-    if not engine.settings.attention_on_kernel:
-        return "xla"
-    cfg, kv = engine.runner.model.cfg, engine.runner.kv.k
-    return decode_kernel(engine.settings.decode_backend.kernel_backend, cfg.num_heads, cfg.num_kv_heads,
-                         cfg.head_dim, engine.settings.page_size, kv.dtype)
 
 
 def _child(argv: list[str], cache_dir: str, timeout: float) -> dict:

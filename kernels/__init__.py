@@ -16,3 +16,5 @@ and the decode projections take ``backend="mosaic"`` for their Mosaic GPU kernel
 default.
 The engine reaches them only through ``rltjax.cache.paged_kv.PagedKVBackend``.
 """
+
+BACKENDS = ("triton", "mosaic")     # kernel backends: Pallas Triton (the default) and Mosaic GPU

@@ -22,12 +22,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from rltjax.kernels import BACKENDS
 from rltjax.kernels.paged_attention_mosaic_launch import mosaic_launch
 from rltjax.kernels.paged_attention_ref import paged_attention_ref, paged_write_ref, rope_rotate_half_ref
 from rltjax.kernels.triton_common import kernel_rope_supported
 
 KERNEL_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
-BACKENDS = ("triton", "mosaic")
 
 
 def fail(arg: str, msg: str):

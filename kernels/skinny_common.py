@@ -1,6 +1,6 @@
 """What both decode-projection kernels (Triton: ``skinny_matmul_pallas``, Mosaic GPU:
-``skinny_matmul_mosaic``) and their dispatcher (``skinny_matmul``) share: the row and K limits
-and the SwiGLU activation's rounding."""
+``skinny_matmul_mosaic``) and their dispatcher (``skinny_matmul``) share: the row, K and K-split
+limits, the split sums' hand-over and the SwiGLU activation's rounding."""
 from __future__ import annotations
 
 import jax
@@ -8,6 +8,21 @@ import jax.numpy as jnp
 
 MAX_ROWS = 64               # beyond this XLA's tiled GEMMs fill the GPU by themselves
 SINGLE_PASS_MAX_K = 2048    # one program streams all of K up to this (measured); longer K is split
+MAX_PARTIAL_SUMS = 8        # K splits a product hands on at most: a partial_sums consumer holds every
+                            # one in registers, and XLA reads them all to add a whole product's up
+
+
+def fewer_splits(steps: int, splits: int, most: int = MAX_PARTIAL_SUMS) -> int:
+    """``splits`` if <= most, else the largest divisor of ``steps`` (K / block_k) that is."""
+    return splits if splits <= most else max(s for s in range(1, most + 1) if steps % s == 0)
+
+
+def split_sums_out(out: jax.Array, splits: int, partial_sums: bool, dtype) -> jax.Array:
+    """A kernel's [S, M, N] K-split sums (or [M, N] when S = 1) as the caller asked for them:
+    [S, M, N] partial sums, or the product, summed in float32 and rounded to ``dtype``."""
+    if partial_sums:
+        return out if splits > 1 else out[None]
+    return out.sum(axis=0).astype(dtype) if splits > 1 else out
 
 
 def silu_mul(gate: jax.Array, up: jax.Array) -> jax.Array:

@@ -42,15 +42,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from rltjax.kernels import BACKENDS
 from rltjax.kernels.skinny_matmul_pallas import choose_splits, gated_up_pallas, skinny_matmul_pallas
 from rltjax.kernels.skinny_matmul_mosaic import (gated_mosaic_config, gated_mosaic_unsupported, gated_up_mosaic,
                                                  mosaic_config, mosaic_unsupported, skinny_matmul_mosaic)
-from rltjax.kernels.skinny_common import MAX_ROWS, SINGLE_PASS_MAX_K, silu_mul
+from rltjax.kernels.skinny_common import (MAX_PARTIAL_SUMS, MAX_ROWS, SINGLE_PASS_MAX_K, fewer_splits, silu_mul,
+                                          split_sums_out)
 from rltjax.kernels.triton_common import next_pow2
 
 KERNEL_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 IMPLS = ("xla", "pallas")
-BACKENDS = ("triton", "mosaic")
 
 
 def skinny_matmul_ref(x: jax.Array, w: jax.Array, layer=None) -> jax.Array:
@@ -105,14 +106,6 @@ def kernel_unsupported(x, w, block_n: int = 16, block_k: int = 16) -> str | None
     if w.dtype not in KERNEL_DTYPES:
         return f"kernel dtypes are bfloat16/float16/float32, got {w.dtype}"
     return None
-
-
-MAX_PARTIAL_SUMS = 8        # partial_sums: at most this many splits (Ouro's down takes 4)
-
-
-def fewer_splits(steps: int, splits: int, most: int) -> int:
-    """``splits`` if <= most, else the largest divisor of ``steps`` (K / block_k) that is."""
-    return splits if splits <= most else max(s for s in range(1, most + 1) if steps % s == 0)
 
 
 # the pipelines' buffers: under an H100 / H200's 227 KB a block with room (the configs were
@@ -221,7 +214,7 @@ def skinny_matmul(x: jax.Array, w: jax.Array, layer=None, *, impl: str = "xla", 
     config = kernel_config(rows, k, n, block_n=block_n, block_k=block_k, k_splits=k_splits, num_warps=num_warps,
                            num_stages=num_stages, partial_sums=partial_sums, itemsize=jnp.dtype(x.dtype).itemsize)
     if partial_sums and k_splits is None:
-        config["k_splits"] = fewer_splits(k // config["block_k"], config["k_splits"], MAX_PARTIAL_SUMS)
+        config["k_splits"] = fewer_splits(k // config["block_k"], config["k_splits"])
     if partial_sums and config["k_splits"] > MAX_PARTIAL_SUMS:
         raise ValueError(f"skinny_matmul: partial_sums takes at most {MAX_PARTIAL_SUMS} K splits (the consumer "
                          f"holds every partial sum in registers), got k_splits={k_splits}")
@@ -235,12 +228,9 @@ def skinny_matmul(x: jax.Array, w: jax.Array, layer=None, *, impl: str = "xla", 
     flag = None if skip is None else skip.astype(jnp.int32).reshape(1)
     out = skinny_matmul_pallas(xp, w, jnp.asarray(layer, jnp.int32).reshape(1), flag, interpret=interpret,
                                widen=widen and config["k_splits"] == 1, **config)
-    if partial_sums:    # S <= MAX_PARTIAL_SUMS (the consumer holds all S rows in registers)
-        out = out if config["k_splits"] > 1 else out[None]
-        return out if rows == m else out[:, :m]
-    if config["k_splits"] > 1:
-        out = out.sum(axis=0).astype(x.dtype).astype(out_dtype)
-    return out[:m]
+    out = split_sums_out(out, config["k_splits"], partial_sums, x.dtype)
+    out = out if partial_sums else out.astype(out_dtype)
+    return out if rows == m else out[..., :m, :]
 
 
 def mosaic_product(x, w, layer, skip, partial_sums: bool, widen: bool, interpret: bool):
@@ -249,15 +239,11 @@ def mosaic_product(x, w, layer, skip, partial_sums: bool, widen: bool, interpret
     Triton kernel runs, as it does for calls that name tiles: those are the Triton kernel's)."""
     (m, k), n = x.shape, w.shape[-1]
     config = mosaic_config(m, k, n, partial_sums=partial_sums)
-    # partial sums: the consumer holds every one in registers; whole products: XLA reads them all
-    config["k_splits"] = fewer_splits(k // config["block_k"], config["k_splits"], MAX_PARTIAL_SUMS)
     if (widen and config["k_splits"] > 1) or mosaic_unsupported(x, w, **config):
         return None
     flag = None if skip is None else skip.astype(jnp.int32)
     out = skinny_matmul_mosaic(x, w, layer, flag, widen=widen, interpret=interpret, **config)
-    if partial_sums:
-        return out if config["k_splits"] > 1 else out[None]
-    return out.sum(axis=0).astype(x.dtype) if config["k_splits"] > 1 else out
+    return split_sums_out(out, config["k_splits"], partial_sums, x.dtype)
 
 
 def gated_config(m: int, k: int, f: int, block_n: int | None = None, block_k: int | None = None,

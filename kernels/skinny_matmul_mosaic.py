@@ -42,7 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from rltjax.kernels.mosaic_common import DTYPES, SMEM_LIMIT, TILE, launch_settings, swizzled
-from rltjax.kernels.skinny_common import MAX_ROWS, SINGLE_PASS_MAX_K, silu_mul
+from rltjax.kernels.skinny_common import MAX_ROWS, SINGLE_PASS_MAX_K, fewer_splits, silu_mul
 from rltjax.kernels.skinny_matmul_pallas import choose_splits
 
 SMEM_BUDGET = 192 * 1024    # the configs' pipeline slots: under SMEM_LIMIT with room to spare
@@ -75,13 +75,14 @@ def _depth(m: int, block_n: int, block_k: int, weights: int = 1) -> int:
 def mosaic_config(m: int, k: int, n: int, partial_sums: bool = False) -> dict:
     """Default tiles for an [m, k] @ [k, n] product: 64-column tiles (the most blocks wgmma
     allows), 128-deep K steps, one pass over K up to SINGLE_PASS_MAX_K for whole products, else
-    the fewest K splits giving MIN_BLOCKS blocks, and as many pipeline slots (3-6) as fit
-    SMEM_BUDGET. scripts/bench_skinny.py on an H200 at 8 and 64 rows: within 0.1 us of the best
-    swept point for q|k|v and down; o at 8 rows took 4.55 us in 256-deep steps against 5.23 here."""
+    the fewest K splits giving MIN_BLOCKS blocks (at most MAX_PARTIAL_SUMS: ``fewer_splits``), and
+    as many pipeline slots (3-6) as fit SMEM_BUDGET. scripts/bench_skinny.py on an H200 at 8 and
+    64 rows: within 0.1 us of the best swept point for q|k|v and down; o at 8 rows took 4.55 us
+    in 256-deep steps against 5.23 here."""
     block_n = TILE
     block_k = 128 if k % 128 == 0 else TILE
     whole = not partial_sums and k <= SINGLE_PASS_MAX_K
-    splits = 1 if whole else choose_splits(k, n, block_n, block_k, MIN_BLOCKS)
+    splits = 1 if whole else fewer_splits(k // block_k, choose_splits(k, n, block_n, block_k, MIN_BLOCKS))
     return dict(block_n=block_n, block_k=block_k, k_splits=splits, max_concurrent_steps=_depth(m, block_n, block_k))
 
 

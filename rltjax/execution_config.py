@@ -8,10 +8,11 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from rltjax.config_checks import _bad, _is_int
+from rltjax.kernels import BACKENDS
 
 ATTN_IMPLS = ("auto", "xla", "pallas")
 MATMUL_IMPLS = ("auto", "xla", "pallas")
-KERNEL_BACKENDS = ("triton", "mosaic")
+KERNEL_BACKENDS = BACKENDS
 WINDOW_TRIPS = ("auto", "early_stop", "fixed")
 # K of decode windows when ExecutionConfig.decode_window is None and windows can run. A row
 # whose request finishes inside window w is refilled after w + 1 (the host reads each window

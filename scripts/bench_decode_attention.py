@@ -39,6 +39,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from rltjax.kernels import BACKENDS  # noqa: E402
 from rltjax.kernels.paged_attention import decode_kernel, paged_attention_write  # noqa: E402
 from rltjax.models.layers import rope_cos_sin  # noqa: E402
 
@@ -183,7 +184,7 @@ def main(argv=None):
     p.add_argument("--length-file", help="a serving workload's lengths: a bench_serving.py results.json, or JSON with "
                    "prompt_len and output_len lists; adds, for every --rows, a ragged case of the rows' "
                    "steady-state lengths (serving_lengths)")
-    p.add_argument("--backends", nargs="+", default=["triton"], choices=["triton", "mosaic"],
+    p.add_argument("--backends", nargs="+", default=["triton"], choices=BACKENDS,
                    help="kernels to time (mosaic: its default launch; the sweep is Triton's)")
     p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny shapes, interpret mode")
     p.add_argument("--out", help="write the results as JSON here")

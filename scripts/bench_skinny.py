@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from rltjax.kernels import BACKENDS  # noqa: E402
 from rltjax.kernels.skinny_matmul import (fit_block, gated_up, gated_up_ref, kernel_config,  # noqa: E402
                                           kernel_unsupported, skinny_matmul)
 from rltjax.kernels.mosaic_common import hopper  # noqa: E402
@@ -166,7 +167,7 @@ def engine_form_rows(args, key, interpret: bool):
             xs = [jax.random.normal(jax.random.fold_in(key, 1000 + i), (m, k), jnp.bfloat16)
                   for i in range(args.layers)]
             row = dict(shape=f"{name}-engine", k=k, n=n, rows=m, form=str(form))
-            for backend in ("triton", "mosaic"):
+            for backend in BACKENDS:
                 call = functools.partial(skinny_matmul, impl="pallas", interpret=interpret, backend=backend,
                                          **{f: (jnp.bool_(v) if f == "skip" else v) for f, v in form.items()})
                 fn = jax.jit(lambda xs, ws, call=call: tuple(call(x, w) for x, w in zip(xs, ws)))

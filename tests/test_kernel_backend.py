@@ -221,14 +221,21 @@ def test_benchmarks_record_what_the_projections_ran_on(execution, want, monkeypa
     assert settings.prefill_backend.kernel_backend == "triton"      # prefill never compiles per choice
 
 
-@pytest.mark.parametrize("on_kernel, backend, dtype, want", [
-    (False, "mosaic", jnp.bfloat16, "xla"), (True, "mosaic", jnp.bfloat16, "mosaic"),
-    (True, "mosaic", jnp.float32, "triton"), (True, "triton", jnp.bfloat16, "triton")])
-def test_benchmarks_record_what_decode_attention_ran_on(on_kernel, backend, dtype, want):
-    """benchmarks.startup.attention_kernels: XLA where attention is off the kernels, else the kernel
-    the dispatcher picks at Ouro-1.4B's shapes (Mosaic GPU takes 16-bit KV only)."""
-    from types import SimpleNamespace as NS
-    from benchmarks.startup import attention_kernels
-    engine = NS(settings=NS(attention_on_kernel=on_kernel, page_size=16, decode_backend=NS(kernel_backend=backend)),
-                runner=NS(model=NS(cfg=preset_config("ouro-1.4b")), kv=NS(k=jax.ShapeDtypeStruct((1,), dtype))))
-    assert attention_kernels(engine) == want
+@pytest.mark.parametrize("execution, kv_dtype, want", [
+    (dict(attn_impl="xla", matmul_impl="pallas", kernel_backend="mosaic"), "bfloat16", "xla"),
+    (dict(attn_impl="pallas", kernel_backend="mosaic"), "bfloat16", "mosaic"),
+    (dict(attn_impl="pallas", kernel_backend="mosaic"), "float32", "triton"),
+    (dict(attn_impl="pallas"), "bfloat16", "triton")])
+def test_settings_record_what_decode_attention_runs_on(execution, kv_dtype, want, monkeypatch):
+    """EngineSettings.attention_kernel (what benchmarks record as attention_kernels): XLA where
+    attention is off the kernels, else the kernel the dispatcher picks at the model's shapes
+    (Mosaic GPU takes 16-bit KV only)."""
+    from rltjax.engine.settings import resolve_settings
+    from rltjax.models.base import get_model
+    from types import SimpleNamespace
+    monkeypatch.setattr(jax, "devices", lambda *a: [SimpleNamespace(compute_capability="9.0")])    # a Hopper GPU
+    settings = resolve_settings(get_model(preset_config("ouro-1.4b", SMALL)), cache=CacheConfig(),
+                                scheduler=SchedulerConfig(max_num_seqs=8), exit_config=ExitConfig(),
+                                execution=ExecutionConfig(interpret=True, **execution), max_model_len=64,
+                                kv_dtype=kv_dtype, platform="gpu")
+    assert settings.attention_kernel == want

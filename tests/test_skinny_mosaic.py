@@ -15,7 +15,9 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from rltjax.kernels.skinny_matmul import gated_up, gated_up_ref, skinny_matmul, skinny_matmul_ref
-from rltjax.kernels.skinny_matmul_mosaic import (SMEM_LIMIT, gated_mosaic_config, gated_mosaic_unsupported,
+from rltjax.kernels.skinny_common import MAX_PARTIAL_SUMS
+from rltjax.kernels.skinny_matmul_pallas import choose_splits
+from rltjax.kernels.skinny_matmul_mosaic import (MIN_BLOCKS, SMEM_LIMIT, gated_mosaic_config, gated_mosaic_unsupported,
                                                  gated_up_mosaic, mosaic_config, mosaic_unsupported, smem_bytes,
                                                  skinny_matmul_mosaic)
 
@@ -152,6 +154,11 @@ def test_default_config():
             cfg = mosaic_config(m, k, n)
             assert mosaic_unsupported(sd((m, k), jnp.bfloat16), sd((k, n), jnp.bfloat16), **cfg) is None
             assert smem_bytes(m, cfg["block_n"], cfg["block_k"], cfg["max_concurrent_steps"]) <= SMEM_LIMIT
+    # a narrow product over a long K would want 32 splits for MIN_BLOCKS blocks: capped at
+    # MAX_PARTIAL_SUMS, a divisor of its K steps (the consumer holds every partial sum)
+    assert choose_splits(16384, 64, 64, 128, MIN_BLOCKS) == 128 and MAX_PARTIAL_SUMS == 8
+    assert mosaic_config(8, 16384, 64)["k_splits"] == 8
+    assert mosaic_config(8, 4608, 64, True)["k_splits"] == 6       # 36 steps: 8 does not divide them, 6 does
 
 
 @pytest.mark.parametrize("kw, match", [

@@ -24,7 +24,7 @@ from rltjax.engine_config import (AUTO_MIXED_PREFILL, DEFAULT_DECODE_WINDOW, DEF
                                   EngineConfigError, ExecutionConfig, ExitConfig, SchedulerConfig, SpeculativeConfig)
 from rltjax.jit_options import engine_options
 from rltjax.kernels.mosaic_common import hopper
-from rltjax.kernels.paged_attention import kernel_probe, kernel_unsupported
+from rltjax.kernels.paged_attention import decode_kernel, kernel_probe, kernel_unsupported
 from rltjax.kernels.prefill_attention import DEFAULT_BLOCK_Q
 from rltjax.kernels.skinny_matmul import MAX_ROWS, SINGLE_PASS_MAX_K
 from rltjax.models.base import boundary_kv_layers, loop_limit, signal_kind
@@ -118,6 +118,7 @@ class EngineSettings:
     max_prefill_chunk: int       # the longest chunk one request gets in a prefill batch
     prefill_alignment: int       # prefill chunks start at multiples of this (1: anywhere)
     attention_on_kernel: bool
+    attention_kernel: str        # what decode attention runs on at the model's shapes: xla, triton, mosaic
     projections_on_kernels: bool     # every decode batch's projections (decode_projections_on_kernels)
     decode_backend: PagedKVBackend
     prefill_backend: PagedKVBackend
@@ -293,6 +294,8 @@ def resolve_settings(model, *, cache: CacheConfig, scheduler: SchedulerConfig, e
                             head_shapes=auto_head_shapes(cfg) if projections_on_kernel else (),
                             fused_kernels=projections_on_kernel, mesh=mesh,
                             kernel_backend=decode_kernel_backend(execution.kernel_backend, platform))
+    attention_kernel = decode_kernel(decode.kernel_backend, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                     cache.page_size, kv_dtype) if on_kernel else "xla"
     # prefill is compute-bound: its projections stay on XLA's dot whatever matmul_impl says
     prefill = dataclasses.replace(decode, matmul_impl="xla", kernel_backend="triton", decode_rows=False,
                                   prefill_block_q=PREFILL_BLOCK_Q if alignment > 1 else 0)
@@ -335,7 +338,8 @@ def resolve_settings(model, *, cache: CacheConfig, scheduler: SchedulerConfig, e
         loop_cap=R if cache.max_loops is None else cache.max_loops, num_planes=cache.num_planes(R),
         layered=layered, has_boundary=has_boundary, page_size=cache.page_size, exit_mode=exit_mode,
         exit_config=exit_config, scheduler=scheduler, max_model_len=max_model_len, max_prefill_chunk=longest_chunk,
-        prefill_alignment=alignment, attention_on_kernel=on_kernel, projections_on_kernels=on_kernels,
+        prefill_alignment=alignment, attention_on_kernel=on_kernel, attention_kernel=attention_kernel,
+        projections_on_kernels=on_kernels,
         decode_backend=decode, prefill_backend=prefill,
         xla_options=engine_options(tuple(sorted(dict(execution.xla_options).items())), platform, on_kernels),
         row_buckets=row_buckets, token_buckets=token_buckets, window=window,

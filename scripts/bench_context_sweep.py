@@ -242,7 +242,7 @@ def main(argv=None) -> int:
     info = dict(device=dev.device_kind, platform=dev.platform, jax=jax.__version__, bandwidth_bytes_per_s=bandwidth,
                 source=source_identity(), model=args.model or args.preset, quick=args.quick, dtype=str(dtype),
                 kv_layout=args.kv_layout, output_len=args.output_len, repeats=args.repeats,
-                exit_threshold=args.exit_threshold, cells=[])
+                exit_threshold=args.exit_threshold, argv=list(sys.argv[1:] if argv is None else argv), cells=[])
     print(f"[sweep] {dev.device_kind}: measured bandwidth {bandwidth / 1e12:.3f} TB/s", flush=True)
 
     def emit(cell: dict) -> None:

@@ -6,13 +6,18 @@ bf16, page 16).
     python scripts/bench_prefill.py --out prefill.json       # on a GPU
     python scripts/bench_prefill.py --block-q 32 --program-rows 32 64 --num-stages 2 3
     python scripts/bench_prefill.py --quick                  # CPU smoke run (interpret mode)
+    python scripts/bench_prefill.py --cases 512@65024 4096@61440 --program-rows 64 128   # long prefixes
 
 A case is a list of chunks (prefix already in the cache, chunk length): every chunk's
 rows are consecutive positions of one sequence, starting at a block-aligned row, as the
 engine lays them out. Each prefill-kernel column is one launch: block_q (the layout's
 aligned blocks), program_rows (rows a program takes; a multiple of block_q) and stages
 (None: the kernel's defaults). Timings: median microseconds per call (bench_attention's
-chained timing). "speed-up" is per-row decode kernel time / the best prefill launch's.
+chained timing). "speed-up" is per-row decode kernel time / the best prefill launch's, and
+TFLOP/s the best launch's rate counting each row's visible keys (4 x heads x head_dim flops a
+query-key pair: QK^T and PV). ``--cases`` replaces the built-in cases with chunks written
+LEN@PREFIX, a case's chunks joined by commas ("256@0,256@0"); --no-baselines leaves out the
+per-row kernel's and XLA's timings (the error is still against the reference).
 """
 from __future__ import annotations
 
@@ -71,6 +76,23 @@ def make_case(chunks, num_heads, head_dim, page_size, dtype, align, seed=0):
     return q, kp, vp, jnp.asarray(tables), jnp.asarray(row_tables, jnp.int32), jnp.asarray(lengths, jnp.int32)
 
 
+def parse_case(spec: str) -> list[tuple[int, int]]:
+    """"LEN@PREFIX[,LEN@PREFIX...]" -> [(prefix, chunk length), ...]."""
+    try:
+        chunks = [tuple(int(v) for v in c.split("@")[::-1]) for c in spec.split(",")]
+    except ValueError:
+        chunks = []
+    if not chunks or any(len(c) != 2 or c[0] < 0 or c[1] < 1 for c in chunks):
+        raise SystemExit(f"--cases {spec!r}: expected LEN@PREFIX[,LEN@PREFIX...], e.g. 512@65024")
+    return chunks
+
+
+def attention_flops(chunks, heads: int, head_dim: int) -> int:
+    """QK^T and PV over each row's visible keys (the prefix and the chunk's rows up to it)."""
+    keys = sum(n * p + n * (n + 1) // 2 for p, n in chunks)
+    return 4 * heads * head_dim * keys
+
+
 def launch_name(block_q: int, program_rows: int | None, num_stages: int | None) -> str:
     """A launch's column: bq32 (the kernel's defaults otherwise), bq32_rows64_s3, ..."""
     return f"bq{block_q}" + (f"_rows{program_rows}" if program_rows else "") + (f"_s{num_stages}" if num_stages else "")
@@ -84,6 +106,8 @@ def main(argv=None) -> int:
     p.add_argument("--program-rows", type=int, nargs="+", default=[None],
                    help="rows a program takes (a multiple of block_q; default: the kernel's)")
     p.add_argument("--num-stages", type=int, nargs="+", default=[None], help="default: the kernel's")
+    p.add_argument("--cases", nargs="+", metavar="LEN@PREFIX[,...]", help="cases to run instead of the built-in")
+    p.add_argument("--no-baselines", action="store_true", help="time only the prefill kernel's launches")
     p.add_argument("--out")
     args = p.parse_args(argv)
     launches = [(bq, pr, st) for bq in args.block_q for pr in args.program_rows for st in args.num_stages
@@ -95,23 +119,27 @@ def main(argv=None) -> int:
     dtype = jnp.float32 if args.quick else jnp.bfloat16
     iters, chain = (1, 1) if args.quick else (args.iters, 5)
     rows = []
-    for name, chunks in (QUICK_CASES if args.quick else CASES).items():
+    cases = {c: parse_case(c) for c in args.cases} if args.cases else QUICK_CASES if args.quick else CASES
+    for name, chunks in cases.items():
         align = max(args.block_q)
         case = make_case(chunks, heads, head_dim, page_size, dtype, align)
         ref = jax.jit(paged_attention_ref)(*case)
         row = dict(case=name, chunks=chunks, rows=int(case[0].shape[0]))
         per_row = functools.partial(paged_attention_pallas, interpret=interpret)
-        row["per_row_us"] = time_us(per_row, case, iters, chain)
-        row["per_row_err"] = max_diff(per_row(*case), ref)
-        if not args.quick or name in QUICK_CASES:
-            row["xla_us"] = time_us(paged_attention_ref, case, iters, chain)
+        if not args.no_baselines:
+            row["per_row_us"] = time_us(per_row, case, iters, chain)
+            row["per_row_err"] = max_diff(per_row(*case), ref)
+            if not args.quick or name in QUICK_CASES:
+                row["xla_us"] = time_us(paged_attention_ref, case, iters, chain)
         for bq, pr, st in launches:
             fn = functools.partial(paged_prefill_attention_pallas, block_q=bq, program_rows=pr, num_stages=st,
                                    interpret=interpret)
             row[f"prefill_{launch_name(bq, pr, st)}_us"] = time_us(fn, case, iters, chain)
             row[f"prefill_{launch_name(bq, pr, st)}_err"] = max_diff(fn(*case), ref)
         best = min(row[f"prefill_{launch_name(*x)}_us"] for x in launches)
-        row["speedup_vs_per_row"] = row["per_row_us"] / best
+        row["tflops"] = attention_flops(chunks, heads, head_dim) / best / 1e6
+        if "per_row_us" in row:
+            row["speedup_vs_per_row"] = row["per_row_us"] / best
         rows.append(row)
         print(json.dumps(row), flush=True)
     info = dict(jax=jax.__version__, device=jax.devices()[0].device_kind, heads=heads, head_dim=head_dim,
@@ -122,10 +150,12 @@ def main(argv=None) -> int:
     names = [launch_name(*x) for x in launches]
     width = max(9, *(len(n) + 2 for n in names))
     print(f"\n{'case':<18}{'rows':>6}{'XLA ref':>10}{'per-row':>10}" + "".join(f"{n:>{width}}" for n in names)
-          + f"{'speed-up':>10}   (us; {info['device']})")
+          + f"{'speed-up':>10}{'TFLOP/s':>9}   (us; {info['device']})")
+    nan = float("nan")
     for r in rows:
-        print(f"{r['case']:<18}{r['rows']:>6}{r.get('xla_us', float('nan')):>10.1f}{r['per_row_us']:>10.1f}"
-              + "".join(f"{r[f'prefill_{n}_us']:>{width}.1f}" for n in names) + f"{r['speedup_vs_per_row']:>9.2f}x")
+        print(f"{r['case']:<18}{r['rows']:>6}{r.get('xla_us', nan):>10.1f}{r.get('per_row_us', nan):>10.1f}"
+              + "".join(f"{r[f'prefill_{n}_us']:>{width}.1f}" for n in names)
+              + f"{r.get('speedup_vs_per_row', nan):>9.2f}x{r['tflops']:>9.1f}")
     return 0
 
 

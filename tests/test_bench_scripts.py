@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from benchmarks.report import source_digest
@@ -38,6 +40,24 @@ def test_bench_prefill_quick(tmp_path):
     assert rows and all(r["per_row_err"] < 1e-4 and all(r[f"prefill_{n}_err"] < 1e-4 for n in launches)
                         for r in rows)
     assert "speed-up" in text and all(n in text for n in launches)
+
+
+def test_bench_prefill_custom_cases(tmp_path):
+    """--cases LEN@PREFIX: the prefill kernel alone (--no-baselines) on the chunks asked, against
+    the reference; its TFLOP/s counts the visible keys that make_case's row lengths give."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
+    import bench_prefill
+    chunks = bench_prefill.parse_case("16@40,8@0")
+    assert chunks == [(40, 16), (0, 8)]
+    lengths = np.asarray(bench_prefill.make_case(chunks, 2, 64, 8, jnp.float32, 16)[-1])
+    assert bench_prefill.attention_flops(chunks, 2, 64) == 4 * 2 * 64 * int(lengths.sum())
+    with pytest.raises(SystemExit, match="LEN@PREFIX"):
+        bench_prefill.parse_case("16:40")
+    out = tmp_path / "prefill.json"
+    run_script("bench_prefill.py", "--quick", "--cases", "16@40,8@0", "--no-baselines", "--out", str(out))
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["chunks"] == [[40, 16], [0, 8]] and row["prefill_bq32_err"] < 1e-4 and "per_row_us" not in row
+    assert row["tflops"] == pytest.approx(4 * 2 * 64 * int(lengths.sum()) / row["prefill_bq32_us"] / 1e6)
 
 
 def test_bench_cdb_quick(tmp_path):

@@ -17,12 +17,15 @@ chained timing). "speed-up" is per-row decode kernel time / the best prefill lau
 TFLOP/s the best launch's rate counting each row's visible keys (4 x heads x head_dim flops a
 query-key pair: QK^T and PV). ``--cases`` replaces the built-in cases with chunks written
 LEN@PREFIX, a case's chunks joined by commas ("256@0,256@0"); --no-baselines leaves out the
-per-row kernel's and XLA's timings (the error is still against the reference).
+per-row kernel and XLA, whose reference gathers each row's whole table (terabytes at 64K keys):
+each launch's error is then against the first launch's output.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
+import itertools
 import json
 import os
 import sys
@@ -93,9 +96,26 @@ def attention_flops(chunks, heads: int, head_dim: int) -> int:
     return 4 * heads * head_dim * keys
 
 
-def launch_name(block_q: int, program_rows: int | None, num_stages: int | None) -> str:
-    """A launch's column: bq32 (the kernel's defaults otherwise), bq32_rows64_s3, ..."""
-    return f"bq{block_q}" + (f"_rows{program_rows}" if program_rows else "") + (f"_s{num_stages}" if num_stages else "")
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One prefill-kernel launch (None: the kernel's default)."""
+    block_q: int
+    program_rows: int | None = None
+    num_stages: int | None = None
+    num_warps: int | None = None
+    block_k: int | None = None
+
+    @property
+    def name(self) -> str:
+        """Its column: bq32 (the kernel's defaults otherwise), bq32_rows64_s3_w8_k128, ..."""
+        parts = [f"bq{self.block_q}"] + [f"{tag}{v}" for tag, v in (("rows", self.program_rows), ("s", self.num_stages),
+                                                                   ("w", self.num_warps), ("k", self.block_k)) if v]
+        return "_".join(parts)
+
+    def kwargs(self, page_size: int) -> dict:
+        kw = dict(block_q=self.block_q, program_rows=self.program_rows, num_stages=self.num_stages,
+                  pages_per_block=self.block_k // page_size if self.block_k else None)
+        return kw if self.num_warps is None else dict(kw, num_warps=self.num_warps)
 
 
 def main(argv=None) -> int:
@@ -106,24 +126,31 @@ def main(argv=None) -> int:
     p.add_argument("--program-rows", type=int, nargs="+", default=[None],
                    help="rows a program takes (a multiple of block_q; default: the kernel's)")
     p.add_argument("--num-stages", type=int, nargs="+", default=[None], help="default: the kernel's")
+    p.add_argument("--num-warps", type=int, nargs="+", default=[None], help="default: the kernel's")
+    p.add_argument("--block-k", type=int, nargs="+", default=[None],
+                   help="keys an inner iteration takes (a power-of-two number of pages; default: the kernel's)")
     p.add_argument("--cases", nargs="+", metavar="LEN@PREFIX[,...]", help="cases to run instead of the built-in")
     p.add_argument("--no-baselines", action="store_true", help="time only the prefill kernel's launches")
     p.add_argument("--out")
     args = p.parse_args(argv)
-    launches = [(bq, pr, st) for bq in args.block_q for pr in args.program_rows for st in args.num_stages
-                if pr is None or (pr >= bq and is_pow2(pr))]
+    launches = [Launch(*x) for x in itertools.product(args.block_q, args.program_rows, args.num_stages,
+                                                       args.num_warps, args.block_k)
+                if x[1] is None or (x[1] >= x[0] and is_pow2(x[1]))]
     if not launches:
         p.error("no launch left: a --program-rows must be a power of two >= a --block-q")
     interpret = args.quick
     heads, head_dim, page_size = (2, 64, 8) if args.quick else (16, 128, 16)
     dtype = jnp.float32 if args.quick else jnp.bfloat16
+    if any(x.block_k and (x.block_k < 16 or x.block_k % page_size or not is_pow2(x.block_k // page_size))
+           for x in launches):
+        p.error(f"--block-k: at least 16 keys, a power-of-two number of {page_size}-key pages")
     iters, chain = (1, 1) if args.quick else (args.iters, 5)
     rows = []
     cases = {c: parse_case(c) for c in args.cases} if args.cases else QUICK_CASES if args.quick else CASES
     for name, chunks in cases.items():
         align = max(args.block_q)
         case = make_case(chunks, heads, head_dim, page_size, dtype, align)
-        ref = jax.jit(paged_attention_ref)(*case)
+        ref = None if args.no_baselines else jax.jit(paged_attention_ref)(*case)
         row = dict(case=name, chunks=chunks, rows=int(case[0].shape[0]))
         per_row = functools.partial(paged_attention_pallas, interpret=interpret)
         if not args.no_baselines:
@@ -131,12 +158,13 @@ def main(argv=None) -> int:
             row["per_row_err"] = max_diff(per_row(*case), ref)
             if not args.quick or name in QUICK_CASES:
                 row["xla_us"] = time_us(paged_attention_ref, case, iters, chain)
-        for bq, pr, st in launches:
-            fn = functools.partial(paged_prefill_attention_pallas, block_q=bq, program_rows=pr, num_stages=st,
-                                   interpret=interpret)
-            row[f"prefill_{launch_name(bq, pr, st)}_us"] = time_us(fn, case, iters, chain)
-            row[f"prefill_{launch_name(bq, pr, st)}_err"] = max_diff(fn(*case), ref)
-        best = min(row[f"prefill_{launch_name(*x)}_us"] for x in launches)
+        for launch in launches:
+            fn = functools.partial(paged_prefill_attention_pallas, interpret=interpret, **launch.kwargs(page_size))
+            row[f"prefill_{launch.name}_us"] = time_us(fn, case, iters, chain)
+            out = fn(*case)
+            ref = out if ref is None else ref
+            row[f"prefill_{launch.name}_err"] = max_diff(out, ref)
+        best = min(row[f"prefill_{x.name}_us"] for x in launches)
         row["tflops"] = attention_flops(chunks, heads, head_dim) / best / 1e6
         if "per_row_us" in row:
             row["speedup_vs_per_row"] = row["per_row_us"] / best
@@ -147,7 +175,7 @@ def main(argv=None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(info, f, indent=1)
-    names = [launch_name(*x) for x in launches]
+    names = [x.name for x in launches]
     width = max(9, *(len(n) + 2 for n in names))
     print(f"\n{'case':<18}{'rows':>6}{'XLA ref':>10}{'per-row':>10}" + "".join(f"{n:>{width}}" for n in names)
           + f"{'speed-up':>10}{'TFLOP/s':>9}   (us; {info['device']})")

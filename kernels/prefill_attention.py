@@ -15,14 +15,18 @@ traffic in the chunk length); here one program reads each KV block once for its
 ``program_rows`` rows of a chunk and multiplies [program_rows, Dh] x [Dh, block_k] on
 tensor cores.
 
-Grid (program block, query head). A program takes ``program_rows`` rows (a power-of-two
-multiple of ``block_q``; by default 64, over the engine's 32-row blocks: 1.2-2.8x faster than
-32-row programs on an H200 at engine-shaped prefill batches: scripts/bench_prefill.py), so it holds up to program_rows / block_q aligned blocks and as many tables. For
-each block whose table no earlier block of the program has, it loops over that table's key
-blocks up to its longest row (online softmax in float32, per-row causal mask ``key < length``,
-rows of other tables masked out); blocks of one chunk share a table and cost one loop. It
-writes [program_rows, Dh]. A row whose table is none of its program's blocks' tables gets NaN:
-a broken layout is loud, never silently wrong. Rows with length 0 get zeros.
+Grid (program block, query head, key split). A program takes ``program_rows`` rows (a
+power-of-two multiple of ``block_q``; by default 64, over the engine's 32-row blocks: 1.2-2.8x
+faster than 32-row programs on an H200 at engine-shaped prefill batches:
+scripts/bench_prefill.py), so it holds up to program_rows / block_q aligned blocks and as many
+tables. For each block whose table no earlier block of the program has, it loops over that
+table's key blocks up to its longest row (online softmax in float32, per-row causal mask
+``key < length``, rows of other tables masked out); blocks of one chunk share a table and cost
+one loop. It writes [program_rows, Dh]. With key_splits > 1 (a launch option, default 1) each
+program takes its share of every table's key blocks and writes a normalized partial with its
+log-sum-exp, which ``split_merge.combine_splits`` merges in XLA. A row whose table is none of
+its program's blocks' tables gets NaN: a broken layout is loud, never silently wrong. Rows with
+length 0 get zeros.
 
 Addressing and head_dim chunking as in `kernels.paged_attention_pallas` (int64 strides for
 pools beyond 2**31 elements; page ids past the needed pages replaced by page 0).
@@ -38,6 +42,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from rltjax.kernels.paged_attention import fail, resolve_impl, validate
 from rltjax.kernels.paged_attention_ref import paged_attention_ref
+from rltjax.kernels.split_merge import combine_splits
 from rltjax.kernels.triton_common import cdiv, head_dim_chunks, is_pow2, stacked_pool
 
 # The aligned query blocks (rows of one block read one table); the engine aligns chunks to
@@ -49,11 +54,12 @@ TARGET_BLOCK_K = 64          # keys per inner iteration
 PROGRAM_ROWS = 64            # query rows a program multiplies at once (at least block_q)
 
 
-def _kernel(layer_ref, lengths_ref, row_tables_ref, block_tables_ref, q_ref, k_ref, v_ref, o_ref, *,
+def _kernel(layer_ref, lengths_ref, row_tables_ref, block_tables_ref, q_ref, k_ref, v_ref, *out_refs,
             block_q: int, program_rows: int, group: int, page_size: int, pages_per_block: int,
-            pages_per_table: int, scale: float):
+            pages_per_table: int, key_splits: int, scale: float):
     pb = pl.program_id(0)
     head = pl.program_id(1)
+    split = pl.program_id(2)
     kvh = head // group
     layer = layer_ref[0]
     chunks = head_dim_chunks(q_ref.shape[-1])
@@ -106,27 +112,41 @@ def _kernel(layer_ref, lengths_ref, row_tables_ref, block_tables_ref, q_ref, k_r
             new = new & ~(had & (t == table))
         mine = live & (tables == table) & new
         n_pages = cdiv(jnp.max(jnp.where(mine, lengths, 0)), page_size)
-        carry = jax.lax.fori_loop(0, cdiv(n_pages, pages_per_block),
+        n_blocks = cdiv(n_pages, pages_per_block)
+        per_split = cdiv(n_blocks, key_splits)
+        start = split * per_split
+        carry = jax.lax.fori_loop(start, jnp.minimum(start + per_split, n_blocks),
                                   functools.partial(body, table=table, mine=mine, n_pages=n_pages), carry)
         ok = ok | (live & has & (tables == table))
         seen.append((has, table))
-    os, _, l = carry
-    inv = 1.0 / jnp.where(l > 0, l, 1.0)
-    for (off, w), o in zip(chunks, os):
-        o = jnp.where(ok[:, None], o * inv[:, None], jnp.nan)
-        o_ref[rows, head, pl.ds(off, w)] = o.astype(o_ref.dtype)
+    os, m, l = carry
+    has = l > 0
+    inv = 1.0 / jnp.where(has, l, 1.0)
+    if key_splits == 1:
+        (o_ref,) = out_refs
+        for (off, w), o in zip(chunks, os):
+            o = jnp.where(ok[:, None], o * inv[:, None], jnp.nan)
+            o_ref[rows, head, pl.ds(off, w)] = o.astype(o_ref.dtype)
+    else:       # a normalized partial and its log-sum-exp, merged by split_merge.combine_splits
+        o_ref, lse_ref = out_refs
+        for (off, w), o in zip(chunks, os):
+            o_ref[split, rows, head, pl.ds(off, w)] = jnp.where(ok[:, None], o * inv[:, None], jnp.nan)
+        lse_ref[split, rows, head] = jnp.where(has, m + jnp.log(jnp.where(has, l, 1.0)), NEG_INF)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_q", "program_rows", "pages_per_block",
-                                             "num_warps", "num_stages", "interpret"))
+                                             "num_warps", "num_stages", "key_splits", "interpret"))
 def paged_prefill_attention_pallas(q, k_pages, v_pages, block_tables, row_tables, lengths, *, layer=None,
                                    scale: float | None = None, block_q: int = DEFAULT_BLOCK_Q,
                                    program_rows: int | None = None, pages_per_block: int | None = None,
-                                   num_warps: int = 4, num_stages: int | None = None, interpret: bool = False):
+                                   num_warps: int = 4, num_stages: int | None = None, key_splits: int = 1,
+                                   interpret: bool = False):
     """The kernel; callers go through ``paged_prefill_attention``.
     block_q: the layout's aligned blocks (the precondition); program_rows: the rows a program
     takes, a multiple of block_q (None: max(block_q, PROGRAM_ROWS)). N need not be a multiple
-    of either (rows are padded with length 0 here)."""
+    of either (rows are padded with length 0 here). key_splits: programs a (row block, head)'s
+    keys are split over (flash-decoding's split-K: more programs where a few chunks attend over
+    long prefixes), their partials merged in XLA."""
     k_pages, v_pages, layer = stacked_pool(k_pages, v_pages, layer)
     n, num_heads, head_dim = q.shape
     _, num_kv, _, page_size, _ = k_pages.shape
@@ -141,6 +161,8 @@ def paged_prefill_attention_pallas(q, k_pages, v_pages, block_tables, row_tables
                          f"got {pages_per_block}")
     if block_q < 16 or block_q & (block_q - 1):
         raise ValueError(f"block_q must be a power of two >= 16 (tensor-core tiles), got {block_q}")
+    if key_splits < 1:
+        raise ValueError(f"key_splits must be >= 1, got {key_splits}")
     if program_rows < block_q or not is_pow2(program_rows):
         raise ValueError(f"program_rows must be a power of two >= block_q={block_q} (so a multiple of it), "
                          f"got {program_rows}")
@@ -152,19 +174,27 @@ def paged_prefill_attention_pallas(q, k_pages, v_pages, block_tables, row_tables
     scale = head_dim ** -0.5 if scale is None else float(scale)
     kernel = functools.partial(_kernel, block_q=block_q, program_rows=program_rows, group=num_heads // num_kv,
                                page_size=page_size, pages_per_block=pages_per_block, pages_per_table=pages_per_table,
-                               scale=scale)
-    whole = lambda shape: pl.BlockSpec(shape, lambda i, h: (0,) * len(shape))
+                               key_splits=key_splits, scale=scale)
+    whole = lambda shape: pl.BlockSpec(shape, lambda *program: (0,) * len(shape))
+    if key_splits == 1:
+        out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    else:
+        out_shape = (jax.ShapeDtypeStruct((key_splits, *q.shape), jnp.float32),
+                     jax.ShapeDtypeStruct((key_splits, *q.shape[:2]), jnp.float32))
     out = pl.pallas_call(
         kernel,
-        grid=((n + pad) // program_rows, num_heads),
+        grid=((n + pad) // program_rows, num_heads, key_splits),
         in_specs=[whole((1,)), whole(lengths.shape), whole(row_tables.shape), whole(block_tables.shape),
                   whole(q.shape), whole(k_pages.shape), whole(k_pages.shape)],
-        out_specs=whole(q.shape),
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_specs=jax.tree.map(lambda o: whole(o.shape), out_shape),
+        out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"rlt_paged_prefill_rows{program_rows}_bq{block_q}_ppb{pages_per_block}",
+        name=f"rlt_paged_prefill_rows{program_rows}_bq{block_q}_ppb{pages_per_block}"
+             + (f"_split{key_splits}" if key_splits > 1 else ""),
     )(layer, lengths, row_tables, block_tables, q, k_pages, v_pages)
+    if key_splits > 1:
+        out = combine_splits(*out, q.dtype)
     return out[:n]
 
 

@@ -104,18 +104,20 @@ class Launch:
     num_stages: int | None = None
     num_warps: int | None = None
     block_k: int | None = None
+    key_splits: int | None = None
 
     @property
     def name(self) -> str:
         """Its column: bq32 (the kernel's defaults otherwise), bq32_rows64_s3_w8_k128, ..."""
         parts = [f"bq{self.block_q}"] + [f"{tag}{v}" for tag, v in (("rows", self.program_rows), ("s", self.num_stages),
-                                                                   ("w", self.num_warps), ("k", self.block_k)) if v]
+                                                                   ("w", self.num_warps), ("k", self.block_k),
+                                                                   ("split", self.key_splits)) if v]
         return "_".join(parts)
 
     def kwargs(self, page_size: int) -> dict:
         kw = dict(block_q=self.block_q, program_rows=self.program_rows, num_stages=self.num_stages,
                   pages_per_block=self.block_k // page_size if self.block_k else None)
-        return kw if self.num_warps is None else dict(kw, num_warps=self.num_warps)
+        return kw | {k: v for k, v in (("num_warps", self.num_warps), ("key_splits", self.key_splits)) if v}
 
 
 def main(argv=None) -> int:
@@ -129,12 +131,14 @@ def main(argv=None) -> int:
     p.add_argument("--num-warps", type=int, nargs="+", default=[None], help="default: the kernel's")
     p.add_argument("--block-k", type=int, nargs="+", default=[None],
                    help="keys an inner iteration takes (a power-of-two number of pages; default: the kernel's)")
+    p.add_argument("--key-splits", type=int, nargs="+", default=[None],
+                   help="programs a row block's keys are split over (default: the kernel's, 1)")
     p.add_argument("--cases", nargs="+", metavar="LEN@PREFIX[,...]", help="cases to run instead of the built-in")
     p.add_argument("--no-baselines", action="store_true", help="time only the prefill kernel's launches")
     p.add_argument("--out")
     args = p.parse_args(argv)
     launches = [Launch(*x) for x in itertools.product(args.block_q, args.program_rows, args.num_stages,
-                                                       args.num_warps, args.block_k)
+                                                       args.num_warps, args.block_k, args.key_splits)
                 if x[1] is None or (x[1] >= x[0] and is_pow2(x[1]))]
     if not launches:
         p.error("no launch left: a --program-rows must be a power of two >= a --block-q")

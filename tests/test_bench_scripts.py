@@ -56,11 +56,11 @@ def test_bench_prefill_custom_cases(tmp_path):
         bench_prefill.parse_case("16:40")
     out = tmp_path / "prefill.json"
     run_script("bench_prefill.py", "--quick", "--cases", "16@40,8@0", "--no-baselines", "--num-warps", "4", "8",
-               "--block-k", "16", "--out", str(out))
+               "--block-k", "16", "--key-splits", "1", "3", "--out", str(out))
     (row,) = json.loads(out.read_text())["results"]
-    launches = ("bq32_w4_k16", "bq32_w8_k16")
+    launches = ("bq32_w4_k16_split1", "bq32_w4_k16_split3", "bq32_w8_k16_split1", "bq32_w8_k16_split3")
     assert row["chunks"] == [[40, 16], [0, 8]] and "per_row_us" not in row
-    assert row["prefill_bq32_w4_k16_err"] == 0 and row["prefill_bq32_w8_k16_err"] < 1e-4    # to the first
+    assert row[f"prefill_{launches[0]}_err"] == 0 and all(row[f"prefill_{n}_err"] < 1e-4 for n in launches)
     best = min(row[f"prefill_{n}_us"] for n in launches)
     assert row["tflops"] == pytest.approx(4 * 2 * 64 * int(lengths.sum()) / best / 1e6)
 

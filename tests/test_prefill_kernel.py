@@ -136,6 +136,35 @@ def test_fixed_layouts_of_several_blocks_a_program(name, chunks, program_rows):
     assert not np.any(out[np.asarray(ln) == 0])
 
 
+@pytest.mark.parametrize("key_splits", [2, 3, 5])
+@pytest.mark.parametrize("chunks", [
+    [(1, 3, 16), (2, 40, 16), (1, 19, 16), (2, 56, 5)],      # tables met twice in one program
+    [(0, 50, 14), (3, 0, 9)],                               # a long prefix and a fresh prompt
+])
+def test_key_splits_match_reference(chunks, key_splits):
+    """Each split takes its share of a table's key blocks (16-key blocks here: up to 4 a table,
+    so some splits of a short row have none); the merged partials equal the reference, padding
+    rows stay zeros and a row no block of its program serves stays NaN."""
+    from rltjax.kernels.prefill_attention import paged_prefill_attention_pallas
+    rng = np.random.default_rng(11)
+    q, k, v, bt, rt, ln = prefill_batch(rng, chunks, num_kv=2, group=2, page_size=8, head_dim=64,
+                                        dtype=jnp.float32)
+    live_rows = np.flatnonzero(np.asarray(ln))
+    broken = int(live_rows[1])      # the first chunk's second row: a table no chunk has, not served
+    rt, ln = rt.at[broken].set(min(set(range(4)) - {c[0] for c in chunks})), ln.at[broken].set(7)
+    out = np.asarray(paged_prefill_attention_pallas(q, k, v, bt, rt, ln, block_q=BLOCK_Q, pages_per_block=2,
+                                                    key_splits=key_splits, interpret=True))
+    one = np.asarray(paged_prefill_attention_pallas(q, k, v, bt, rt, ln, block_q=BLOCK_Q, pages_per_block=2,
+                                                    interpret=True))
+    ref = np.asarray(paged_attention_ref(q, k, v, bt, rt, ln))
+    served = np.asarray(ln) > 0
+    served[broken] = False
+    np.testing.assert_allclose(out[served], ref[served], atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(out[served], one[served], atol=2e-5, rtol=2e-5)
+    assert np.all(np.isnan(out[broken])) and np.all(np.isnan(one[broken]))
+    assert not np.any(out[np.asarray(ln) == 0])
+
+
 def test_block_q_validation():
     rng = np.random.default_rng(5)
     case = prefill_batch(rng, [(0, 0, 4)], num_kv=1, group=1, page_size=8, head_dim=64, dtype=jnp.float32)
@@ -147,12 +176,15 @@ def test_block_q_validation():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,block_q,program_rows", [
-    (jnp.bfloat16, 16, None), (jnp.bfloat16, 32, None), (jnp.bfloat16, 32, 32), (jnp.bfloat16, 32, 128),
-    (jnp.bfloat16, 64, None), (jnp.float16, 32, None), (jnp.float32, 32, None)])
-def test_prefill_kernel_compiled_on_gpu(dtype, block_q, program_rows):
+@pytest.mark.parametrize("dtype,block_q,program_rows,key_splits", [
+    (jnp.bfloat16, 16, None, 1), (jnp.bfloat16, 32, None, 1), (jnp.bfloat16, 32, 32, 1), (jnp.bfloat16, 32, 128, 1),
+    (jnp.bfloat16, 64, None, 1), (jnp.float16, 32, None, 1), (jnp.float32, 32, None, 1),
+    (jnp.bfloat16, 32, None, 4), (jnp.float32, 32, 128, 3)])
+def test_prefill_kernel_compiled_on_gpu(dtype, block_q, program_rows, key_splits):
     """Compiled (not interpreted) on the GPU at Ouro-like head sizes, GQA 2, page 16; the
-    default 64-row programs hold two or four blocks (block_q 32 / 16), some of two chunks."""
+    default 64-row programs hold two or four blocks (block_q 32 / 16), some of two chunks;
+    key splits merged."""
+    from rltjax.kernels.prefill_attention import paged_prefill_attention_pallas
     rng = np.random.default_rng(7)
     num_pages = 200
     k = jnp.asarray(rng.standard_normal((4, num_pages, 16, 128)), dtype)
@@ -165,7 +197,7 @@ def test_prefill_kernel_compiled_on_gpu(dtype, block_q, program_rows):
         lengths += [0] * pad + list(range(start + 1, start + n + 1))
     q = jnp.asarray(rng.standard_normal((len(lengths), 8, 128)), dtype)
     case = (q, k, v, tables, jnp.asarray(row_tables, jnp.int32), jnp.asarray(lengths, jnp.int32))
-    out = paged_prefill_attention(*case, impl="pallas", block_q=block_q, program_rows=program_rows)
+    out = paged_prefill_attention_pallas(*case, block_q=block_q, program_rows=program_rows, key_splits=key_splits)
     with jax.default_matmul_precision("highest"):     # XLA's GPU default for float32 is TF32
         ref = paged_attention_ref(*case)
     tol = {jnp.bfloat16: 2e-2, jnp.float16: 4e-3}.get(dtype, 1e-4)   # f32: as the decode kernel GPU test

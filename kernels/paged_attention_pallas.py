@@ -62,7 +62,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from rltjax.kernels.paged_attention_launch import resolve_launch
 from rltjax.kernels.split_merge import combine_splits
-from rltjax.kernels.triton_common import cdiv, head_dim_chunks, kernel_rope_supported, next_pow2, stacked_pool
+from rltjax.kernels.triton_common import (cdiv, head_dim_chunks, kernel_rope_supported, log_sum_exp, next_pow2,
+                                         split_range, stacked_pool)
 
 NEG_INF = float("-inf")
 
@@ -140,10 +141,7 @@ def _kernel(layer_ref, lengths_ref, row_tables_ref, block_tables_ref, q_ref, k_r
         out_refs = refs
     table = row_tables_ref[row]
     n_pages = cdiv(length, page_size)
-    n_blocks = cdiv(n_pages, pages_per_block)
-    per_split = cdiv(n_blocks, num_splits)
-    start = split * per_split
-    stop = jnp.minimum(start + per_split, n_blocks)
+    start, stop = split_range(cdiv(n_pages, pages_per_block), split, num_splits)
 
     # float32 inputs: IEEE products (Triton's default for f32 tl.dot is TF32, ~1e-3 error).
     dot = functools.partial(plgpu.dot, precision=jax.lax.Precision.HIGHEST
@@ -208,7 +206,7 @@ def _kernel(layer_ref, lengths_ref, row_tables_ref, block_tables_ref, q_ref, k_r
 
     has = l > 0
     inv = 1.0 / jnp.where(has, l, 1.0)
-    lse = jnp.where(has, m + jnp.log(jnp.where(has, l, 1.0)), NEG_INF)
+    lse = log_sum_exp(m, l)
     if use_dot:
         os = [o * inv[:, None] for o in os]
     else:

@@ -43,7 +43,7 @@ from jax.experimental.pallas import triton as plgpu
 from rltjax.kernels.paged_attention import fail, resolve_impl, validate
 from rltjax.kernels.paged_attention_ref import paged_attention_ref
 from rltjax.kernels.split_merge import combine_splits
-from rltjax.kernels.triton_common import cdiv, head_dim_chunks, is_pow2, stacked_pool
+from rltjax.kernels.triton_common import cdiv, head_dim_chunks, is_pow2, log_sum_exp, split_range, stacked_pool
 
 # The aligned query blocks (rows of one block read one table); the engine aligns chunks to
 # it. Programs take PROGRAM_ROWS = 64 rows, so two blocks of one chunk share a program, while
@@ -112,41 +112,46 @@ def _kernel(layer_ref, lengths_ref, row_tables_ref, block_tables_ref, q_ref, k_r
             new = new & ~(had & (t == table))
         mine = live & (tables == table) & new
         n_pages = cdiv(jnp.max(jnp.where(mine, lengths, 0)), page_size)
-        n_blocks = cdiv(n_pages, pages_per_block)
-        per_split = cdiv(n_blocks, key_splits)
-        start = split * per_split
-        carry = jax.lax.fori_loop(start, jnp.minimum(start + per_split, n_blocks),
-                                  functools.partial(body, table=table, mine=mine, n_pages=n_pages), carry)
+        start, stop = split_range(cdiv(n_pages, pages_per_block), split, key_splits)
+        carry = jax.lax.fori_loop(start, stop, functools.partial(body, table=table, mine=mine, n_pages=n_pages),
+                                  carry)
         ok = ok | (live & has & (tables == table))
         seen.append((has, table))
+    _write_out(out_refs, carry, ok, chunks, rows, head, split)
+
+
+def _write_out(out_refs, carry, ok, chunks, rows, head, split):
+    """[program_rows, Dh] normalized (NaN for a row no block of the program serves); with key
+    splits, the split's partial and its log-sum-exp, merged by split_merge.combine_splits."""
     os, m, l = carry
-    has = l > 0
-    inv = 1.0 / jnp.where(has, l, 1.0)
-    if key_splits == 1:
+    inv = 1.0 / jnp.where(l > 0, l, 1.0)
+    os = [jnp.where(ok[:, None], o * inv[:, None], jnp.nan) for o in os]
+    if len(out_refs) == 1:
         (o_ref,) = out_refs
         for (off, w), o in zip(chunks, os):
-            o = jnp.where(ok[:, None], o * inv[:, None], jnp.nan)
             o_ref[rows, head, pl.ds(off, w)] = o.astype(o_ref.dtype)
-    else:       # a normalized partial and its log-sum-exp, merged by split_merge.combine_splits
+    else:
         o_ref, lse_ref = out_refs
         for (off, w), o in zip(chunks, os):
-            o_ref[split, rows, head, pl.ds(off, w)] = jnp.where(ok[:, None], o * inv[:, None], jnp.nan)
-        lse_ref[split, rows, head] = jnp.where(has, m + jnp.log(jnp.where(has, l, 1.0)), NEG_INF)
+            o_ref[split, rows, head, pl.ds(off, w)] = o
+        lse_ref[split, rows, head] = log_sum_exp(m, l)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_q", "program_rows", "pages_per_block",
-                                             "num_warps", "num_stages", "key_splits", "interpret"))
+                                             "num_warps", "num_stages", "key_splits", "return_partials",
+                                             "interpret"))
 def paged_prefill_attention_pallas(q, k_pages, v_pages, block_tables, row_tables, lengths, *, layer=None,
                                    scale: float | None = None, block_q: int = DEFAULT_BLOCK_Q,
                                    program_rows: int | None = None, pages_per_block: int | None = None,
                                    num_warps: int = 4, num_stages: int | None = None, key_splits: int = 1,
-                                   interpret: bool = False):
+                                   return_partials: bool = False, interpret: bool = False):
     """The kernel; callers go through ``paged_prefill_attention``.
     block_q: the layout's aligned blocks (the precondition); program_rows: the rows a program
     takes, a multiple of block_q (None: max(block_q, PROGRAM_ROWS)). N need not be a multiple
     of either (rows are padded with length 0 here). key_splits: programs a (row block, head)'s
     keys are split over (flash-decoding's split-K: more programs where a few chunks attend over
-    long prefixes), their partials merged in XLA."""
+    long prefixes), their partials merged in XLA (return_partials: the [S, N, H, Dh] normalized
+    partials and [S, N, H] log-sum-exps instead)."""
     k_pages, v_pages, layer = stacked_pool(k_pages, v_pages, layer)
     n, num_heads, head_dim = q.shape
     _, num_kv, _, page_size, _ = k_pages.shape
@@ -193,9 +198,9 @@ def paged_prefill_attention_pallas(q, k_pages, v_pages, block_tables, row_tables
         name=f"rlt_paged_prefill_rows{program_rows}_bq{block_q}_ppb{pages_per_block}"
              + (f"_split{key_splits}" if key_splits > 1 else ""),
     )(layer, lengths, row_tables, block_tables, q, k_pages, v_pages)
-    if key_splits > 1:
-        out = combine_splits(*out, q.dtype)
-    return out[:n]
+    if key_splits == 1:
+        return out[:n]
+    return tuple(x[:, :n] for x in out) if return_partials else combine_splits(*out, q.dtype)[:n]
 
 
 def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,

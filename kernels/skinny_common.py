@@ -9,7 +9,8 @@ import jax.numpy as jnp
 MAX_ROWS = 64               # beyond this XLA's tiled GEMMs fill the GPU by themselves
 SINGLE_PASS_MAX_K = 2048    # one program streams all of K up to this (measured); longer K is split
 MAX_PARTIAL_SUMS = 8        # K splits a product hands on at most: a partial_sums consumer holds every
-                            # one in registers, and XLA reads them all to add a whole product's up
+                            # one in registers (Triton and Mosaic); Mosaic's whole products are capped
+                            # too (XLA reads every split to add them), Triton's follow its kernel_config
 
 
 def fewer_splits(steps: int, splits: int, most: int = MAX_PARTIAL_SUMS) -> int:
@@ -19,7 +20,8 @@ def fewer_splits(steps: int, splits: int, most: int = MAX_PARTIAL_SUMS) -> int:
 
 def split_sums_out(out: jax.Array, splits: int, partial_sums: bool, dtype) -> jax.Array:
     """A kernel's [S, M, N] K-split sums (or [M, N] when S = 1) as the caller asked for them:
-    [S, M, N] partial sums, or the product, summed in float32 and rounded to ``dtype``."""
+    [S, M, N] partial sums, or the product: S > 1 summed in float32 and rounded to ``dtype``,
+    S = 1 as the kernel wrote it."""
     if partial_sums:
         return out if splits > 1 else out[None]
     return out.sum(axis=0).astype(dtype) if splits > 1 else out

@@ -14,8 +14,8 @@ engine lays them out. Each prefill-kernel column is one launch: block_q (the lay
 aligned blocks), program_rows (rows a program takes; a multiple of block_q) and stages
 (None: the kernel's defaults). Timings: median microseconds per call (bench_attention's
 chained timing). "speed-up" is per-row decode kernel time / the best prefill launch's, and
-TFLOP/s the best launch's rate counting each row's visible keys (4 x heads x head_dim flops a
-query-key pair: QK^T and PV). ``--cases`` replaces the built-in cases with chunks written
+TFLOP/s (per launch in the JSON, the best launch's in the table) the rate counting each row's
+visible keys (4 x heads x head_dim flops a query-key pair: QK^T and PV). ``--cases`` replaces the built-in cases with chunks written
 LEN@PREFIX, a case's chunks joined by commas ("256@0,256@0"); --no-baselines leaves out the
 per-row kernel and XLA, whose reference gathers each row's whole table (terabytes at 64K keys):
 each launch's error is then against the first launch's output.
@@ -120,7 +120,7 @@ class Launch:
         return kw | {k: v for k, v in (("num_warps", self.num_warps), ("key_splits", self.key_splits)) if v}
 
 
-def main(argv=None) -> int:
+def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny shapes, interpret mode (CPU)")
     p.add_argument("--iters", type=int, default=10)
@@ -137,57 +137,77 @@ def main(argv=None) -> int:
     p.add_argument("--no-baselines", action="store_true", help="time only the prefill kernel's launches")
     p.add_argument("--out")
     args = p.parse_args(argv)
+    page_size = 8 if args.quick else 16
+    if any(v is not None and v < 1 for v in args.num_warps + args.key_splits + args.num_stages):
+        p.error("--num-warps, --key-splits and --num-stages take values >= 1")
+    if any(k is not None and (k < 16 or k % page_size or not is_pow2(k // page_size)) for k in args.block_k):
+        p.error(f"--block-k: at least 16 keys, a power-of-two number of {page_size}-key pages")
     launches = [Launch(*x) for x in itertools.product(args.block_q, args.program_rows, args.num_stages,
                                                        args.num_warps, args.block_k, args.key_splits)
                 if x[1] is None or (x[1] >= x[0] and is_pow2(x[1]))]
     if not launches:
         p.error("no launch left: a --program-rows must be a power of two >= a --block-q")
+    return args, launches
+
+
+def run_case(name: str, chunks, launches, args, shape) -> dict:
+    """One case's timings: the baselines (unless --no-baselines), then every launch, each with
+    its error (to the reference, else to the first launch) and TFLOP/s."""
+    heads, head_dim, page_size, dtype = shape
     interpret = args.quick
-    heads, head_dim, page_size = (2, 64, 8) if args.quick else (16, 128, 16)
-    dtype = jnp.float32 if args.quick else jnp.bfloat16
-    if any(x.block_k and (x.block_k < 16 or x.block_k % page_size or not is_pow2(x.block_k // page_size))
-           for x in launches):
-        p.error(f"--block-k: at least 16 keys, a power-of-two number of {page_size}-key pages")
     iters, chain = (1, 1) if args.quick else (args.iters, 5)
-    rows = []
-    cases = {c: parse_case(c) for c in args.cases} if args.cases else QUICK_CASES if args.quick else CASES
-    for name, chunks in cases.items():
-        align = max(args.block_q)
-        case = make_case(chunks, heads, head_dim, page_size, dtype, align)
-        ref = None if args.no_baselines else jax.jit(paged_attention_ref)(*case)
-        row = dict(case=name, chunks=chunks, rows=int(case[0].shape[0]))
+    case = make_case(chunks, heads, head_dim, page_size, dtype, max(args.block_q))
+    ref = None if args.no_baselines else jax.jit(paged_attention_ref)(*case)
+    row = dict(case=name, chunks=chunks, rows=int(case[0].shape[0]))
+    flops = attention_flops(chunks, heads, head_dim)
+    if not args.no_baselines:
         per_row = functools.partial(paged_attention_pallas, interpret=interpret)
-        if not args.no_baselines:
-            row["per_row_us"] = time_us(per_row, case, iters, chain)
-            row["per_row_err"] = max_diff(per_row(*case), ref)
-            if not args.quick or name in QUICK_CASES:
-                row["xla_us"] = time_us(paged_attention_ref, case, iters, chain)
-        for launch in launches:
-            fn = functools.partial(paged_prefill_attention_pallas, interpret=interpret, **launch.kwargs(page_size))
-            row[f"prefill_{launch.name}_us"] = time_us(fn, case, iters, chain)
-            out = fn(*case)
-            ref = out if ref is None else ref
-            row[f"prefill_{launch.name}_err"] = max_diff(out, ref)
-        best = min(row[f"prefill_{x.name}_us"] for x in launches)
-        row["tflops"] = attention_flops(chunks, heads, head_dim) / best / 1e6
-        if "per_row_us" in row:
-            row["speedup_vs_per_row"] = row["per_row_us"] / best
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    info = dict(jax=jax.__version__, device=jax.devices()[0].device_kind, heads=heads, head_dim=head_dim,
-                page_size=page_size, dtype=jnp.dtype(dtype).name, results=rows)
+        row["per_row_us"] = time_us(per_row, case, iters, chain)
+        row["per_row_err"] = max_diff(per_row(*case), ref)
+        if not args.quick or name in QUICK_CASES:
+            row["xla_us"] = time_us(paged_attention_ref, case, iters, chain)
+    for launch in launches:
+        fn = functools.partial(paged_prefill_attention_pallas, interpret=interpret, **launch.kwargs(page_size))
+        us = row[f"prefill_{launch.name}_us"] = time_us(fn, case, iters, chain)
+        row[f"prefill_{launch.name}_tflops"] = flops / us / 1e6
+        out = fn(*case)
+        ref = out if ref is None else ref
+        row[f"prefill_{launch.name}_err"] = max_diff(out, ref)
+    best = min(row[f"prefill_{x.name}_us"] for x in launches)
+    row["tflops"] = flops / best / 1e6
+    if "per_row_us" in row:
+        row["speedup_vs_per_row"] = row["per_row_us"] / best
+    return row
+
+
+def print_table(rows, launches, device: str) -> None:
+    names = [x.name for x in launches]
+    width = max(9, *(len(n) + 2 for n in names))
+    first = max(18, *(len(r["case"]) + 2 for r in rows))
+    print(f"\n{'case':<{first}}{'rows':>6}{'XLA ref':>10}{'per-row':>10}" + "".join(f"{n:>{width}}" for n in names)
+          + f"{'speed-up':>10}{'TFLOP/s':>9}   (us; {device}; TFLOP/s: the best launch's)")
+    nan = float("nan")
+    for r in rows:
+        print(f"{r['case']:<{first}}{r['rows']:>6}{r.get('xla_us', nan):>10.1f}{r.get('per_row_us', nan):>10.1f}"
+              + "".join(f"{r[f'prefill_{n}_us']:>{width}.1f}" for n in names)
+              + f"{r.get('speedup_vs_per_row', nan):>9.2f}x{r['tflops']:>9.1f}")
+
+
+def main(argv=None) -> int:
+    args, launches = parse_args(argv)
+    shape = (2, 64, 8, jnp.float32) if args.quick else (16, 128, 16, jnp.bfloat16)
+    cases = {c: parse_case(c) for c in args.cases} if args.cases else QUICK_CASES if args.quick else CASES
+    rows = []
+    for name, chunks in cases.items():
+        rows.append(run_case(name, chunks, launches, args, shape))
+        print(json.dumps(rows[-1]), flush=True)
+    info = dict(jax=jax.__version__, device=jax.devices()[0].device_kind, heads=shape[0], head_dim=shape[1],
+                page_size=shape[2], dtype=jnp.dtype(shape[3]).name,
+                argv=list(sys.argv[1:] if argv is None else argv), results=rows)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(info, f, indent=1)
-    names = [x.name for x in launches]
-    width = max(9, *(len(n) + 2 for n in names))
-    print(f"\n{'case':<18}{'rows':>6}{'XLA ref':>10}{'per-row':>10}" + "".join(f"{n:>{width}}" for n in names)
-          + f"{'speed-up':>10}{'TFLOP/s':>9}   (us; {info['device']})")
-    nan = float("nan")
-    for r in rows:
-        print(f"{r['case']:<18}{r['rows']:>6}{r.get('xla_us', nan):>10.1f}{r.get('per_row_us', nan):>10.1f}"
-              + "".join(f"{r[f'prefill_{n}_us']:>{width}.1f}" for n in names)
-              + f"{r.get('speedup_vs_per_row', nan):>9.2f}x{r['tflops']:>9.1f}")
+    print_table(rows, launches, info["device"])
     return 0
 
 

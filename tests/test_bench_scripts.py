@@ -42,11 +42,11 @@ def test_bench_prefill_quick(tmp_path):
     assert "speed-up" in text and all(n in text for n in launches)
 
 
-def test_bench_prefill_custom_cases(tmp_path):
+def test_bench_prefill_custom_cases(tmp_path, monkeypatch):
     """--cases LEN@PREFIX: the prefill kernel's launches alone (--no-baselines: errors against the
     first launch) on the chunks asked; its TFLOP/s counts the visible keys that make_case's row
     lengths give."""
-    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "scripts"))
     import bench_prefill
     chunks = bench_prefill.parse_case("16@40,8@0")
     assert chunks == [(40, 16), (0, 8)]
@@ -60,7 +60,7 @@ def test_bench_prefill_custom_cases(tmp_path):
     (row,) = json.loads(out.read_text())["results"]
     launches = ("bq32_w4_k16_split1", "bq32_w4_k16_split3", "bq32_w8_k16_split1", "bq32_w8_k16_split3")
     assert row["chunks"] == [[40, 16], [0, 8]] and "per_row_us" not in row
-    assert row[f"prefill_{launches[0]}_err"] == 0 and all(row[f"prefill_{n}_err"] < 1e-4 for n in launches)
+    assert all(row[f"prefill_{n}_err"] < 1e-4 for n in launches[1:])      # to the first launch
     best = min(row[f"prefill_{n}_us"] for n in launches)
     assert row["tflops"] == pytest.approx(4 * 2 * 64 * int(lengths.sum()) / best / 1e6)
 

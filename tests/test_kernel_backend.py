@@ -228,13 +228,13 @@ def test_benchmarks_record_what_the_projections_ran_on(execution, want, monkeypa
     (dict(attn_impl="pallas"), "bfloat16", "triton")])
 def test_settings_record_what_decode_attention_runs_on(execution, kv_dtype, want, monkeypatch):
     """EngineSettings.attention_kernel (what benchmarks record as attention_kernels): XLA where
-    attention is off the kernels, else the kernel the dispatcher picks at the model's shapes
+    attention is off the kernels, else the kernel the dispatcher picks at Ouro-1.4B's shapes
     (Mosaic GPU takes 16-bit KV only)."""
     from rltjax.engine.settings import resolve_settings
     from rltjax.models.base import get_model
     from types import SimpleNamespace
     monkeypatch.setattr(jax, "devices", lambda *a: [SimpleNamespace(compute_capability="9.0")])    # a Hopper GPU
-    settings = resolve_settings(get_model(preset_config("ouro-1.4b", SMALL)), cache=CacheConfig(),
+    settings = resolve_settings(get_model(preset_config("ouro-1.4b")), cache=CacheConfig(),
                                 scheduler=SchedulerConfig(max_num_seqs=8), exit_config=ExitConfig(),
                                 execution=ExecutionConfig(interpret=True, **execution), max_model_len=64,
                                 kv_dtype=kv_dtype, platform="gpu")

@@ -165,6 +165,31 @@ def test_key_splits_match_reference(chunks, key_splits):
     assert not np.any(out[np.asarray(ln) == 0])
 
 
+def test_each_key_split_takes_its_own_blocks():
+    """The partials themselves: one chunk (rows at lengths 41..56: 7 pages of 8, so 4 blocks of 16
+    keys) over 3 splits of 2, 2 and 0 blocks. Each split's log-sum-exp and partial equal numpy's
+    softmax over that split's keys alone, and the empty split has none (-inf)."""
+    from rltjax.kernels.prefill_attention import paged_prefill_attention_pallas
+    rng = np.random.default_rng(12)
+    q, k, v, bt, rt, ln = prefill_batch(rng, [(1, 40, 16)], num_kv=1, group=1, page_size=8, head_dim=64,
+                                        dtype=jnp.float32)
+    o, lse = paged_prefill_attention_pallas(q, k, v, bt, rt, ln, block_q=BLOCK_Q, pages_per_block=2, key_splits=3,
+                                            return_partials=True, interpret=True)
+    keys = np.asarray(k)[0][np.asarray(bt)[1]].reshape(-1, 64)            # table 1's keys in order
+    values = np.asarray(v)[0][np.asarray(bt)[1]].reshape(-1, 64)
+    for r in range(16):
+        length = int(ln[r])
+        scores = keys[:length] @ np.asarray(q)[r, 0] / 8.0
+        for split, (lo, hi) in enumerate([(0, 32), (32, 64), (64, 64)]):
+            s = scores[lo:min(hi, length)]
+            if s.size == 0:
+                assert lse[split, r, 0] == -np.inf and not np.any(np.asarray(o)[split, r, 0])
+                continue
+            np.testing.assert_allclose(lse[split, r, 0], np.logaddexp.reduce(s), rtol=1e-5)
+            p = np.exp(s - np.logaddexp.reduce(s))
+            np.testing.assert_allclose(o[split, r, 0], p @ values[lo:lo + s.size], atol=2e-5, rtol=2e-5)
+
+
 def test_block_q_validation():
     rng = np.random.default_rng(5)
     case = prefill_batch(rng, [(0, 0, 4)], num_kv=1, group=1, page_size=8, head_dim=64, dtype=jnp.float32)

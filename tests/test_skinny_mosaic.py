@@ -154,7 +154,7 @@ def test_default_config():
             cfg = mosaic_config(m, k, n)
             assert mosaic_unsupported(sd((m, k), jnp.bfloat16), sd((k, n), jnp.bfloat16), **cfg) is None
             assert smem_bytes(m, cfg["block_n"], cfg["block_k"], cfg["max_concurrent_steps"]) <= SMEM_LIMIT
-    # a narrow product over a long K would want 32 splits for MIN_BLOCKS blocks: capped at
+    # a narrow product over a long K would want 128 splits (one a 128-deep step) for MIN_BLOCKS blocks: capped at
     # MAX_PARTIAL_SUMS, a divisor of its K steps (the consumer holds every partial sum)
     assert choose_splits(16384, 64, 64, 128, MIN_BLOCKS) == 128 and MAX_PARTIAL_SUMS == 8
     assert mosaic_config(8, 16384, 64)["k_splits"] == 8

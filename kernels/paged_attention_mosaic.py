@@ -39,19 +39,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from rltjax.kernels.paged_attention_launch import default_num_splits
 from rltjax.kernels.mosaic_common import launch_settings, swizzled
 from rltjax.kernels.paged_attention_mosaic_launch import NEWEST_ROWS, mosaic_launch, query_columns
-from rltjax.kernels.split_merge import combine_splits
+from rltjax.kernels.split_merge import combine_splits, log_sum_exp, split_range
 from rltjax.kernels.triton_common import cdiv
 
 NEG_INF = float("-inf")
-
-
-def _block_range(length, split, *, splits: int, page_size: int, pages_per_block: int):
-    """(n_pages, first block, end block): this split's blocks of the row's ``length`` keys."""
-    n_pages = cdiv(length, page_size)
-    n_blocks = cdiv(n_pages, pages_per_block)
-    per = cdiv(n_blocks, splits)
-    start = split * per
-    return n_pages, start, jnp.minimum(start + per, n_blocks)
 
 
 def _softmax_block(k_tile, v_tile, p_s, q_s, visible, carry, wait_v, scale: float):
@@ -196,8 +187,8 @@ def _kernel(layer_g, lengths_g, row_tables_g, tables_g, q_g, k_g, v_g, *refs, he
     layer = layer_g[0]
     length = jnp.clip(lengths_g[row], 0, tables_g.shape[1] * page_size)
     pool_length = jnp.maximum(length - 1, 0) if fused else length    # fused: the newest key is k_new's
-    n_pages, start, stop = _block_range(pool_length, split, splits=splits, page_size=page_size,
-                                        pages_per_block=pages_per_block)
+    n_pages = cdiv(pool_length, page_size)
+    start, stop = split_range(cdiv(n_pages, pages_per_block), split, splits)
     first = row * heads + kvh * group                  # the group's first flattened query row
     aligned, column = _aligned(first)
     columns, head_dim = query_columns(heads, group), q_g.shape[-1]
@@ -215,10 +206,8 @@ def _kernel(layer_g, lengths_g, row_tables_g, tables_g, q_g, k_g, v_g, *refs, he
                                        split=split, length=length, scale=scale)
         else:
             o, m, total = attend(_empty_state(head_dim, columns))
-        has = total > 0
-        o = o * lax.broadcast_in_dim(1.0 / jnp.where(has, total, 1.0), o.shape, [1])
-        lse = jnp.where(has, m + jnp.log(jnp.where(has, total, 1.0)), NEG_INF)
-        _store(outs, o, lse, split, first, column, group)
+        o = o * lax.broadcast_in_dim(1.0 / jnp.where(total > 0, total, 1.0), o.shape, [1])
+        _store(outs, o, log_sum_exp(m, total), split, first, column, group)
 
     pl.run_scoped(body, plgpu.SMEM((columns, head_dim), q_g.dtype, transforms=swizzled()),
                   plgpu.SMEM((columns, pages_per_block * page_size), q_g.dtype, transforms=swizzled()),

@@ -61,9 +61,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from rltjax.kernels.paged_attention_launch import resolve_launch
-from rltjax.kernels.split_merge import combine_splits
-from rltjax.kernels.triton_common import (cdiv, head_dim_chunks, kernel_rope_supported, log_sum_exp, next_pow2,
-                                         split_range, stacked_pool)
+from rltjax.kernels.split_merge import combine_splits, log_sum_exp, split_range
+from rltjax.kernels.triton_common import cdiv, head_dim_chunks, kernel_rope_supported, next_pow2, stacked_pool
 
 NEG_INF = float("-inf")
 

@@ -42,8 +42,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from rltjax.kernels.paged_attention import fail, resolve_impl, validate
 from rltjax.kernels.paged_attention_ref import paged_attention_ref
-from rltjax.kernels.split_merge import combine_splits
-from rltjax.kernels.triton_common import cdiv, head_dim_chunks, is_pow2, log_sum_exp, split_range, stacked_pool
+from rltjax.kernels.split_merge import combine_splits, log_sum_exp, split_range
+from rltjax.kernels.triton_common import cdiv, head_dim_chunks, is_pow2, stacked_pool
 
 # The aligned query blocks (rows of one block read one table); the engine aligns chunks to
 # it. Programs take PROGRAM_ROWS = 64 rows, so two blocks of one chunk share a program, while

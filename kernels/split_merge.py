@@ -1,4 +1,5 @@
-"""Merging the decode attention kernel's key splits (flash-decoding split-K).
+"""Key splits of the attention kernels (flash-decoding split-K; decode on Triton and Mosaic GPU,
+prefill on Triton): which blocks a split takes, its log-sum-exp, and the merge.
 
 Each split of a (row, head) leaves a normalized partial output o [Dh] and its log-sum-exp lse
 (float32). The merge weights split s by exp(lse_s - max lse) and divides by their sum; a split
@@ -12,6 +13,22 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from rltjax.kernels.triton_common import cdiv
+
+
+def split_range(n_blocks, split, num_splits: int):
+    """Split ``split`` of ``num_splits``'s key blocks [start, stop) of ``n_blocks`` (traced):
+    consecutive shares of ceil(n_blocks / num_splits), the last ones shorter or empty."""
+    per_split = cdiv(n_blocks, num_splits)
+    start = split * per_split
+    return start, jnp.minimum(start + per_split, n_blocks)
+
+
+def log_sum_exp(m, total):
+    """An online softmax's running max and sum as a log-sum-exp (-inf where the sum is 0: no key)."""
+    has = total > 0
+    return jnp.where(has, m + jnp.log(jnp.where(has, total, 1.0)), float("-inf"))
 
 
 def combine_splits(o: jax.Array, lse: jax.Array, dtype) -> jax.Array:

@@ -25,20 +25,6 @@ def cdiv(a, b: int):
     return jax.lax.div(a + (b - 1), b)
 
 
-def split_range(n_blocks, split, num_splits: int):
-    """Split ``split`` of ``num_splits``'s key blocks [start, stop) of ``n_blocks`` (traced):
-    consecutive shares of ceil(n_blocks / num_splits), the last ones shorter or empty."""
-    per_split = cdiv(n_blocks, num_splits)
-    start = split * per_split
-    return start, jnp.minimum(start + per_split, n_blocks)
-
-
-def log_sum_exp(m, l):
-    """An online softmax's running max m and sum l as a log-sum-exp (-inf where l = 0: no key)."""
-    has = l > 0
-    return jnp.where(has, m + jnp.log(jnp.where(has, l, 1.0)), float("-inf"))
-
-
 def head_dim_chunks(head_dim: int) -> tuple[tuple[int, int], ...]:
     """(offset, width) power-of-two pieces of head_dim, widest first: 96 -> (0, 64), (64, 32)."""
     chunks, off = [], 0

@@ -145,6 +145,9 @@ def run_case(args, case, pool, rows: int, label, length) -> list[dict]:
     """Each backend's default launch and the Triton sweep on one case: timed, checked, printed."""
     results = []
     launches = [dict(backend=b) for b in args.backends] + [dict(backend="triton", **c) for c in sweep(args)]
+    # the kernel the dispatcher runs: "mosaic" falls back to Triton where it does not take the shapes
+    ran = {b: decode_kernel(b, args.kv_heads, args.kv_heads, args.head_dim, args.page_size, jnp.bfloat16)
+           for b in BACKENDS}
     for launch in launches:
         try:
             us = time_config(case, pool, args.layers, args.reps, args.iters, args.quick, **launch)
@@ -154,9 +157,7 @@ def run_case(args, case, pool, rows: int, label, length) -> list[dict]:
             continue
         config = {k: v for k, v in launch.items() if k != "backend"} or "default"
         gbps = kv_bytes(case, args.kv_heads, args.head_dim) / us / 1e3
-        # the kernel the dispatcher ran: "mosaic" falls back to Triton where it does not take the shapes
-        kernel = decode_kernel(launch["backend"], args.kv_heads, args.kv_heads, args.head_dim, args.page_size,
-                               jnp.bfloat16)
+        kernel = ran[launch["backend"]]
         results.append(dict(rows=rows, length=label, backend=kernel, config=config, us=us, gbps=gbps,
                             max_abs_diff=err, **({} if label == length else dict(row_lengths=length))))
         print(f"rows {rows:3d} keys {label!s:>7} {kernel:7s} {str(config):68s} {us:8.2f} us "

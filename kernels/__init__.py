@@ -13,7 +13,8 @@ on the CPU), ``"xla"`` the reference and ``"auto"`` the kernel on a GPU where it
 shapes. Another backend replaces a module's "pallas" branch and nothing else: decode attention
 and the decode projections take ``backend="mosaic"`` for their Mosaic GPU kernels (shared helpers:
 ``mosaic_common``; interpret mode: Mosaic GPU's CPU interpreter), where the Triton ones remain the
-default.
+default. The attention kernels' key splits (decode on both backends, prefill as a launch option)
+share ``split_merge``: each split's block range, its log-sum-exp and the merge in XLA.
 The engine reaches them only through ``rltjax.cache.paged_kv.PagedKVBackend``.
 """
 

@@ -21,6 +21,7 @@ def test_bench_context_sweep_quick(tmp_path):
                       "--num-pages", "121", "--fit-concurrency", "--out", str(out))
     info = json.loads(out.read_text())
     assert info["bandwidth_bytes_per_s"] > 0 and info["source"]["source_digest"] == source_digest(ROOT)
+    assert info["argv"][:2] == ["--quick", "--cells"] and "--fit-concurrency" in info["argv"]   # the flags it ran
     cells = {(c["P"], c.get("asked_C", c["C"])): c for c in info["cells"]}
     assert list(cells) == [(32, 1), (32, 2), (64, 2), (64, 3), (512, 1)] and len(text.strip().splitlines()) == 6
     for key in [(32, 1), (32, 2), (64, 2), (64, 3)]:

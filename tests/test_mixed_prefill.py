@@ -196,7 +196,7 @@ def test_auto_mixed_prefill_runs_where_windows_can_take_prompts(settings, runs, 
 def test_prompt_tokens_follow_the_steps_per_row_bucket():
     """(rows, T) steps: each bucket carries the T of the last step it reaches, capped at the
     largest prefill batch; buckets below the first step carry none."""
-    from rltjax.engine.settings import mixed_prompt_tokens
+    from rltjax.engine.window_settings import mixed_prompt_tokens
     by_bucket = lambda *args: dict(mixed_prompt_tokens(*args))    # noqa: E731
     buckets = [8, 16, 32, 64]
     assert by_bucket(((32, 128),), buckets, 2048) == {32: 128, 64: 128}

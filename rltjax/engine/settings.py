@@ -19,7 +19,9 @@ import jax
 from rltjax.cache.paged_kv import PagedKVBackend
 from rltjax.engine.exit_policy import RAW_SIGNAL_MODES
 from rltjax.engine.rules import RuleInputs, check_rules, mixed_prefill_blocker
-from rltjax.engine_config import (AUTO_MIXED_PREFILL, DEFAULT_DECODE_WINDOW, DEFAULT_PREFILL_CHUNK,
+from rltjax.engine.window_settings import (WindowInputs, WindowSettings, bucket, fixed_trip, resolve_window,
+                                           window_passes)
+from rltjax.engine_config import (AUTO_MIXED_PREFILL, DEFAULT_PREFILL_CHUNK,
                                   DEFAULT_PREFILL_TOKENS_KERNEL, DEFAULT_PREFILL_TOKENS_XLA, CacheConfig,
                                   EngineConfigError, ExecutionConfig, ExitConfig, SchedulerConfig, SpeculativeConfig)
 from rltjax.jit_options import engine_options
@@ -37,68 +39,10 @@ PREFILL_BLOCK_Q = DEFAULT_BLOCK_Q   # prefill-kernel query rows: chunks start at
 log = logging.getLogger(__name__)
 
 
-def bucket(n: int) -> int:
-    """Smallest power of two >= n."""
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def buckets_up_to(limit: int, smallest: int = 1) -> tuple[int, ...]:
     """Powers of two from ``smallest`` (capped at bucket(limit)) up to bucket(limit)."""
     top = bucket(limit)
     return tuple(b for b in (1 << i for i in range(top.bit_length())) if min(smallest, top) <= b < limit) + (top,)
-
-
-@dataclasses.dataclass(frozen=True)
-class SpecSettings:
-    """Self-speculative rounds as they run (``window.speculative``)."""
-    num_tokens: int      # K: drafts a round makes at most
-    draft_loops: int     # d
-    target_loops: int    # D
-    rounds: int          # rounds a decode window runs
-
-    @property
-    def columns(self) -> int:
-        """Output tokens a window can make per row (a round makes up to K + 1)."""
-        return self.rounds * (self.num_tokens + 1)
-
-
-def spec_settings(config: SpeculativeConfig | None, num_loops: int) -> SpecSettings | None:
-    if config is None:
-        return None
-    return SpecSettings(config.num_speculative_tokens, config.draft_loops, config.target_loops or num_loops,
-                        config.rounds_per_window)
-
-
-@dataclasses.dataclass(frozen=True)
-class WindowSettings:
-    """Decode windows as they run: K passes a window, its trip, and per row bucket whether
-    it carries prompts (mixed prefill) or takes requests as standby entries."""
-    num_passes: int                          # K
-    fixed_trip: bool                         # exactly K passes (no predicate read between passes)
-    trace_width: int                         # width of a row's recorded trace (trace mode)
-    buckets: tuple[int, ...]                 # the row buckets windows run
-    prompt_tokens: tuple[tuple[int, int], ...]   # (row bucket, prompt tokens it carries), mixed buckets only
-    swap_every_pass: bool                    # standby entries wait past a window's start
-    speculative: SpecSettings | None = None  # rounds of drafts and a verify instead of loop passes
-
-    def prompt_tokens_for(self, rows: int) -> int:
-        """Prompt tokens a window of this row bucket carries (0: none; it takes standby entries)."""
-        return dict(self.prompt_tokens).get(rows, 0)
-
-    @property
-    def mixed_buckets(self) -> tuple[int, ...]:
-        return tuple(b for b, _ in self.prompt_tokens)
-
-    def standby_for(self, rows: int) -> bool:
-        return rows not in self.mixed_buckets
-
-    @property
-    def uses_standby(self) -> bool:
-        return any(self.standby_for(b) for b in self.buckets)
-
-    def bucket_for(self, n: int) -> int:
-        """The row bucket of a window over n requests (at most the largest)."""
-        return min(max(bucket(n), self.buckets[0]), self.buckets[-1])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,31 +176,40 @@ def decode_kernel_backend(choice: str, platform: str) -> str:
     return choice
 
 
-def window_passes(execution: ExecutionConfig, scheduler: SchedulerConfig) -> int:
-    """K: as asked, or DEFAULT_DECODE_WINDOW where windows can run (refill, heads at once)."""
-    if execution.decode_window is not None:
-        return execution.decode_window
-    runs = scheduler.mode == "refill" and scheduler.min_coda_batch_size == 1
-    return DEFAULT_DECODE_WINDOW if runs else 0
+def decode_and_prefill_backends(execution: ExecutionConfig, cfg, *, on_kernel: bool, projections_on_kernel: bool,
+                                alignment: int, mesh, platform: str) -> tuple[PagedKVBackend, PagedKVBackend]:
+    """The paged-KV backends of decode steps and of prefill steps."""
+    decode = PagedKVBackend(attn_impl=execution.attn_impl, interpret=execution.interpret,
+                            matmul_impl=execution.matmul_impl, decode_rows=True, num_splits=execution.attn_num_splits,
+                            kernel_shapes=auto_matmul_shapes(cfg) if projections_on_kernel else (),
+                            head_shapes=auto_head_shapes(cfg) if projections_on_kernel else (),
+                            fused_kernels=projections_on_kernel, mesh=mesh,
+                            kernel_backend=decode_kernel_backend(execution.kernel_backend, platform))
+    # prefill is compute-bound: its projections stay on XLA's dot whatever matmul_impl says
+    prefill = dataclasses.replace(decode, matmul_impl="xla", kernel_backend="triton", decode_rows=False,
+                                  prefill_block_q=PREFILL_BLOCK_Q if alignment > 1 else 0)
+    return decode, prefill
 
 
-def fixed_trip(execution: ExecutionConfig, has_boundary: bool) -> bool:
-    """window_trip ``auto``: fixed, except for models with boundary stages, whose prelude would
-    then run every pass (on an H200 the fixed trip was 14% / 24% faster than early stop at 1 /
-    8 Ouro-1.4B streams: the GPU no longer waits on the host between passes)."""
-    return execution.window_trip == "fixed" or (execution.window_trip == "auto" and not has_boundary)
+def running_scheduler(scheduler: SchedulerConfig, inputs: RuleInputs, prefill_kernel: bool) -> SchedulerConfig:
+    """The scheduler config as it runs: prefill budgets filled in, swap preemption only in one
+    process; the rules checked again on the result."""
+    scheduler = prefill_budgets(scheduler, prefill_kernel=prefill_kernel)
+    if jax.process_count() > 1 and scheduler.preemption_mode == "swap":
+        # a page's KV heads live partly on other hosts' devices: no process can copy it out
+        log.warning("several processes: preempted requests are recomputed (swap copies a page to one host)")
+        scheduler = dataclasses.replace(scheduler, preemption_mode="recompute")
+    check_rules(dataclasses.replace(inputs, scheduler=scheduler))
+    return scheduler
 
 
-def mixed_prompt_tokens(steps, window_buckets, most_tokens: int) -> tuple[tuple[int, int], ...]:
-    """((row bucket, prompt tokens its windows carry), ...) for mixed prefill's (rows, T) steps:
-    the T of the last step a bucket reaches, capped at the largest prefill batch; buckets below
-    the first step and steps of T = 0 carry none."""
-    carried = []
-    for rows in window_buckets:
-        reached = [t for at, t in sorted(steps) if rows >= at]
-        if reached and reached[-1]:
-            carried.append((rows, min(reached[-1], most_tokens)))
-    return tuple(carried)
+def store_folder(execution: ExecutionConfig) -> str | None:
+    """The executable store's folder. Several processes (jax.distributed) would each store
+    their own part of a program, so they have none; XLA's persistent cache still serves them."""
+    if (execution.compile_ahead and execution.executable_cache and execution.compilation_cache_dir
+            and jax.process_count() == 1):
+        return f"{execution.compilation_cache_dir}/executables"
+    return None
 
 
 def resolve_settings(model, *, cache: CacheConfig, scheduler: SchedulerConfig, exit_config: ExitConfig,
@@ -279,26 +232,15 @@ def resolve_settings(model, *, cache: CacheConfig, scheduler: SchedulerConfig, e
     # weights); attention runs per device on its heads (PagedKVBackend.mesh)
     projections_on_kernel = on_kernel and tensor_parallel == 1
     alignment = PREFILL_BLOCK_Q if layered and on_kernel else 1
-    scheduler = prefill_budgets(scheduler, prefill_kernel=alignment > 1)
-    if jax.process_count() > 1 and scheduler.preemption_mode == "swap":
-        # a page's KV heads live partly on other hosts' devices: no process can copy it out
-        log.warning("several processes: preempted requests are recomputed (swap copies a page to one host)")
-        scheduler = dataclasses.replace(scheduler, preemption_mode="recompute")
-    check_rules(dataclasses.replace(inputs, scheduler=scheduler))      # the budgets as they run
+    scheduler = running_scheduler(scheduler, inputs, prefill_kernel=alignment > 1)
     longest_chunk = longest_prefill_chunk(scheduler, max_model_len, layered)
     most_tokens = prefill_batch_bound(scheduler.max_num_batched_tokens, scheduler.max_num_seqs, longest_chunk,
                                       alignment)
-    decode = PagedKVBackend(attn_impl=execution.attn_impl, interpret=execution.interpret,
-                            matmul_impl=execution.matmul_impl, decode_rows=True, num_splits=execution.attn_num_splits,
-                            kernel_shapes=auto_matmul_shapes(cfg) if projections_on_kernel else (),
-                            head_shapes=auto_head_shapes(cfg) if projections_on_kernel else (),
-                            fused_kernels=projections_on_kernel, mesh=mesh,
-                            kernel_backend=decode_kernel_backend(execution.kernel_backend, platform))
+    decode, prefill = decode_and_prefill_backends(execution, cfg, on_kernel=on_kernel, alignment=alignment,
+                                                  projections_on_kernel=projections_on_kernel, mesh=mesh,
+                                                  platform=platform)
     attention_kernel = decode_kernel(decode.kernel_backend, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                      cache.page_size, kv_dtype) if on_kernel else "xla"
-    # prefill is compute-bound: its projections stay on XLA's dot whatever matmul_impl says
-    prefill = dataclasses.replace(decode, matmul_impl="xla", kernel_backend="triton", decode_rows=False,
-                                  prefill_block_q=PREFILL_BLOCK_Q if alignment > 1 else 0)
     on_kernels = decode_projections_on_kernels(cfg, projections_on_kernel, execution.matmul_impl,
                                                scheduler.max_num_seqs)
     row_buckets = buckets_up_to(scheduler.max_num_seqs, MIN_ROW_BUCKET)
@@ -306,33 +248,11 @@ def resolve_settings(model, *, cache: CacheConfig, scheduler: SchedulerConfig, e
     exit_mode = exit_config.mode
     if exit_mode in ("ouro", "ouro_delayed") and not cfg.has_exit_gate:
         exit_mode = "fixed"          # no learned signal: fixed depth (DESIGN section 2)
-    window = None
-    if passes:
-        rows_cap = execution.decode_window_rows
-        buckets = tuple(b for b in row_buckets if rows_cap is None or b <= rows_cap)
-        steps = execution.mixed_prefill_steps()
-        if steps is None:       # auto: where it can run (the rules refuse only an explicit T)
-            runs = rows_cap is None and mixed_prefill_blocker(inputs) is None
-            steps = AUTO_MIXED_PREFILL if runs else ()
-        prompt_tokens = mixed_prompt_tokens(steps, buckets, token_buckets[-1])
-        uses_standby = any(b not in dict(prompt_tokens) for b in buckets)
-        # trace mode carries each request's whole recorded trace (at most max_model_len outputs);
-        # entries wait past a window's start only when its rows cannot hold every request: the
-        # swap then runs every pass, else once a window (every pass cost the fixed-depth
-        # bench_cdb run 0.9% on an H200)
-        spec = spec_settings(speculative, R)
-        # a speculative window's K is its output columns (positions its pages cover); its
-        # standby entries take rows at its start only (rounds are not passes)
-        window = WindowSettings(spec.columns if spec else passes, fixed, max_model_len if exit_mode == "trace" else 1,
-                                buckets, prompt_tokens,
-                                swap_every_pass=uses_standby and buckets[-1] < scheduler.max_num_seqs and not spec,
-                                speculative=spec)
-    store_dir = None
-    # several processes (jax.distributed): each would store its own part of a program; XLA's
-    # persistent cache still serves them
-    if (execution.compile_ahead and execution.executable_cache and execution.compilation_cache_dir
-            and jax.process_count() == 1):
-        store_dir = f"{execution.compilation_cache_dir}/executables"
+    # trace mode carries each request's whole recorded trace (at most max_model_len outputs)
+    window = resolve_window(execution, speculative, WindowInputs(
+        passes, fixed, row_buckets, token_buckets[-1], scheduler.max_num_seqs, R,
+        trace_width=max_model_len if exit_mode == "trace" else 1,
+        auto_mixed=AUTO_MIXED_PREFILL if passes and mixed_prefill_blocker(inputs) is None else ()))
     return EngineSettings(
         arch=cfg.arch, num_loops=R, loop_limit=loop_limit(model),
         loop_cap=R if cache.max_loops is None else cache.max_loops, num_planes=cache.num_planes(R),
@@ -344,7 +264,8 @@ def resolve_settings(model, *, cache: CacheConfig, scheduler: SchedulerConfig, e
         xla_options=engine_options(tuple(sorted(dict(execution.xla_options).items())), platform, on_kernels),
         row_buckets=row_buckets, token_buckets=token_buckets, window=window,
         async_scheduling=execution.async_scheduling, compile_ahead=execution.compile_ahead,
-        show_progress=execution.show_progress, store_dir=store_dir, num_top=min(NUM_TOP_LOGPROBS, cfg.vocab_size),
+        show_progress=execution.show_progress, store_dir=store_folder(execution),
+        num_top=min(NUM_TOP_LOGPROBS, cfg.vocab_size),
         kv_allocation=cache.kv_allocation, kv_watermark=float(cache.kv_watermark),
         prefix_caching=cache.enable_prefix_caching, swap_space_bytes=int(cache.swap_space * 2**30),
         state_seeded=cfg.arch == "huginn" and cfg.state_init != "zero")

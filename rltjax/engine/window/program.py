@@ -62,7 +62,7 @@ class WindowSpec:
     sampler: str                    # the head's static sampler
     num_top: int                    # top logprobs ("truncate" only; else 0)
     swap_every_pass: bool           # standby entries may take rows at every pass
-    speculative: object = None      # settings.SpecSettings: rounds instead of passes (``window.speculative``)
+    speculative: object = None      # window_settings.SpecSettings: rounds instead of passes (``window.speculative``)
 
 
 @struct.dataclass

@@ -197,16 +197,16 @@ def main(argv=None) -> int:
     args, launches = parse_args(argv)
     shape = (2, 64, 8, jnp.float32) if args.quick else (16, 128, 16, jnp.bfloat16)
     cases = {c: parse_case(c) for c in args.cases} if args.cases else QUICK_CASES if args.quick else CASES
-    rows = []
+    info = dict(jax=jax.__version__, device=jax.devices()[0].device_kind, heads=shape[0], head_dim=shape[1],
+                page_size=shape[2], dtype=jnp.dtype(shape[3]).name,
+                argv=list(sys.argv[1:] if argv is None else argv), results=[])
+    rows = info["results"]
     for name, chunks in cases.items():
         rows.append(run_case(name, chunks, launches, args, shape))
         print(json.dumps(rows[-1]), flush=True)
-    info = dict(jax=jax.__version__, device=jax.devices()[0].device_kind, heads=shape[0], head_dim=shape[1],
-                page_size=shape[2], dtype=jnp.dtype(shape[3]).name,
-                argv=list(sys.argv[1:] if argv is None else argv), results=rows)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(info, f, indent=1)
+        if args.out:        # after every case: a run cut short keeps the cases it finished
+            with open(args.out, "w") as f:
+                json.dump(info, f, indent=1)
     print_table(rows, launches, info["device"])
     return 0
 

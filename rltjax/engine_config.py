@@ -118,9 +118,9 @@ class CacheConfig:
         return max(num_loops, cap) if self.kv_layout == "last_exited" else 1
 
 
-DEFAULT_PREFILL_TOKENS_KERNEL = 1024
+DEFAULT_PREFILL_TOKENS_KERNEL = 4096
 DEFAULT_PREFILL_TOKENS_XLA = 256
-DEFAULT_PREFILL_CHUNK = 512
+DEFAULT_PREFILL_CHUNK = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +129,7 @@ class SchedulerConfig:
     mode: str = "refill"
     max_num_seqs: int = 16
     max_num_batched_tokens: int | None = None   # prefill token budget per step (None: engine.settings.prefill_budgets)
-    prefill_chunk_size: int | None = None       # per-request chunk ceiling (None: min(512, the budget))
+    prefill_chunk_size: int | None = None       # per-request chunk ceiling (None: min(4096, the budget))
     max_prefill_batches_before_decode: int = 1
     admission_scan_limit: int = 32
     max_admission_bypasses: int = 8

@@ -251,17 +251,17 @@ def test_prefill_batches_never_exceed_the_runner_bound(data):
 
 
 def test_prefill_budget_defaults_follow_the_prefill_attention():
-    """Unset budgets: 1,024 tokens a step where prefill attention runs on the Pallas kernel,
+    """Unset budgets: 4,096 tokens a step where prefill attention runs on the Pallas kernel,
     256 on XLA's dense attention (it gathers every token's whole table); the chunk ceiling is
-    min(512, the budget), so a small budget alone is valid. The runner's token buckets follow."""
+    min(4096, the budget), so a small budget alone is valid. The runner's token buckets follow."""
     from conftest import load_fixture
     from rltjax.engine_config import (CacheConfig, EngineConfigError, ExecutionConfig, SchedulerConfig)
     from rltjax.entrypoints.llm import build_engine
     from rltjax.engine.settings import prefill_budgets
     base = SchedulerConfig()
     assert (base.max_num_batched_tokens, base.prefill_chunk_size) == (None, None)
-    assert prefill_budgets(base, True).max_num_batched_tokens == 1024
-    assert prefill_budgets(base, True).prefill_chunk_size == 512
+    assert prefill_budgets(base, True).max_num_batched_tokens == 4096
+    assert prefill_budgets(base, True).prefill_chunk_size == 4096
     assert prefill_budgets(base, False).prefill_chunk_size == 256
     small = prefill_budgets(SchedulerConfig(max_num_batched_tokens=96), True)
     assert (small.max_num_batched_tokens, small.prefill_chunk_size) == (96, 96)
@@ -279,13 +279,17 @@ def test_prefill_budget_defaults_follow_the_prefill_attention():
     assert (on_xla.scheduler.config.max_num_batched_tokens, on_xla.scheduler.config.prefill_chunk_size) == (256, 256)
     assert max(on_xla.settings.token_buckets) == 256
     on_kernel = engine(SchedulerConfig(max_num_seqs=2), attn_impl="pallas", interpret=True)
-    assert on_kernel.scheduler.config.max_num_batched_tokens == 1024
-    assert on_kernel.scheduler.config.prefill_chunk_size == 512 and max(on_kernel.settings.token_buckets) == 1024
+    assert on_kernel.scheduler.config.max_num_batched_tokens == 4096
+    assert on_kernel.scheduler.config.prefill_chunk_size == 4096
+    # the fixture's prompts are at most max_model_len - 1 = 511 tokens, a chunk pads to 512:
+    # two slots reach 1,024 tokens a step, not the budget
+    assert on_kernel.settings.max_model_len == 512 and max(on_kernel.settings.token_buckets) == 1024
     # one slot holds one chunk of at most 512 tokens: no 1,024-token bucket that nothing reaches
-    one_slot = engine(SchedulerConfig(max_num_seqs=1), attn_impl="pallas", interpret=True)
+    one_slot = engine(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=1024, prefill_chunk_size=512),
+                      attn_impl="pallas", interpret=True)
     assert max(one_slot.settings.token_buckets) == 512
     with pytest.raises(EngineConfigError, match=r"prefill_chunk_size cannot exceed max_num_batched_tokens.*left "
-                                                 r"unset, the budget is 1024 .* else 256"):
+                                                 r"unset, the budget is 4096 .* else 256"):
         engine(SchedulerConfig(max_num_seqs=2, prefill_chunk_size=512))   # the budget resolves to 256 here
     # the engine's scheduler gets the budgets resolved, never None
     assert None not in (on_xla.settings.scheduler.max_num_batched_tokens, on_xla.settings.scheduler.prefill_chunk_size)

@@ -109,9 +109,13 @@ def prefill_budgets(config: SchedulerConfig, prefill_kernel: bool) -> SchedulerC
     """The token budgets left unset, filled. A prefill step is a pass of its own (decode rows
     wait) and each chunk reads the weights R times, so steps should be large: 128-token chunks
     doubled a 256-token prompt's weight reads (H200, Ouro-1.4B, ShareGPT C = 32: 2,988.7 ->
-    3,111.1 tok/s with 1,024 / 512: scripts/bench_serving.py). On the Pallas prefill
-    kernel: 1,024 tokens a step. XLA's dense attention gathers every prompt token's whole block
-    table (temporaries grow with tokens x max_model_len), so there: 256."""
+    3,111.1 tok/s with 1,024 / 512: scripts/bench_serving.py). On the Pallas prefill kernel:
+    4,096 tokens a step and a chunk. A long prompt's chunk attends to its whole prefix, and a
+    512-token chunk gives the kernel too few programs: a 64K-token prompt's first token came
+    1.73x sooner with 4,096-token chunks than with 512 (H100, 12.69 -> 7.34 s; 8,192: 7.29 s;
+    scripts/bench_context_sweep.py --cells 65536:1). XLA's dense attention gathers every
+    prompt token's whole block table (temporaries grow with tokens x max_model_len), so
+    there: 256."""
     budget = config.max_num_batched_tokens or (DEFAULT_PREFILL_TOKENS_KERNEL if prefill_kernel
                                                 else DEFAULT_PREFILL_TOKENS_XLA)
     chunk = config.prefill_chunk_size or min(DEFAULT_PREFILL_CHUNK, budget)

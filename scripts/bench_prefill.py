@@ -15,8 +15,9 @@ aligned blocks), program_rows (rows a program takes; a multiple of block_q) and 
 (None: the kernel's defaults). Timings: median microseconds per call (bench_attention's
 chained timing). "speed-up" is per-row decode kernel time / the best prefill launch's, and
 TFLOP/s (per launch in the JSON, the best launch's in the table) the rate counting each row's
-visible keys (4 x heads x head_dim flops a query-key pair: QK^T and PV). ``--cases`` replaces the built-in cases with chunks written
-LEN@PREFIX, a case's chunks joined by commas ("256@0,256@0"); --no-baselines leaves out the
+visible keys (4 x heads x head_dim flops a query-key pair: QK^T and PV). ``--cases`` replaces
+the built-in cases with chunks written LEN@PREFIX, a case's chunks joined by commas
+("256@0,256@0"); --no-baselines leaves out the
 per-row kernel and XLA, whose reference gathers each row's whole table (terabytes at 64K keys):
 each launch's error is then against the first launch's output.
 """
@@ -204,9 +205,10 @@ def main(argv=None) -> int:
     for name, chunks in cases.items():
         rows.append(run_case(name, chunks, launches, args, shape))
         print(json.dumps(rows[-1]), flush=True)
-        if args.out:        # after every case: a run cut short keeps the cases it finished
-            with open(args.out, "w") as f:
+        if args.out:        # after every case, replaced whole: a run cut short keeps the cases it finished
+            with open(args.out + ".tmp", "w") as f:
                 json.dump(info, f, indent=1)
+            os.replace(args.out + ".tmp", args.out)
     print_table(rows, launches, info["device"])
     return 0
 

@@ -82,7 +82,10 @@ def test_bench_speculative_reports_acceptance_and_converging_weights_raise_it(tm
         out = tmp_path / f"bench{len(scale)}.json"
         assert main(["bench", "--quick", "--concurrency", "2", "--prompt-len", "8", "--output-len", "24",
                      "--exit-mode", "fixed", "--speculative-tokens", "2", "--out", str(out), *scale, *FAST]) == 0
-        row = json.loads(out.read_text())["results"][0]
+        info = json.loads(out.read_text())
+        row = info["results"][0]
+        assert info["args"]["converging_scale"] == (0.05 if scale else None)     # the flags it ran, recorded
+        assert info["args"]["speculative_tokens"] == 2
         assert row["spec_draft_tokens"] > 0
         assert row["spec_acceptance"] == row["spec_accepted_tokens"] / row["spec_draft_tokens"]
         accept.append(row["spec_acceptance"])

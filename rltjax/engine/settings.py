@@ -4,10 +4,10 @@
 platform into one frozen record: the loop cap and KV planes, the exit mode as it runs, the
 prefill budgets, which attention and projection kernels run, the XLA options, the row and
 token buckets the executables are compiled for, and the decode windows (K, trip, mixed
-prefill per row bucket, standby entries). Every ``"auto"`` and every ``None`` default is
-decided here and nowhere else; the feature rules are checked here, from one table
-(``engine.rules``). The scheduler, executor, runner and warm-up read the record; none of
-them derives a setting again.
+prefill per row bucket, standby entries; ``engine.window_settings``, called from here).
+Every ``"auto"`` and every ``None`` default is decided here and nowhere else; the feature
+rules are checked here, from one table (``engine.rules``). The scheduler, executor, runner
+and warm-up read the record; none of them derives a setting again.
 """
 from __future__ import annotations
 
@@ -180,8 +180,8 @@ def decode_kernel_backend(choice: str, platform: str) -> str:
     return choice
 
 
-def decode_and_prefill_backends(execution: ExecutionConfig, cfg, *, on_kernel: bool, projections_on_kernel: bool,
-                                alignment: int, mesh, platform: str) -> tuple[PagedKVBackend, PagedKVBackend]:
+def decode_and_prefill_backends(execution: ExecutionConfig, cfg, *, projections_on_kernel: bool, alignment: int,
+                                mesh, platform: str) -> tuple[PagedKVBackend, PagedKVBackend]:
     """The paged-KV backends of decode steps and of prefill steps."""
     decode = PagedKVBackend(attn_impl=execution.attn_impl, interpret=execution.interpret,
                             matmul_impl=execution.matmul_impl, decode_rows=True, num_splits=execution.attn_num_splits,
@@ -240,9 +240,8 @@ def resolve_settings(model, *, cache: CacheConfig, scheduler: SchedulerConfig, e
     longest_chunk = longest_prefill_chunk(scheduler, max_model_len, layered)
     most_tokens = prefill_batch_bound(scheduler.max_num_batched_tokens, scheduler.max_num_seqs, longest_chunk,
                                       alignment)
-    decode, prefill = decode_and_prefill_backends(execution, cfg, on_kernel=on_kernel, alignment=alignment,
-                                                  projections_on_kernel=projections_on_kernel, mesh=mesh,
-                                                  platform=platform)
+    decode, prefill = decode_and_prefill_backends(execution, cfg, projections_on_kernel=projections_on_kernel,
+                                                  alignment=alignment, mesh=mesh, platform=platform)
     attention_kernel = decode_kernel(decode.kernel_backend, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                      cache.page_size, kv_dtype) if on_kernel else "xla"
     on_kernels = decode_projections_on_kernels(cfg, projections_on_kernel, execution.matmul_impl,
@@ -254,8 +253,8 @@ def resolve_settings(model, *, cache: CacheConfig, scheduler: SchedulerConfig, e
         exit_mode = "fixed"          # no learned signal: fixed depth (DESIGN section 2)
     # trace mode carries each request's whole recorded trace (at most max_model_len outputs)
     window = resolve_window(execution, speculative, WindowInputs(
-        passes, fixed, row_buckets, token_buckets[-1], scheduler.max_num_seqs, R,
-        trace_width=max_model_len if exit_mode == "trace" else 1,
+        passes, fixed, row_buckets, largest_token_bucket=token_buckets[-1], max_num_seqs=scheduler.max_num_seqs,
+        num_loops=R, trace_width=max_model_len if exit_mode == "trace" else 1,
         auto_mixed=AUTO_MIXED_PREFILL if passes and mixed_prefill_blocker(inputs) is None else ()))
     return EngineSettings(
         arch=cfg.arch, num_loops=R, loop_limit=loop_limit(model),

@@ -103,7 +103,7 @@ class WindowInputs:
     passes: int                      # K (window_passes)
     fixed: bool                      # fixed_trip
     row_buckets: tuple[int, ...]     # the engine's row buckets
-    most_tokens: int                 # the largest prefill batch (token bucket)
+    largest_token_bucket: int        # the largest prefill batch's token bucket
     max_num_seqs: int
     num_loops: int                   # R
     trace_width: int                 # max_model_len in trace mode, else 1
@@ -120,7 +120,7 @@ def resolve_window(execution: ExecutionConfig, speculative: SpeculativeConfig | 
     steps = execution.mixed_prefill_steps()
     if steps is None:       # auto: where it can run (the rules refuse only an explicit T)
         steps = w.auto_mixed if rows_cap is None else ()
-    prompt_tokens = mixed_prompt_tokens(steps, buckets, w.most_tokens)
+    prompt_tokens = mixed_prompt_tokens(steps, buckets, w.largest_token_bucket)
     uses_standby = any(b not in dict(prompt_tokens) for b in buckets)
     # entries wait past a window's start only when its rows cannot hold every request: the
     # swap then runs every pass, else once a window (every pass cost the fixed-depth bench_cdb

@@ -212,7 +212,10 @@ def run_bench(args: argparse.Namespace) -> int:
                          "drives replicas through the server)")
     variants = [variant_args(args, spec) for spec in args.variant]     # bad flags fail before any engine
     base_outputs: dict = {}
-    info = dict(jax=jax.__version__, source=source_identity(), model=args.model or args.preset,
+    # every flag as it resolved (not argv: main(argv) and python -m reach here alike), so a JSON
+    # names e.g. its --converging-scale without its file name
+    flags = {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, list, type(None)))}
+    info = dict(jax=jax.__version__, source=source_identity(), args=flags, model=args.model or args.preset,
                 quick=args.quick, prompt_len=args.prompt_len, output_len=args.output_len,
                 exit_threshold=args.exit_threshold, **bench_engine(args, base_outputs))
     if variants:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import platform
 import sys
 from pathlib import Path
@@ -80,8 +81,13 @@ def passes_line(p: dict, concurrency: int, roof: dict) -> str:
 
 
 def write_json(path: Path, report: dict) -> None:
+    """The report, replacing the file whole: benchmarks that write after every case leave
+    either the last whole report or the one before if they are killed mid-write."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    os.replace(tmp, path)
 
 
 def plot_runs(out_dir: Path, runs: Sequence[dict], timings_by_run: Sequence[Sequence[metrics.RequestTiming]],

@@ -55,6 +55,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from benchmarks.report import write_json  # noqa: E402
 from benchmarks.roofline import mean_context, model_bytes, roofline_report, roofline_tokens_per_s  # noqa: E402
 from benchmarks.startup import build_engine_from_args, model_config  # noqa: E402
 from rltjax.entrypoints.bench import add_bench_arguments, measure  # noqa: E402
@@ -249,8 +250,7 @@ def main(argv=None) -> int:
         info["cells"].append(cell)
         print(cell_line(cell), flush=True)
         if args.out:
-            with open(args.out, "w") as f:
-                json.dump(info, f, indent=1)
+            write_json(args.out, info)
 
     for prompt_len, cs in cells:
         run_group(args, prompt_len, cs, mb, bandwidth, emit)

@@ -17,9 +17,9 @@ chained timing). "speed-up" is per-row decode kernel time / the best prefill lau
 TFLOP/s (per launch in the JSON, the best launch's in the table) the rate counting each row's
 visible keys (4 x heads x head_dim flops a query-key pair: QK^T and PV). ``--cases`` replaces
 the built-in cases with chunks written LEN@PREFIX, a case's chunks joined by commas
-("256@0,256@0"); --no-baselines leaves out the
-per-row kernel and XLA, whose reference gathers each row's whole table (terabytes at 64K keys):
-each launch's error is then against the first launch's output.
+("256@0,256@0"); --no-baselines leaves out the per-row kernel and XLA, whose reference gathers
+each row's whole table (terabytes at 64K keys): each launch's error is then against the first
+launch's output.
 """
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench_attention import max_diff, time_us  # noqa: E402
+from benchmarks.report import write_json  # noqa: E402
 from rltjax.kernels.paged_attention_ref import paged_attention_ref  # noqa: E402
 from rltjax.kernels.prefill_attention import paged_prefill_attention_pallas  # noqa: E402
 from rltjax.kernels.paged_attention_pallas import paged_attention_pallas  # noqa: E402
@@ -205,10 +206,8 @@ def main(argv=None) -> int:
     for name, chunks in cases.items():
         rows.append(run_case(name, chunks, launches, args, shape))
         print(json.dumps(rows[-1]), flush=True)
-        if args.out:        # after every case, replaced whole: a run cut short keeps the cases it finished
-            with open(args.out + ".tmp", "w") as f:
-                json.dump(info, f, indent=1)
-            os.replace(args.out + ".tmp", args.out)
+        if args.out:        # after every case: a run cut short keeps the cases it finished
+            write_json(args.out, info)
     print_table(rows, launches, info["device"])
     return 0
 

@@ -44,3 +44,14 @@ def test_bench_prefill_custom_cases(tmp_path, monkeypatch):
     assert all(row[f"prefill_{n}_err"] < 1e-4 for n in launches[1:])      # to the first launch
     best = min(row[f"prefill_{n}_us"] for n in launches)
     assert row["tflops"] == pytest.approx(4 * 2 * 64 * int(lengths.sum()) / best / 1e6)
+
+
+def test_write_json_replaces_the_report_whole(tmp_path):
+    """The benchmarks' JSON writer (bench_prefill and the context sweep write after every case):
+    each write leaves the whole latest report under its name and no temporary file beside it."""
+    from benchmarks.report import write_json
+    path = tmp_path / "new" / "report.json"
+    write_json(path, dict(results=[1]))
+    write_json(str(path), dict(results=[1, 2]))         # scripts pass --out as a string
+    assert json.loads(path.read_text()) == dict(results=[1, 2])
+    assert [p.name for p in path.parent.iterdir()] == ["report.json"]

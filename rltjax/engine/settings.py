@@ -113,7 +113,9 @@ def prefill_budgets(config: SchedulerConfig, prefill_kernel: bool) -> SchedulerC
     4,096 tokens a step and a chunk. A long prompt's chunk attends to its whole prefix, and a
     512-token chunk gives the kernel too few programs: a 64K-token prompt's first token came
     1.73x sooner with 4,096-token chunks than with 512 (H100, 12.69 -> 7.34 s; 8,192: 7.29 s;
-    scripts/bench_context_sweep.py --cells 65536:1). XLA's dense attention gathers every
+    scripts/bench_context_sweep.py --cells 65536:1); ShareGPT's throughput is the same as at
+    1,024 / 512, a burst of short prompts waits for one large step (scripts/bench_serving.py,
+    docs/performance.md "Prefill budgets on ShareGPT"). XLA's dense attention gathers every
     prompt token's whole block table (temporaries grow with tokens x max_model_len), so
     there: 256."""
     budget = config.max_num_batched_tokens or (DEFAULT_PREFILL_TOKENS_KERNEL if prefill_kernel

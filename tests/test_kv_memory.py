@@ -108,6 +108,32 @@ def test_small_pool_preempts_and_evicts_exactly(kv_layout, preemption, window):
     assert_all_pages_free(engine)
 
 
+def test_a_replay_that_differs_from_its_record_keeps_it_and_warns_once(caplog):
+    """A recompute replay whose heads sample other tokens than the record (as bf16 batches can):
+    the record stays the output, every difference is counted, one warning names the request."""
+    arrivals = shared_prefix_workload(max_tokens=16)
+    engine = make_engine(page_size=PAGE, max_num_seqs=4, num_pages=pool_for("last_exited", arrivals, 3),
+                         preemption_mode="recompute")
+    preemptor, altered = engine.scheduler.preemptor, {}
+    rewind = preemptor._rewind
+
+    def rewind_and_alter(req):     # the record from output 1 on is not what the model samples
+        rewind(req)
+        if not altered and len(req.output_token_ids) >= 4:
+            req.output_token_ids[1:] = [(t + 1) % engine.cfg.vocab_size for t in req.output_token_ids[1:]]
+            altered[req.request_id] = list(req.output_token_ids)
+    preemptor._rewind = rewind_and_alter
+    with caplog.at_level("WARNING", logger="rltjax.engine.llm_engine"):
+        outputs = run_checked(engine, arrivals)
+    assert altered, "no request was recomputed after 4 outputs"
+    (rid, record), = altered.items()
+    assert outputs[rid].token_ids[:len(record)] == record
+    assert engine.replay_mismatches >= 2
+    warned = [m for m in caplog.messages if "replayed after a preemption" in m]
+    assert len(warned) == 1 and repr(rid) in warned[0]
+    assert_all_pages_free(engine)
+
+
 def test_prefix_hits_skip_prefill_and_are_reported():
     """Pages hold the prefix's 16 full tokens; the last prompt token always runs."""
     arrivals = [(0, "a", TOKENS[:18], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)),

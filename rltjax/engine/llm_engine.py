@@ -298,13 +298,15 @@ class LLMEngine:
         return r.finished
 
     def _replayed(self, r: Request, token: int) -> None:
-        """A recomputed request's head, sampled again with the key of an output it has: the
-        token is on record (and was streamed); the next one's KV is rebuilt next."""
-        # a sampled speculative token came from a round's draw (its keys depend on where rounds started)
-        if token != r.output_token_ids[r.cursor + 1] and not (r.spec_tokens and r.params.temperature > 0):
+        """A recomputed request's head, sampled again with an output's key: the record (streamed) is
+        kept. A sampled speculative token came from a round's draw, whose keys depend on the rounds."""
+        recorded = r.output_token_ids[r.cursor + 1]
+        if token != recorded and not (r.spec_tokens and r.params.temperature > 0):
             self.replay_mismatches += 1
-            log.warning(f"request {r.request_id!r}: output {r.cursor + 1} sampled {token} when replayed after a "
-                        f"preemption, {r.output_token_ids[r.cursor + 1]} before (the record is kept)")
+            r.replay_mismatches += 1
+            if r.replay_mismatches == 1:   # once a request (the engine counts the rest): bf16 batches round apart
+                log.warning(f"request {r.request_id!r}: output {r.cursor + 1} replayed after a preemption sampled "
+                            f"{token}, not its record {recorded} (kept); later differences are only counted")
         r.replay_left -= 1
         r.start_token()
 

@@ -59,6 +59,7 @@ class Request:
     num_published: int = 0               # prompt pages offered to the prefix cache so far
     num_preemptions: int = 0
     replay_left: int = 0                 # recompute: outputs whose tokens are rebuilt before it goes on
+    replay_mismatches: int = 0           # replayed heads that sampled a token other than its record
     swapped: object | None = None        # swap: its KV and slot state on the host while preempted
     finish_reason: str | None = None
     stop_reason: int | str | None = None

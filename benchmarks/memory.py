@@ -183,6 +183,8 @@ def run(args) -> dict:
         for mode in ("recompute", "swap"):
             small = 1 + planes * max((pages - 1) // planes // 2, largest)
             runs.append((f"pressure/{mode}", firsts, dict(preemption_mode=mode, num_pages=small)))
+    out = workload.out_dir(args, "memory")
+    out.mkdir(parents=True, exist_ok=True)
     for name, sessions, flags in runs:
         engine = _engine(args, max_model_len, **{"enable_prefix_caching": False, "num_pages": None,
                                                  "kv_allocation": "incremental", "preemption_mode": "swap",
@@ -195,9 +197,7 @@ def run(args) -> dict:
         result["runs"][name] = r
         print(_line(name, r), flush=True)
         del engine
-    out = workload.out_dir(args, "memory")
-    out.mkdir(parents=True, exist_ok=True)
-    report.write_json(out / "results.json", result)
+        report.write_json(out / "results.json", result)   # after every run: a time-limited call keeps its runs
     print(f"[bench] wrote {out / 'results.json'}", flush=True)
     return result
 

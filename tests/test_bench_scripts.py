@@ -301,23 +301,6 @@ def test_hf_overrides_apply_on_top_of_the_preset():
     assert plain.num_layers == 24
 
 
-def test_bench_memory_quick(tmp_path):
-    """Every part runs: prefix caching finds the shared system prompt only when on; the
-    capacity runs use the same pool and incremental pages run at least as many requests at
-    once; the pressure runs preempt and finish every request."""
-    run_script("bench_memory.py", "--quick", "--max-num-seqs", "4", "--num-requests", "8", "--max-prompt-len", "48",
-               "--max-output-len", "12", "--system-prompt-len", "48", "--turns", "2", "--no-compile-ahead",
-               "--compilation-cache-dir", "", "--out-dir", str(tmp_path))
-    runs = json.loads((tmp_path / "results.json").read_text())["runs"]
-    assert runs["prefix/system/off"]["hit_rate"] == 0 and runs["prefix/system/on"]["hit_rate"] > 0.3
-    assert runs["prefix/multi_turn/on"]["stats"]["prefix_cache_queries"] > 0
-    cap = runs["capacity/lifetime"], runs["capacity/incremental"]
-    assert cap[0]["num_pages"] == cap[1]["num_pages"] and cap[1]["running_mean"] >= cap[0]["running_mean"]
-    assert cap[0]["stats"]["num_preemptions"] == 0
-    assert sum(runs[f"pressure/{m}"]["stats"]["num_preemptions"] for m in ("recompute", "swap")) > 0
-    assert all(r["summary"]["failed"] == 0 and r["replay_mismatches"] == 0 for r in runs.values())
-
-
 def test_bench_speculation_quick():
     """The device-side rounds and the host-driven ones make the same tokens (the script exits 1
     otherwise), and it reports acceptance, tokens a round and the break-even acceptance."""
